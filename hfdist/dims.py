@@ -1,0 +1,91 @@
+"""ParallelDims: the one source of truth for a run's parallel degrees.
+
+The world is factored as dp_replicate x dp_shard x pp x tp (outermost to innermost), the layout torchtitan and
+accelerate's ParallelismConfig use: tp innermost so its frequent collectives stay between neighbouring ranks (one
+node), data parallelism outermost so its once-per-step collectives may cross nodes.
+"""
+
+from __future__ import annotations
+
+from hfdist.errors import HfdistError
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["ParallelDims", "DimsError"]
+
+
+class DimsError(HfdistError, ValueError):
+    """Parallel degrees that do not describe a valid world."""
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of each parallel axis; their product is the world size.
+
+    Attributes:
+        dp_replicate: replicas of the (sharded) model; gradients all-reduced across them (DDP / HSDP replicas).
+        dp_shard: ranks a model replica is sharded over (FSDP / ZeRO); 1 means no sharding.
+        pp: pipeline stages.
+        tp: tensor-parallel degree.
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in asdict(self).items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise DimsError(
+                f"Parallel degrees must be positive integers, got {self.describe()} (bad: {bad}). "
+                "Fix the config's parallelism sizes or the --num-processes flag."
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes these degrees need."""
+        return self.dp_replicate * self.dp_shard * self.pp * self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different micro-batches are processed side by side."""
+        return self.dp_replicate * self.dp_shard
+
+    def describe(self) -> str:
+        """Every factor and the product, for error messages and logs."""
+        return (
+            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x pp={self.pp} x tp={self.tp} "
+            f"= {self.world_size} processes"
+        )
+
+    def check_world(self, world_size: int) -> None:
+        """Raise DimsError unless these degrees multiply to `world_size`."""
+        if world_size != self.world_size:
+            raise DimsError(
+                f"The parallel degrees need {self.world_size} processes ({self.describe()}) but the world has "
+                f"{world_size}. Launch with as many processes as the degrees multiply to (scripts/finetune.py "
+                f"--config NAME starts the right number itself), or pass --num-processes to rescale the "
+                f"data-parallel axis."
+            )
+
+    def mesh_shape(self) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """Axis names and sizes of the DeviceMesh for these degrees, leaving out axes of size 1.
+
+        The data-parallel axes are always kept (a 1-D mesh needs at least one axis).
+        """
+        axes = [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("pp", self.pp), ("tp", self.tp)]
+        kept = [(n, s) for n, s in axes if s > 1 or n == "dp_shard"]
+        names, sizes = zip(*kept)
+        return tuple(names), tuple(sizes)
+
+    def build_mesh(self, device_type: str):
+        """Build the DeviceMesh over the current process group (needs torch.distributed initialised)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names, sizes = self.mesh_shape()
+        return init_device_mesh(device_type, sizes, mesh_dim_names=names)
+
+    def to_dict(self) -> dict[str, int]:
+        """Plain dict of the four degrees (for summaries and W&B configs)."""
+        return asdict(self)

@@ -1,0 +1,112 @@
+"""Per-rank memory readers: bytes of params, grads and optimizer state this rank really holds, and peak memory.
+
+Bytes are measured from the tensors, never from a formula: local shards of DTensors (FSDP2/TP), DeepSpeed ZeRO-3
+partitions (`ds_tensor`), DeepSpeed's fp32 master partitions. Tensors sharing storage (DeepSpeed's flat buffers,
+views) are counted once, storage size included, so alignment padding shows up as it does in the allocator.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from typing import Iterable
+
+import torch
+
+__all__ = ["innermost_optimizer", "rank_state_bytes", "peak_memory_bytes", "reset_peak_memory", "cuda_memory_stats"]
+
+
+def _held_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose storage this rank holds for `t` (its local shard or ZeRO-3 partition)."""
+    ds_tensor = getattr(t, "ds_tensor", None)
+    if ds_tensor is not None:  # ZeRO-3: `t.data` is an empty placeholder between all-gathers
+        return ds_tensor
+    local = getattr(t, "_local_tensor", None)  # DTensor
+    return local if local is not None else t
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        held = _held_tensor(t)
+        if held.numel() == 0:
+            continue
+        storage = held.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def innermost_optimizer(optimizer) -> torch.optim.Optimizer | None:
+    """The torch optimizer that owns the state, below accelerate's and DeepSpeed's wrappers."""
+    seen = set()
+    opt = optimizer
+    while opt is not None and id(opt) not in seen:
+        seen.add(id(opt))
+        inner = getattr(opt, "optimizer", None)
+        if inner is None or inner is opt:
+            break
+        opt = inner
+    return opt if isinstance(opt, torch.optim.Optimizer) else None
+
+
+def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
+    """Bytes of model states held by this rank.
+
+    Returns:
+        param_bytes: the model's parameters (local shards).
+        grad_bytes: gradients currently held: the model params' `.grad` and, under DeepSpeed, the gradient
+            partitions attached to its fp32 master partitions. Call it where gradients are live (just before
+            the optimizer step) to see their peak.
+        optimizer_bytes: the optimizer's state tensors (Adam's two moments and step counters).
+        master_bytes: parameter copies the optimizer updates that are not the model's own parameters
+            (DeepSpeed's fp32 master partitions); 0 when the optimizer steps the model's params directly.
+    """
+    params = list(model.parameters())
+    seen_params: set[int] = set()
+    param_bytes = _storage_bytes(params, seen_params)
+    seen_grads: set[int] = set()
+    grad_bytes = _storage_bytes((p.grad for p in params), seen_grads)
+    optimizer_bytes = master_bytes = 0
+    inner = innermost_optimizer(optimizer)
+    if inner is not None:
+        opt_params = [p for group in inner.param_groups for p in group["params"]]
+        master_bytes = _storage_bytes(opt_params, set(seen_params))
+        grad_bytes += _storage_bytes((p.grad for p in opt_params), seen_grads)
+        state_tensors = (v for state in inner.state.values() for v in state.values() if torch.is_tensor(v))
+        optimizer_bytes = _storage_bytes(state_tensors, set())
+    return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
+            "master_bytes": master_bytes}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: CUDA max allocated on GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak window (CUDA only: a process's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def cuda_memory_stats(device: torch.device) -> dict[str, int]:
+    """Peak allocated/reserved/active bytes, allocation retries and OOMs since the last reset (CUDA only)."""
+    if device.type != "cuda":
+        return {}
+    s = torch.cuda.memory_stats(device)
+    return {
+        "peak_allocated_bytes": int(s.get("allocated_bytes.all.peak", 0)),
+        "peak_reserved_bytes": int(s.get("reserved_bytes.all.peak", 0)),
+        "peak_active_bytes": int(s.get("active_bytes.all.peak", 0)),
+        "alloc_retries": int(s.get("num_alloc_retries", 0)),
+        "ooms": int(s.get("num_ooms", 0)),
+    }

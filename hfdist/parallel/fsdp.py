@@ -1,0 +1,75 @@
+"""FSDP2 (`fully_shard`) for HF causal LMs: FULL_SHARD on a 1-D mesh, HYBRID_SHARD (HSDP) on a 2-D one.
+
+hfdist applies FSDP itself rather than through accelerate: accelerate only engages FSDP on GPU-like backends and
+silently runs DDP on CPU, and the same code path on CPU and GPU is what makes the CPU tests mean something.
+"""
+
+from __future__ import annotations
+
+from hfdist.errors import HfdistError
+
+import torch
+from torch import nn
+
+__all__ = ["FsdpError", "apply_fsdp", "find_layers", "is_instance_of_named"]
+
+
+class FsdpError(HfdistError, ValueError):
+    """FSDP settings that cannot apply to this model."""
+
+
+def is_instance_of_named(module: nn.Module, class_name: str) -> bool:
+    """Whether `module`'s class or a base is named `class_name` (fully_shard subclasses it as FSDP<name>)."""
+    return any(c.__name__ == class_name for c in type(module).__mro__)
+
+
+def find_layers(model: nn.Module, layer_cls_name: str) -> list[nn.Module]:
+    """Every submodule whose class is named `layer_cls_name` (the unit FSDP wraps).
+
+    Raises:
+        FsdpError: no such module, naming the classes that do repeat in the model (the usual fix).
+    """
+    layers = [m for m in model.modules() if is_instance_of_named(m, layer_cls_name)]
+    if not layers:
+        counts: dict[str, int] = {}
+        for m in model.modules():
+            counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
+        repeated = sorted((n for n, c in counts.items() if c > 1 and n.endswith("Layer")), key=counts.get)
+        raise FsdpError(
+            f"fsdp_transformer_layer_cls_to_wrap is '{layer_cls_name}', but the model has no module of that class, "
+            f"so FSDP would wrap the whole model as one unit (no memory saved). Repeated layer classes in this "
+            f"model: {repeated or 'none'}. Set fsdp_transformer_layer_cls_to_wrap in the config to one of them."
+        )
+    return layers
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh,
+    layer_cls_name: str = "LlamaDecoderLayer",
+    reshard_after_forward: bool = True,
+    param_dtype: torch.dtype | None = None,
+    offload_params: bool = False,
+) -> nn.Module:
+    """Shard `model` in place with FSDP2: each transformer layer is one unit, the root holds the rest.
+
+    Args:
+        mesh: DeviceMesh of the data-parallel axes: 1-D (dp_shard) for FULL_SHARD, 2-D (dp_replicate, dp_shard)
+            for HYBRID_SHARD, where fully_shard replicates over the first axis and shards over the second.
+        layer_cls_name: class name of the unit to wrap (LlamaDecoderLayer for Llama).
+        param_dtype: compute dtype of the all-gathered params (bf16 on GPU); gradients are reduced in fp32.
+        offload_params: keep sharded params and optimizer state in CPU RAM (GPU only).
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    layers = find_layers(model, layer_cls_name)
+    kwargs = dict(
+        mesh=mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None),
+        offload_policy=CPUOffloadPolicy() if offload_params else OffloadPolicy(),
+    )
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's params (embeddings, final norm, lm_head) are used last in backward: no point resharding them.
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    return model

@@ -1,0 +1,248 @@
+"""The fine-tuning job behind scripts/finetune.py: rung -> world -> data -> model -> strategy -> train -> save.
+
+Order of the strategy steps (design.md): [LoRA] -> apply_fsdp -> Trainer (DDP / DeepSpeed wrap) -> verify.
+"""
+
+from __future__ import annotations
+
+from hfdist.errors import HfdistError
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hfdist.ladder import Rung, load_rung
+from hfdist.launch import cpu_translation, ensure_world, settle_mixed_precision
+
+__all__ = ["FinetuneConfig", "ConfigError", "finetune", "batch_layout", "SUMMARY_NAME"]
+
+SUMMARY_NAME = "hfdist_summary.json"
+CHECK_BLOCKS = 4  # packed blocks every rank scores after training; the saved model must reproduce that loss
+
+
+class ConfigError(HfdistError, ValueError):
+    """Command-line settings that contradict each other or the data/model."""
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """Every setting of one fine-tune; precedence CLI > config file > these defaults."""
+
+    config: str = "single"
+    model: str | None = None
+    dataset: str | None = None
+    lora: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    max_steps: int = 120
+    global_batch_size: int = 16
+    micro_batch_size: int | None = None
+    seq_len: int = 128
+    learning_rate: float = 1e-3
+    warmup_steps: int = 10
+    seed: int = 0
+    output_dir: str = "outputs/finetune"
+    overwrite: bool = False
+    num_processes: int | None = None
+    nvme_path: str | None = None
+    activation_checkpointing: bool = False
+
+
+def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
+    """(micro batch per rank, gradient accumulation steps) for a global batch over `dp` data-parallel ranks."""
+    if global_batch % dp:
+        raise ConfigError(f"--global-batch-size {global_batch} is not divisible by the {dp} data-parallel ranks. "
+                          f"Use a multiple of {dp}.")
+    micro = micro_batch or global_batch // dp
+    if global_batch % (micro * dp):
+        raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
+                          f"{dp} data-parallel ranks = {micro * dp}. Pick sizes where it is.")
+    return micro, global_batch // (micro * dp)
+
+
+def _is_rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _check_output_dir(cfg: FinetuneConfig) -> None:
+    out = Path(cfg.output_dir)
+    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+        raise ConfigError(f"--output-dir {out} already holds files (a previous run?). Nothing was changed. Pass a "
+                          "new --output-dir, or --overwrite to replace its contents.")
+
+
+def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, mixed: str, on_gpu: bool):
+    from transformers import TrainingArguments
+
+    deepspeed = None
+    if rung.ds_config_path is not None:
+        deepspeed = json.loads(rung.ds_config_path.read_text())
+        if cfg.nvme_path:
+            for key in ("offload_param", "offload_optimizer"):
+                section = deepspeed.get("zero_optimization", {}).get(key)
+                if section and section.get("device") == "nvme":
+                    section["nvme_path"] = cfg.nvme_path
+    return TrainingArguments(
+        output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
+        max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
+        warmup_steps=min(cfg.warmup_steps, cfg.max_steps // 10), weight_decay=0.0, max_grad_norm=1.0,
+        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, save_strategy="no", eval_strategy="no",
+        report_to="none", bf16=mixed == "bf16", use_cpu=not on_gpu, deepspeed=deepspeed,
+        dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
+        activation_checkpointing=cfg.activation_checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False} if cfg.activation_checkpointing else None,
+        log_level="warning", log_level_replica="error", disable_tqdm=False,
+    )
+
+
+def _build_model(cfg: FinetuneConfig, tokenizer):
+    from hfdist.models import DEFAULT_PRESET, build_model
+
+    spec = cfg.model or DEFAULT_PRESET
+    model = build_model(spec, vocab_size=len(tokenizer), seed=cfg.seed)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
+                          f"--seq-len <= {limit}.")
+    if cfg.lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(cfg.seed)  # identical adapter init on every rank: FSDP/ZeRO-3 shard what each rank has
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
+                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                          "down_proj"])
+        model = get_peft_model(model, lora)
+    return model
+
+
+def _apply_strategy(model, rung: Rung, mixed: str, on_gpu: bool):
+    """Shard the model where hfdist owns the strategy (FSDP2); DDP and ZeRO are applied by the Trainer."""
+    if rung.kind != "fsdp":
+        return model
+    from hfdist.parallel.fsdp import apply_fsdp
+
+    assert rung.fsdp is not None
+    device_type = "cuda" if on_gpu else "cpu"
+    if on_gpu:
+        model = model.to(torch.device("cuda", torch.cuda.current_device()))
+    mesh = rung.dims.build_mesh(device_type)
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if rung.dims.dp_replicate > 1 else mesh["dp_shard"]
+    return apply_fsdp(model, dp_mesh, layer_cls_name=rung.fsdp.layer_cls_to_wrap,
+                      reshard_after_forward=rung.fsdp.reshard_after_forward,
+                      param_dtype=torch.bfloat16 if mixed == "bf16" else None,
+                      offload_params=rung.fsdp.offload_params and on_gpu)
+
+
+@torch.no_grad()
+def _check_batch_loss(trainer, dataset) -> float:
+    """Loss of the first CHECK_BLOCKS packed blocks through the trained (still distributed) model."""
+    from transformers import default_data_collator
+
+    batch = default_data_collator([dataset[i] for i in range(min(CHECK_BLOCKS, len(dataset)))])
+    batch = {k: v.to(trainer.args.device) for k, v in batch.items()}
+    model = trainer.model_wrapped
+    model.eval()
+    loss = model(**batch).loss
+    return float(loss.detach().float().cpu())
+
+
+def _gather_ranks(record: dict) -> list[dict]:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return [record]
+    records: list = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    return records
+
+
+def _write_json_atomically(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
+    """Run one fine-tune (handing over to `accelerate launch` first when the rung needs more processes).
+
+    Returns:
+        The process exit code.
+    """
+    rung = load_rung(cfg.config)
+    if cfg.num_processes:
+        rung = rung.with_num_processes(cfg.num_processes)
+    micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not os.environ.get("HFDIST_HANDED_OVER"):
+        _check_output_dir(cfg)  # before any process starts: a bad --output-dir costs nothing
+    handed_over = ensure_world(rung, script, script_args)
+    if handed_over is not None:
+        return handed_over
+
+    from transformers import default_data_collator
+
+    from hfdist.callbacks.losses import LossRecorder
+    from hfdist.callbacks.memory import MemoryCallback
+    from hfdist.callbacks.progress import QuietProgressCallback
+    from hfdist.callbacks.throughput import ThroughputCallback
+    from hfdist.data import load_raw_dataset, load_tokenizer, tokenize_and_pack
+    from hfdist.models import PRESETS
+    from hfdist.trainer import HfdistTrainer
+    from transformers.trainer_callback import ProgressCallback
+
+    on_gpu = torch.cuda.is_available()
+    mixed = settle_mixed_precision(rung, on_gpu)
+    translation = cpu_translation(rung, on_gpu)
+    if translation is not None and rung.kind != "single" and _is_rank0():
+        print(translation.line(rung), flush=True)
+    is_preset = cfg.model is None or cfg.model in PRESETS
+    tokenizer = load_tokenizer(cfg.model, is_preset)
+    # Built before TrainingArguments exist: a DeepSpeed config in them makes transformers build under
+    # deepspeed.zero.Init, which the shipped ZeRO-3 YAMLs turn off (zero3_init_flag: false).
+    model = _build_model(cfg, tokenizer)
+    args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
+    with args.main_process_first(desc="dataset"):  # rank 0 tokenizes first; the others reuse its cache
+        dataset = tokenize_and_pack(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len)
+    model = _apply_strategy(model, rung, mixed, on_gpu)
+
+    losses, memory, throughput = LossRecorder(), MemoryCallback(), ThroughputCallback()
+    trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
+                            processing_class=tokenizer, callbacks=[losses, memory, throughput], rung=rung,
+                            lora=cfg.lora)
+    trainer.remove_callback(ProgressCallback)
+    trainer.add_callback(QuietProgressCallback())
+    trainer.train()
+    check_loss = _check_batch_loss(trainer, dataset)
+    trainer.save_model(cfg.output_dir)
+
+    rank = int(os.environ.get("RANK", "0"))
+    ranks = _gather_ranks({"rank": rank, **memory.record(), **throughput.record()})
+    if _is_rank0():
+        summary = {
+            "strategy": {"name": rung.name, "world_size": rung.num_processes, **rung.dims.to_dict(),
+                         "zero_stage": rung.zero_stage, "lora": cfg.lora, "mixed_precision": mixed,
+                         "micro_batch": micro, "grad_accum": grad_accum, "global_batch": cfg.global_batch_size,
+                         "seq_len": cfg.seq_len, "device": "cuda" if on_gpu else "cpu"},
+            "config": asdict(cfg),
+            "losses": losses.losses,
+            "check_batch_loss": check_loss,
+            "check_blocks": CHECK_BLOCKS,
+            "ranks": sorted(ranks, key=lambda r: r["rank"]),
+        }
+        _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
+        print(f"hfdist: {rung.name} done: loss {losses.losses[0]:.4f} -> {losses.losses[-1]:.4f} over "
+              f"{len(losses.losses)} steps; model and {SUMMARY_NAME} in {cfg.output_dir}", flush=True)
+    _leave_process_group()
+    return 0
+
+
+def _leave_process_group() -> None:
+    """Tear the group down explicitly: gloo's threads abort the process if it is left to interpreter exit."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

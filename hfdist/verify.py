@@ -1,0 +1,101 @@
+"""Check at run time that the strategy asked for is the one in effect; fail loudly when it is not.
+
+Silent fallbacks are the most common distributed-training bug users report (accelerate running DDP when the config
+said FSDP, ZeRO not engaged, LoRA saving empty adapters), so every run checks its model before the first step.
+"""
+
+from __future__ import annotations
+
+from hfdist.errors import HfdistError
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hfdist.ladder import Rung
+
+__all__ = ["StrategyNotInEffect", "verify_strategy"]
+
+
+class StrategyNotInEffect(HfdistError, RuntimeError):
+    """The model or world is not in the state the requested strategy implies."""
+
+
+def _fail(rung: Rung, what: str) -> None:
+    raise StrategyNotInEffect(
+        f"Strategy '{rung.name}' is not in effect: {what}. hfdist stops rather than train with another strategy "
+        f"than asked. Launch with scripts/finetune.py --config {rung.name} (it starts the right world), and check "
+        "that no other launcher config overrides it."
+    )
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _check_fsdp(rung: Rung, model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from hfdist.parallel.fsdp import is_instance_of_named
+
+    assert rung.fsdp is not None
+    layers = [m for m in model.modules() if is_instance_of_named(m, rung.fsdp.layer_cls_to_wrap)]
+    unwrapped = [i for i, m in enumerate(layers) if not isinstance(m, FSDPModule)]
+    if not layers or unwrapped or not isinstance(model, FSDPModule):
+        _fail(rung, f"{len(unwrapped)} of {len(layers)} {rung.fsdp.layer_cls_to_wrap} modules (or the root) are "
+                    "not FSDP2 modules")
+    want = (Replicate(), Shard(0)) if rung.dims.dp_replicate > 1 else (Shard(0),)
+    want_shape = (rung.dims.dp_replicate, rung.dims.dp_shard) if rung.dims.dp_replicate > 1 else (rung.dims.dp_shard,)
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            _fail(rung, f"parameter {name} is a plain tensor, not a sharded DTensor")
+        if tuple(p.placements) != want or tuple(p.device_mesh.shape) != want_shape:
+            _fail(rung, f"parameter {name} has placements {p.placements} on a mesh of shape "
+                        f"{tuple(p.device_mesh.shape)}; expected {want} on {want_shape}")
+
+
+def _check_deepspeed(rung: Rung, wrapped: nn.Module) -> None:
+    if type(wrapped).__name__ != "DeepSpeedEngine":
+        _fail(rung, f"the Trainer's model is a {type(wrapped).__name__}, not a DeepSpeedEngine")
+    stage = wrapped.zero_optimization_stage()
+    if stage != rung.zero_stage:
+        _fail(rung, f"DeepSpeed runs ZeRO stage {stage}, the config asks for {rung.zero_stage}")
+    got = {}
+    for key, section in (("offload_param", wrapped.zero_offload_param()),
+                         ("offload_optimizer", wrapped.zero_offload_optimizer())):
+        device = getattr(section, "device", "none") if section is not None else "none"
+        got[key] = str(getattr(device, "value", device))
+    if got != {"offload_param": rung.offload_param, "offload_optimizer": rung.offload_optimizer}:
+        _fail(rung, f"DeepSpeed offload is {got}, the config asks for params={rung.offload_param}, "
+                    f"optimizer={rung.offload_optimizer}")
+
+
+def _check_lora(rung: Rung, model: nn.Module) -> None:
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    if type(model).__name__ not in ("PeftModel", "PeftModelForCausalLM") or not trainable:
+        _fail(rung, f"--lora was asked but the model is a {type(model).__name__} with {len(trainable)} trainables")
+    stray = [n for n in trainable if "lora_" not in n]
+    if stray:
+        _fail(rung, f"--lora was asked but non-LoRA parameters train too, e.g. {stray[:3]}")
+
+
+def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool) -> None:
+    """Raise StrategyNotInEffect unless `rung` is really applied.
+
+    Args:
+        wrapped: what the Trainer trains (DDP / DeepSpeedEngine / the FSDP2 model itself).
+        model: the underlying model (Trainer.model).
+        lora: whether LoRA adapters were asked for.
+    """
+    world = _world_size()
+    if world != rung.num_processes:
+        _fail(rung, f"the world has {world} processes, the config needs {rung.num_processes}")
+    if rung.kind == "ddp" and not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
+        _fail(rung, f"the Trainer's model is a {type(wrapped).__name__}, not DistributedDataParallel")
+    if rung.kind == "fsdp":
+        _check_fsdp(rung, model)
+    if rung.kind == "deepspeed":
+        _check_deepspeed(rung, wrapped)
+    if lora:
+        _check_lora(rung, model)

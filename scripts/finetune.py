@@ -1,0 +1,62 @@
+"""Fine-tune a Llama model with a parallelism strategy from the config ladder.
+
+    accelerate launch scripts/finetune.py --config fsdp_hybrid.yaml
+    accelerate launch --config_file accelerate_configs/zero3.yaml scripts/finetune.py --lora
+
+With no --model/--dataset it fine-tunes hfdist's embedded default (a small Llama built from a config, on shipped
+instruction data). Writes the model (or LoRA adapter) and OUTPUT_DIR/hfdist_summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hfdist.run import FinetuneConfig
+
+
+def parse_args(argv: list[str]) -> FinetuneConfig:
+    """Command line -> FinetuneConfig (the only place arguments are parsed)."""
+    d = FinetuneConfig()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=d.config,
+                   help="rung name (ddp, fsdp_full_shard, fsdp_hybrid, zero1, zero2, zero3, zero3_offload_cpu, "
+                        "zero3_offload_nvme; with or without .yaml), a path to an Accelerate YAML, or 'single' "
+                        "(one process; the default)")
+    p.add_argument("--model", default=d.model, help="HF id, local checkpoint folder, or preset (default llama-small)")
+    p.add_argument("--dataset", default=d.dataset,
+                   help="HF id or local json/jsonl/csv/parquet with instruction/response or text columns "
+                        "(default: the embedded instruction data)")
+    p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
+    p.add_argument("--lora-r", type=int, default=d.lora_r)
+    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
+    p.add_argument("--max-steps", type=int, default=d.max_steps)
+    p.add_argument("--global-batch-size", type=int, default=d.global_batch_size,
+                   help="sequences per optimizer step over all ranks")
+    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
+                   help="sequences per rank per forward (default: global / data-parallel ranks)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--learning-rate", "--lr", type=float, default=d.learning_rate)
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--output-dir", default=d.output_dir)
+    p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty --output-dir")
+    p.add_argument("--num-processes", type=int, default=d.num_processes,
+                   help="rescale the rung's data-parallel axis to this many processes")
+    p.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme")
+    p.add_argument("--activation-checkpointing", action="store_true")
+    a = p.parse_args(argv)
+    return FinetuneConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    cfg = parse_args(argv)
+    from hfdist.errors import run_with_clear_errors
+    from hfdist.run import finetune
+
+    return run_with_clear_errors(lambda: finetune(cfg, __file__, argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Shared helpers: run scripts/finetune.py the way a user does, and read what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FINETUNE = REPO / "scripts" / "finetune.py"
+# Small enough for 2 CPU cores; big enough that every rank gets several sequences and the loss moves.
+TINY_ARGS = ["--model", "llama-tiny", "--max-steps", "4", "--global-batch-size", "8", "--seq-len", "64",
+             "--learning-rate", "3e-3", "--warmup-steps", "0"]
+
+
+def run_cmd(cmd: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run a command from the repository root with a quiet, offline environment."""
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONUNBUFFERED": "1"}
+    env.pop("HFDIST_HANDED_OVER", None)
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def accelerate(*args: str) -> list[str]:
+    """`accelerate launch ...` through this interpreter (the venv's accelerate, whatever PATH says)."""
+    return [sys.executable, "-m", "accelerate.commands.launch", *args]
+
+
+def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = "accelerate") -> dict:
+    """Run the main job into `out` and return its hfdist_summary.json; fail the test with the log if it fails.
+
+    via="accelerate": `accelerate launch scripts/finetune.py ...` (the README's form, hfdist hands over);
+    via="python": `python scripts/finetune.py ...`; config_file: `accelerate launch --config_file F ...`.
+    """
+    args = [str(FINETUNE), *TINY_ARGS, "--output-dir", str(out), *extra]
+    if config_file is not None:
+        cmd = accelerate("--config_file", config_file, "--mixed_precision", "no", *args)
+    elif via == "accelerate":
+        cmd = accelerate("--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
+                         "--dynamo_backend", "no", *args)
+    else:
+        cmd = [sys.executable, *args]
+    proc = run_cmd(cmd)
+    if proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                    f"--- stderr\n{proc.stderr[-8000:]}")
+    summary = json.loads((out / "hfdist_summary.json").read_text())
+    summary["_stdout"] = proc.stdout
+    return summary
