@@ -28,6 +28,7 @@ __all__ = [
     "known_rung_names",
     "load_rung",
     "single_process_rung",
+    "ds_mixed_precision",
 ]
 
 # accelerate_configs/ and ds_configs/ live beside the package in the repository (editable install).
@@ -172,6 +173,15 @@ def _fsdp_settings(cfg: dict[str, Any], path: Path) -> FsdpSettings:
     )
 
 
+def ds_mixed_precision(ds: dict[str, Any]) -> str:
+    """A DeepSpeed JSON's precision on GPU. accelerate refuses mixed_precision in a YAML that has a JSON, so the
+    JSON decides: "auto" (filled from TrainingArguments) means hfdist's GPU default, bf16."""
+    for name in ("bf16", "fp16"):
+        if (ds.get(name) or {}).get("enabled") in (True, "auto"):
+            return name
+    return "no"
+
+
 def _deepspeed_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     ds = cfg.get("deepspeed_config") or {}
     if ds.get("zero3_init_flag"):
@@ -193,6 +203,7 @@ def _deepspeed_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as exc:
         raise LadderError(f"{json_path} is not valid JSON ({exc}). Fix the file.") from exc
     return {
+        "mixed_precision": ds_mixed_precision(json.loads(json_path.read_text())),
         "ds_config_path": json_path.resolve(),
         "zero_stage": int(zero.get("stage", 0)),
         "offload_param": (zero.get("offload_param") or {}).get("device", "none"),
@@ -214,11 +225,10 @@ def load_rung(name_or_path: str) -> Rung:
     num_processes = int(cfg.get("num_processes", 1))  # accelerate counts all machines' processes
     mixed = str(cfg.get("mixed_precision", "no"))
     dtype = str(cfg["distributed_type"]).upper()
-    common = dict(name=name, num_processes=num_processes, mixed_precision=mixed, yaml_path=path,
-                  info=RUNG_INFO.get(name))
+    common = dict(name=name, num_processes=num_processes, yaml_path=path, info=RUNG_INFO.get(name))
     try:
         if dtype in ("MULTI_GPU", "MULTI_CPU", "NO"):
-            rung = Rung(kind="ddp", dims=ParallelDims(dp_replicate=num_processes), **common)
+            rung = Rung(kind="ddp", dims=ParallelDims(dp_replicate=num_processes), mixed_precision=mixed, **common)
         elif dtype == "FSDP":
             pc = cfg.get("parallelism_config") or {}
             replicate = int(pc.get("parallelism_config_dp_replicate_size", 1))
@@ -226,7 +236,7 @@ def load_rung(name_or_path: str) -> Rung:
             shard = int(pc.get("parallelism_config_dp_shard_size", num_processes // max(replicate * tp, 1)))
             dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp)
             dims.check_world(num_processes)
-            rung = Rung(kind="fsdp", dims=dims, fsdp=_fsdp_settings(cfg, path), **common)
+            rung = Rung(kind="fsdp", dims=dims, fsdp=_fsdp_settings(cfg, path), mixed_precision=mixed, **common)
         elif dtype == "DEEPSPEED":
             rung = Rung(kind="deepspeed", dims=ParallelDims(dp_shard=num_processes),
                         **_deepspeed_fields(cfg, path), **common)

@@ -9,18 +9,29 @@ from __future__ import annotations
 
 from hfdist.errors import HfdistError
 
+import json
 import os
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from hfdist.ladder import Rung
+from hfdist.dims import ParallelDims
+from hfdist.ladder import (
+    CONFIG_ROOT,
+    RUNG_INFO,
+    FsdpSettings,
+    Rung,
+    ds_mixed_precision,
+    known_rung_names,
+    load_rung,
+)
 
 __all__ = ["LaunchError", "CpuTranslation", "cpu_translation", "settle_mixed_precision", "accelerate_command",
-           "ensure_world", "HANDED_OVER_ENV"]
+           "ensure_world", "rung_from_launcher_env", "HANDED_OVER_ENV"]
 
 HANDED_OVER_ENV = "HFDIST_HANDED_OVER"
 # accelerate's FSDP switches: hfdist applies FSDP2 itself (launch.py docstring, parallel/fsdp.py), so these are read
@@ -83,7 +94,7 @@ def accelerate_command(rung: Rung, script: str, script_args: list[str], on_gpu: 
     if rung.num_processes == 1:
         cmd += ["--num_machines", "1"]
     translation = cpu_translation(rung, on_gpu)
-    if translation is not None:
+    if translation is not None and rung.kind != "deepspeed":  # DeepSpeed takes precision from its JSON only
         cmd += ["--mixed_precision", translation.mixed_precision]
     if rung.ds_config_path is not None:
         # Absolute, so the YAML's repository-relative path works from any working directory.
@@ -131,3 +142,74 @@ def ensure_world(rung: Rung, script: str, script_args: list[str]) -> int | None:
         f"{world}. Launch it as `accelerate launch scripts/finetune.py --config {rung.name}` (hfdist starts the "
         f"right number), or pass --num-processes {world} to rescale the rung to this world."
     )
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def _shipped_twin(kind: str, dims: ParallelDims, ds_json: dict | None = None) -> Rung | None:
+    """The shipped rung a launcher environment describes, rescaled to its world, if there is one."""
+    for name in known_rung_names():
+        rung = load_rung(name)
+        if rung.kind != kind:
+            continue
+        if kind == "deepspeed":
+            if json.loads(rung.ds_config_path.read_text()) == ds_json:
+                return rung.with_num_processes(dims.world_size)
+        elif (rung.dims.dp_replicate > 1) == (dims.dp_replicate > 1):
+            try:
+                twin = rung.with_num_processes(dims.world_size)
+            except ValueError:
+                continue
+            if twin.dims == dims:
+                return twin
+    return None
+
+
+def _deepspeed_rung_from_env(world: int) -> Rung:
+    ref = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
+    path = next((p for p in (Path(ref), CONFIG_ROOT / ref) if ref and p.is_file()), None)
+    if path is None:
+        raise LaunchError(
+            f"This world was launched with DeepSpeed but its config file '{ref}' cannot be found from here. Launch "
+            "from the repository root, or pass --config with the rung's YAML."
+        )
+    ds = json.loads(path.read_text())
+    twin = _shipped_twin("deepspeed", ParallelDims(dp_shard=world), ds)
+    zero = ds.get("zero_optimization", {})
+    return Rung(name=twin.name if twin else path.stem, kind="deepspeed", num_processes=world,
+                dims=ParallelDims(dp_shard=world), mixed_precision=ds_mixed_precision(ds), ds_config_path=path.resolve(),
+                zero_stage=int(zero.get("stage", 0)),
+                offload_param=(zero.get("offload_param") or {}).get("device", "none"),
+                offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none"),
+                yaml_path=twin.yaml_path if twin else None, info=twin.info if twin else None)
+
+
+def rung_from_launcher_env() -> Rung:
+    """The rung of a world started by `accelerate launch --config_file X.yaml` without --config.
+
+    accelerate passes its config to the processes as environment variables only; they are read back here (the
+    shipped rung they match when there is one, so the run is named and checked like it).
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if world == 1:
+        return load_rung("single")
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        return _deepspeed_rung_from_env(world)
+    if _env_flag("ACCELERATE_USE_FSDP"):
+        replicate = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
+        dims = ParallelDims(dp_replicate=replicate, dp_shard=world // replicate)
+        dims.check_world(world)
+        settings = FsdpSettings(
+            layer_cls_to_wrap=os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer"),
+            reshard_after_forward=_env_flag("FSDP_RESHARD_AFTER_FORWARD") or "FSDP_RESHARD_AFTER_FORWARD" not in os.environ,
+            offload_params=_env_flag("FSDP_OFFLOAD_PARAMS"),
+            activation_checkpointing=_env_flag("FSDP_ACTIVATION_CHECKPOINTING"),
+        )
+        twin = _shipped_twin("fsdp", dims)
+        name = twin.name if twin is not None else "fsdp"
+        return Rung(name=name, kind="fsdp", num_processes=world, dims=dims, mixed_precision=mixed, fsdp=settings,
+                    yaml_path=twin.yaml_path if twin else None, info=RUNG_INFO.get(name))
+    return replace(load_rung("ddp").with_num_processes(world), mixed_precision=mixed)

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 
 from hfdist.ladder import Rung, load_rung
-from hfdist.launch import cpu_translation, ensure_world, settle_mixed_precision
+from hfdist.launch import cpu_translation, ensure_world, rung_from_launcher_env, settle_mixed_precision
 
-__all__ = ["FinetuneConfig", "ConfigError", "finetune", "batch_layout", "SUMMARY_NAME"]
+__all__ = ["FinetuneConfig", "ConfigError", "finetune", "batch_layout", "plan_check", "SUMMARY_NAME"]
 
 SUMMARY_NAME = "hfdist_summary.json"
 CHECK_BLOCKS = 4  # packed blocks every rank scores after training; the saved model must reproduce that loss
@@ -31,7 +31,7 @@ class ConfigError(HfdistError, ValueError):
 class FinetuneConfig:
     """Every setting of one fine-tune; precedence CLI > config file > these defaults."""
 
-    config: str = "single"
+    config: str | None = None
     model: str | None = None
     dataset: str | None = None
     lora: bool = False
@@ -49,6 +49,8 @@ class FinetuneConfig:
     num_processes: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
+    gpu_mem_gb: float | None = None
+    skip_plan_check: bool = False
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -61,6 +63,50 @@ def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[i
         raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
                           f"{dp} data-parallel ranks = {micro * dp}. Pick sizes where it is.")
     return micro, global_batch // (micro * dp)
+
+
+def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
+    """Memory per device to plan against: --gpu-mem-gb, else the GPU's own; None on CPU (nothing to check)."""
+    if cfg.gpu_mem_gb is not None:
+        return int(cfg.gpu_mem_gb * 1e9)
+    if torch.cuda.is_available():
+        return int(torch.cuda.get_device_properties(0).total_memory)
+    return None
+
+
+def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
+    """Refuse a rung the memory planner predicts cannot fit, showing the ladder and the rung that would.
+
+    Raises:
+        ConfigError: the rung's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
+    """
+    mem = _device_memory_bytes(cfg)
+    if mem is None or cfg.skip_plan_check:
+        return
+    from hfdist.ladder import known_rung_names
+    from hfdist.models import DEFAULT_PRESET, load_config
+    from hfdist.plan import plan_rungs
+
+    spec = cfg.model or DEFAULT_PRESET
+    planned = rung if rung.kind != "single" else load_rung("ddp").with_num_processes(1)
+    others = [load_rung(n) for n in known_rung_names() if n != planned.name]
+    on_gpu = torch.cuda.is_available()
+    dtype = "bf16" if (rung.mixed_precision == "bf16" and on_gpu) else "fp32"
+    plan = plan_rungs(load_config(spec), [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
+                      gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=micro, lora=cfg.lora, lora_r=cfg.lora_r,
+                      activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec)
+    mine = next(r for r in plan.rungs if r.name == planned.name)
+    if mine.fits:
+        return
+    rec = plan.recommended
+    advice = (f"The simplest rung that fits is {rec.name}: {rec.command}" if rec is not None
+              else f"No rung fits: {plan.hint}")
+    need = f"{mine.bytes.total / 1e9:.1f} GB" if mine.bytes is not None else "more than it can hold"
+    raise ConfigError(
+        f"{rung.name} is predicted to need {need} per device, more than the {mem / 1e9:.1f} GB available, so it "
+        f"would run out of memory. {advice}. Pass --skip-plan-check to run anyway (e.g. if the plan is too "
+        f"pessimistic for your setup).\n\n{plan.table()}"
+    )
 
 
 def _is_rank0() -> bool:
@@ -172,12 +218,14 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
     Returns:
         The process exit code.
     """
-    rung = load_rung(cfg.config)
+    # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
+    rung = load_rung(cfg.config) if cfg.config else rung_from_launcher_env()
     if cfg.num_processes:
         rung = rung.with_num_processes(cfg.num_processes)
     micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not os.environ.get("HFDIST_HANDED_OVER"):
-        _check_output_dir(cfg)  # before any process starts: a bad --output-dir costs nothing
+        _check_output_dir(cfg)  # before any process starts: a bad --output-dir or a rung that cannot fit
+        plan_check(cfg, rung, micro)  # costs nothing
     handed_over = ensure_world(rung, script, script_args)
     if handed_over is not None:
         return handed_over

@@ -72,8 +72,10 @@ def _check_deepspeed(rung: Rung, wrapped: nn.Module) -> None:
 
 
 def _check_lora(rung: Rung, model: nn.Module) -> None:
+    from peft import PeftModel
+
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    if type(model).__name__ not in ("PeftModel", "PeftModelForCausalLM") or not trainable:
+    if not isinstance(model, PeftModel) or not trainable:
         _fail(rung, f"--lora was asked but the model is a {type(model).__name__} with {len(trainable)} trainables")
     stray = [n for n in trainable if "lora_" not in n]
     if stray:

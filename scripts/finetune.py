@@ -21,8 +21,8 @@ def parse_args(argv: list[str]) -> FinetuneConfig:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=d.config,
                    help="rung name (ddp, fsdp_full_shard, fsdp_hybrid, zero1, zero2, zero3, zero3_offload_cpu, "
-                        "zero3_offload_nvme; with or without .yaml), a path to an Accelerate YAML, or 'single' "
-                        "(one process; the default)")
+                        "zero3_offload_nvme; with or without .yaml), a path to an Accelerate YAML, or 'single'. "
+                        "Default: the world `accelerate launch --config_file` started, else one process")
     p.add_argument("--model", default=d.model, help="HF id, local checkpoint folder, or preset (default llama-small)")
     p.add_argument("--dataset", default=d.dataset,
                    help="HF id or local json/jsonl/csv/parquet with instruction/response or text columns "
@@ -45,6 +45,10 @@ def parse_args(argv: list[str]) -> FinetuneConfig:
                    help="rescale the rung's data-parallel axis to this many processes")
     p.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb,
+                   help="memory per device to plan against (default: the GPU's own; no check on CPU without it)")
+    p.add_argument("--skip-plan-check", action="store_true",
+                   help="launch even if the memory planner predicts the rung cannot fit")
     a = p.parse_args(argv)
     return FinetuneConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 

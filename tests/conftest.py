@@ -38,7 +38,7 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
     """
     args = [str(FINETUNE), *TINY_ARGS, "--output-dir", str(out), *extra]
     if config_file is not None:
-        cmd = accelerate("--config_file", config_file, "--mixed_precision", "no", *args)
+        cmd = accelerate("--config_file", config_file, *args)
     elif via == "accelerate":
         cmd = accelerate("--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
                          "--dynamo_backend", "no", *args)

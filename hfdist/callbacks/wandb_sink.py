@@ -1,0 +1,194 @@
+"""WandbSink: one W&B run per strategy run, written by the logging rank only, that can never stop training.
+
+W&B is a view of the run, not its record (the local JSON summary is): every W&B call is guarded, the first
+failure (no package, bad key, unreachable server, full disk) prints one warning and turns the sink off, and
+training goes on. Runs are offline unless the user is logged in or sets WANDB_MODE, so a job on a machine
+without W&B access still leaves a run folder that `wandb sync` uploads later.
+"""
+
+from __future__ import annotations
+
+import netrc
+import os
+import sys
+from numbers import Real
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Sequence
+from urllib.parse import urlsplit
+
+__all__ = ["TOKEN_KEYS", "WandbSink", "aggregate_ranks", "resolve_wandb_mode", "sync_instructions"]
+
+# Counts that add up over ranks; under TP/PP every rank of a replica counts the same tokens (divide by tp·pp).
+TOKEN_KEYS = frozenset({"tokens", "tokens_per_second"})
+_DEFAULT_PROJECT = "hfdist"
+_DEFAULT_BASE_URL = "https://api.wandb.ai"
+
+
+def aggregate_ranks(records: Sequence[Mapping[str, Any]], *, sum_keys: Iterable[str] = TOKEN_KEYS
+                    ) -> dict[str, float]:
+    """Per-rank records -> `rank{r}/key` series plus `key/min`, `key/max`, `key/mean` (and `key/sum` for sum_keys).
+
+    Each record is one rank's dict (as `MemoryCallback.record()` / `ThroughputCallback.record()` give); its
+    "rank" entry names the rank, else its position does. Non-numeric values are left out; a key missing on some
+    ranks (CUDA stats, stage-specific figures) is aggregated over the ranks that have it.
+    """
+    sum_keys = frozenset(sum_keys)
+    indexed = sorted(enumerate(records), key=lambda item: item[1].get("rank", item[0]))
+    out: dict[str, float] = {}
+    series: dict[str, list[float]] = {}
+    for position, record in indexed:
+        rank = record.get("rank", position)
+        for key, value in record.items():
+            if key == "rank" or isinstance(value, bool) or not isinstance(value, Real):
+                continue
+            out[f"rank{rank}/{key}"] = value
+            series.setdefault(key, []).append(value)
+    for key, values in series.items():
+        out[f"{key}/min"] = min(values)
+        out[f"{key}/max"] = max(values)
+        out[f"{key}/mean"] = sum(values) / len(values)
+        if key in sum_keys:
+            out[f"{key}/sum"] = sum(values)
+    return out
+
+
+def _netrc_has_key(env: Mapping[str, str]) -> bool:
+    """Whether `wandb login` stored a key for the W&B host (the netrc file wandb itself reads)."""
+    if env.get("NETRC"):
+        path = Path(env["NETRC"]).expanduser()
+    else:
+        unix, windows = Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()
+        path = unix if unix.exists() or not windows.exists() else windows
+    host = urlsplit(env.get("WANDB_BASE_URL") or _DEFAULT_BASE_URL).netloc
+    try:
+        creds = netrc.netrc(str(path)).authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(creds and creds[2])
+
+
+def resolve_wandb_mode(environ: Mapping[str, str] | None = None) -> str:
+    """W&B mode for a run: an explicit WANDB_MODE wins; else online when a key is set (WANDB_API_KEY, an
+    identity token file, or `wandb login`'s netrc entry for WANDB_BASE_URL); else offline.
+
+    Offline by default because an online init without credentials would prompt for a key or fail.
+    """
+    env = os.environ if environ is None else environ
+    if env.get("WANDB_MODE"):
+        return env["WANDB_MODE"]
+    if env.get("WANDB_API_KEY") or env.get("WANDB_IDENTITY_TOKEN_FILE") or _netrc_has_key(env):
+        return "online"
+    return "offline"
+
+
+class WandbSink:
+    """The W&B run of one strategy run. On ranks that don't log (`active=False`) every method is a no-op.
+
+    The run starts at the first log/set_summary/log_table call, so a job refused before training leaves no
+    empty run. Files go to `<output_dir>/wandb/`.
+
+    Args:
+        output_dir: the run's output folder (W&B's `dir`).
+        active: whether this rank logs: rank 0, or under PP a rank of the last stage.
+        name: run name, the strategy (rung) name.
+        group: comparison id shared by the runs to compare (one `hfdist compare` invocation).
+        job_type: strategy kind (ddp, fsdp, zero, tp, pp, 3d); defaults to `name`.
+        config: the strategy dims and run settings, shown as the run's config.
+        project: W&B project; default WANDB_PROJECT, else "hfdist".
+        mode: online / offline / disabled; default resolve_wandb_mode().
+        init_timeout: seconds wandb.init may take (an unreachable server costs this once, then W&B is off).
+    """
+
+    def __init__(self, *, output_dir: str | os.PathLike, active: bool, name: str, group: str | None = None,
+                 job_type: str | None = None, config: Mapping[str, Any] | None = None, project: str | None = None,
+                 tags: Sequence[str] = (), mode: str | None = None, init_timeout: float = 60.0) -> None:
+        self.active = active
+        self.mode = (mode or resolve_wandb_mode()) if active else "disabled"
+        self.error: str | None = None  # why W&B was turned off, for the local summary
+        self._output_dir = Path(output_dir)
+        self._init_kwargs = dict(project=project or os.environ.get("WANDB_PROJECT") or _DEFAULT_PROJECT,
+                                 name=name, group=group, job_type=job_type or name, config=dict(config or {}),
+                                 tags=list(tags), mode=self.mode)
+        self._init_timeout = init_timeout
+        self._run: Any = None
+        self._closed = not active
+
+    @property
+    def run_dir(self) -> Path | None:
+        """The run's local folder (`.../wandb/offline-run-*` offline), once started; None otherwise."""
+        if self._run is None or self.mode == "disabled":
+            return None
+        return Path(self._run.settings.sync_dir)
+
+    def _warn_and_disable(self, what: str, exc: BaseException) -> None:
+        if self.error is None:
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            self.error = f"W&B {what} failed: {type(exc).__name__}: {first_line}"
+            print(f"hfdist: warning: {self.error}. Training goes on without W&B; the local JSON summary is the "
+                  "record.", file=sys.stderr, flush=True)
+        self._closed = True
+
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:  # any W&B failure: warn once, keep training
+            self._warn_and_disable(what, exc)
+            return None
+
+    def _start(self) -> Any:
+        import wandb
+
+        self._output_dir.mkdir(parents=True, exist_ok=True)
+        # create_new: several sinks in one process (tests, an in-process comparison) must not share a run
+        return wandb.init(dir=str(self._output_dir), reinit="create_new",
+                          settings=wandb.Settings(init_timeout=self._init_timeout), **self._init_kwargs)
+
+    def _ensure_run(self) -> Any:
+        if self._closed:
+            return None
+        if self._run is None:
+            self._run = self._call("init", self._start)
+        return None if self._closed else self._run
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log one step's metrics (already gathered: `rank{r}/...` series and their aggregates)."""
+        run = self._ensure_run()
+        if run is not None:
+            self._call("log", run.log, dict(metrics), step=step)
+
+    def set_summary(self, values: Mapping[str, Any]) -> None:
+        """Set run-level figures (peaks, totals) shown in the runs table and compared across runs."""
+        run = self._ensure_run()
+        if run is not None:
+            self._call("summary", run.summary.update, dict(values))
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]],
+                  step: int | None = None) -> None:
+        """Log a table (e.g. the strategy comparison matrix) under `name`."""
+        run = self._ensure_run()
+        if run is None:
+            return
+        import wandb
+
+        table = self._call("table", wandb.Table, columns=list(columns), data=[list(r) for r in rows])
+        if table is not None:
+            self._call("log", run.log, {name: table}, step=step)
+
+    def finish(self, exit_code: int = 0) -> None:
+        """Close the run (flushes it to disk offline, uploads online); later calls do nothing."""
+        run, self._run = self._run, None
+        self._closed = True
+        if run is not None:
+            self._call("finish", run.finish, exit_code=exit_code)
+
+
+def sync_instructions(run_dirs: Iterable[str | os.PathLike], project: str | None = None,
+                      group: str | None = None) -> str:
+    """How to get offline runs into W&B and compare them (W&B reports need a server, none exists offline)."""
+    dirs = " ".join(str(d) for d in run_dirs)
+    project = project or os.environ.get("WANDB_PROJECT") or _DEFAULT_PROJECT
+    where = f"group '{group}'" if group else "the runs"
+    return (f"W&B runs were written offline. To upload them (after `wandb login` once):\n"
+            f"  wandb sync --project {project} {dirs}\n"
+            f"Then, in project '{project}', group by Group to compare {where}, and build a report from the "
+            f"workspace (or in code with wandb-workspaces: pip install 'wandb[workspaces]').")

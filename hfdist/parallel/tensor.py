@@ -1,0 +1,396 @@
+"""Tensor parallelism (Megatron-style, through DTensor) for Hugging Face Llama, with or without LoRA.
+
+The plan is data: `llama_tp_plan` maps module globs of a `LlamaForCausalLM` to `torch.distributed.tensor.parallel`
+styles; `apply_tp` validates the model, then hands the plan to `parallelize_module`. Nothing here re-implements a
+collective: DTensor inserts every all-reduce, all-gather and reduce-scatter.
+
+Layout (tp = mesh size, "residual" = Shard(1) on the sequence dim with sequence parallel, else Replicate):
+- embed_tokens: ColwiseParallel (hidden dim split), output redistributed to the residual layout. With tied
+  embeddings it is vocab-parallel instead (RowwiseParallel), because it then shares lm_head's vocab-split weight;
+- q/k/v/gate/up: ColwiseParallel, so each rank holds heads/tp query heads and kv_heads/tp key/value heads.
+  transformers 5.23's LlamaAttention reshapes with `view(*input_shape, -1, head_dim)` and
+  `reshape(*input_shape, -1)` and only keeps the ratio `num_key_value_groups`, which tp leaves unchanged, so no
+  head count on the module has to be patched;
+- o/down: RowwiseParallel, output in the residual layout (all-reduce, or reduce-scatter under sequence parallel);
+- input_layernorm / post_attention_layernorm / norm: SequenceParallel (or replicated without it);
+- lm_head: ColwiseParallel on the vocab dim; with loss parallelism its output stays a vocab-sharded DTensor that
+  `tp_causal_lm_loss` feeds to cross-entropy under `loss_parallel()`, so no rank materialises full logits.
+
+The residual stream between layers stays a DTensor (not a local tensor as in torchtitan) because HF's LlamaModel
+derives position ids and the causal mask from `inputs_embeds.shape[1]`: a DTensor reports the global sequence
+length even when its local shard holds 1/tp of it.
+
+Every parameter ends up a DTensor on the tp mesh (Replicate where not sharded). That keeps
+`torch.nn.utils.clip_grad_norm_` and FSDP2 on one mesh: a mix of DTensor and plain-tensor gradients is what breaks
+clipping under TP. Replicated weights whose inputs are sequence- or hidden-sharded (norms under sequence
+parallel, LoRA A matrices) get Partial gradients; DTensor reduces them when the optimizer or clipping reads them.
+
+Order of steps in a training script (mesh = ParallelDims(...).build_mesh(device_type), axes ("dp_shard", "tp")):
+    validate_tp(config, dims.tp)                 # before building anything big
+    model = get_peft_model(model, lora_config)   # optional: LoRA before TP, so its A/B matrices get split too
+    apply_tp(model, mesh["tp"])
+    apply_fsdp(model, mesh["dp_shard"])          # fully_shard per decoder layer + root, same mesh
+    optimizer = torch.optim.AdamW(p for p in model.parameters() if p.requires_grad)
+    with loss_parallel():
+        loss = tp_causal_lm_loss(model, batch, num_items_in_batch)
+        (loss * dp).backward()                   # dp: undo FSDP's gradient averaging, as with a global token count
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm); optimizer.step()
+    state = gather_full_state_dict(model)        # all ranks; then rank 0: model.save_pretrained(dir, state_dict=state)
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from hfdist.errors import HfdistError
+
+__all__ = [
+    "TPError",
+    "ReplicateParallel",
+    "LLAMA_COLWISE",
+    "LLAMA_ROWWISE",
+    "valid_tp_degrees",
+    "validate_tp",
+    "llama_tp_plan",
+    "apply_tp",
+    "tp_causal_lm_loss",
+    "count_loss_tokens",
+    "gather_full_state_dict",
+    "count_tp_collectives",
+]
+
+IGNORE_INDEX = -100
+
+# Short names of the decoder-layer linears, by how their weight is split.
+LLAMA_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+LLAMA_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+class TPError(HfdistError, ValueError):
+    """A model, mesh or adapter setup that tensor parallelism cannot split."""
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters as DTensors on the tp mesh; plain-tensor inputs are taken as replicated.
+
+    Used where a module must compute on the full tensor (LoRA's small A/B matrices, norms without sequence
+    parallel) but its parameters should still be DTensors, so their gradients are reduced correctly and every
+    parameter lives on one mesh.
+
+    Args:
+        use_local_output: return the local tensor; the next style's `from_local` then all-reduces the partial
+            gradient coming back, at that point (Megatron's "f" operator) rather than lazily further up.
+    """
+
+    def __init__(self, *, use_local_output: bool = False):
+        super().__init__()
+        self.use_local_output = use_local_output
+
+    @staticmethod
+    def _as_replicated(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        return tuple(
+            DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
+            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
+            for t in inputs
+        )
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # partition_fn=None: distribute_module replicates (broadcasts from rank 0) every parameter.
+        output_fn = (lambda mod, out, mesh: out.to_local()) if self.use_local_output else None
+        return distribute_module(module, device_mesh, None, input_fn=self._as_replicated, output_fn=output_fn)
+
+    def __repr__(self) -> str:
+        return f"ReplicateParallel(use_local_output={self.use_local_output})"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_tp_degrees(config) -> list[int]:
+    """The tp degrees that split every dimension the Llama plan shards evenly (see `validate_tp`)."""
+    return _divisors(math.gcd(*_sharded_sizes(config).values()))
+
+
+def _sharded_sizes(config) -> dict[str, int]:
+    return {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def validate_tp(config, tp: int) -> None:
+    """Raise TPError, before any surgery, unless `tp` evenly splits every dimension the Llama plan shards.
+
+    The plan shards query heads and key/value heads (attention), the MLP intermediate size, the hidden size (the
+    embedding table) and the vocabulary (lm_head and the loss; the embedding too when tied).
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise TPError(f"The tensor-parallel degree must be a positive integer, got tp={tp!r}.")
+    sizes = _sharded_sizes(config)
+    bad = {name: size for name, size in sizes.items() if size % tp}
+    if bad:
+        listed = ", ".join(f"{name}={size}" for name, size in sizes.items())
+        failing = ", ".join(f"{name}={size}" for name, size in bad.items())
+        vocab_hint = (
+            f" A vocabulary can be padded to a multiple of tp with model.resize_token_embeddings(len(tokenizer), "
+            f"pad_to_multiple_of={tp})." if "vocab_size" in bad else ""
+        )
+        raise TPError(
+            f"Tensor parallelism with tp={tp} cannot split this model: tp must divide every sharded dimension "
+            f"({listed}) but does not divide {failing}. Tensor-parallel degrees that would work: "
+            f"{valid_tp_degrees(config)}; put the remaining processes on data or pipeline parallelism.{vocab_hint}"
+        )
+
+
+def _lora_entries(path: str, colwise: bool, residual) -> dict[str, ParallelStyle]:
+    """Styles for a LoRA-wrapped linear at `path`: base layer as without LoRA, A/B chosen so B(A(x)) matches it.
+
+    Colwise base (y_local = x W_local): A stays replicated, B is split like the base's output dim.
+    Rowwise base (x is split on its last dim): A is split on its input dim and reduced, B stays replicated.
+    """
+    if colwise:
+        return {f"{path}.base_layer": ColwiseParallel(), f"{path}.lora_A.*": ReplicateParallel(),
+                f"{path}.lora_B.*": ColwiseParallel()}
+    return {
+        f"{path}.base_layer": RowwiseParallel(output_layouts=residual, use_local_output=False),
+        f"{path}.lora_A.*": RowwiseParallel(output_layouts=residual, use_local_output=False),
+        f"{path}.lora_B.*": ReplicateParallel(),
+    }
+
+
+def llama_tp_plan(
+    sequence_parallel: bool = True,
+    loss_parallel: bool = True,
+    tied_embeddings: bool = False,
+    lora_targets: frozenset[str] = frozenset(),
+) -> dict[str, ParallelStyle]:
+    """The Llama tensor-parallel plan: module glob (relative to `LlamaForCausalLM`) -> parallel style.
+
+    Args:
+        sequence_parallel: shard the norms' activations on the sequence dim (all-gather + reduce-scatter per block
+            instead of all-reduce). Any sequence length works; DTensor shards uneven lengths unevenly.
+        loss_parallel: keep lm_head's output vocab-sharded for `tp_causal_lm_loss`; otherwise gather full logits.
+        tied_embeddings: the input embedding shares lm_head's weight (config.tie_word_embeddings).
+        lora_targets: names from LLAMA_COLWISE / LLAMA_ROWWISE whose linears are wrapped by peft LoRA layers.
+    """
+    residual = Shard(1) if sequence_parallel else Replicate()
+    # Without sequence parallel the norms hand a local tensor on, so the partial input-gradients of the column-split
+    # linears after them are all-reduced right there (Megatron's pattern). Left as DTensors they would stay Partial
+    # along the residual stream, and a vocab-parallel (tied) embedding's backward cannot take a Partial gradient:
+    # "Redistribution from P(sum) to MaskP(sum) is unsupported" (torch 2.13).
+    norm = SequenceParallel() if sequence_parallel else ReplicateParallel(use_local_output=True)
+    layer = "model.layers.*"
+    if tied_embeddings:
+        # lm_head must split the vocab dim, so a weight shared with it is vocab-split too. torch 2.13's DTensor
+        # has no vocab-sharded strategy for the embedding backward: this weight's gradient arrives unsharded.
+        embed: ParallelStyle = RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
+                                               use_local_output=False)
+    else:
+        # Split on the hidden dim: the weight and its gradient are both 1/tp per rank, the backward needs no
+        # collective of its own.
+        embed = ColwiseParallel(input_layouts=Replicate(), output_layouts=residual, use_local_output=False)
+    plan: dict[str, ParallelStyle] = {
+        "model.embed_tokens": embed,
+        f"{layer}.input_layernorm": norm,
+        # HF calls self_attn(hidden_states=...) by keyword and mlp(x) positionally; both compute on the full sequence.
+        f"{layer}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": residual},
+                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+        f"{layer}.post_attention_layernorm": norm,
+        f"{layer}.mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
+        "model.norm": norm,
+        "lm_head": ColwiseParallel(input_layouts=residual,
+                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                   use_local_output=not loss_parallel),
+    }
+    for name in LLAMA_COLWISE + LLAMA_ROWWISE:
+        colwise = name in LLAMA_COLWISE
+        path = f"{layer}.{name}"
+        if name.split(".")[-1] in lora_targets:
+            plan.update(_lora_entries(path, colwise, residual))
+        elif colwise:
+            plan[path] = ColwiseParallel()
+        else:
+            plan[path] = RowwiseParallel(output_layouts=residual, use_local_output=False)
+    return plan
+
+
+def _causal_lm(model: nn.Module) -> nn.Module:
+    """The LlamaForCausalLM inside `model` (itself, or the base model of a peft wrapper)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if getattr(getattr(inner, "config", None), "model_type", None) != "llama" or not hasattr(inner, "lm_head"):
+        raise TPError(f"hfdist's tensor-parallel plan is written for LlamaForCausalLM; got {type(inner).__name__}.")
+    return inner
+
+
+def _lora_targets(causal_lm: nn.Module) -> frozenset[str]:
+    """Names of the decoder linears wrapped by LoRA, checked to be the same in every layer and plan-compatible."""
+    per_layer = []
+    for layer in causal_lm.model.layers:
+        wrapped = set()
+        for name in LLAMA_COLWISE + LLAMA_ROWWISE:
+            module = layer.get_submodule(name)
+            if hasattr(module, "base_layer"):
+                if not hasattr(module, "lora_A") or any(getattr(module, "lora_variant", {}).values()):
+                    raise TPError(f"{name} carries a peft adapter other than plain LoRA ({type(module).__name__}); "
+                                  "only plain LoRA (no DoRA, no other tuners) is split by the tensor-parallel plan.")
+                wrapped.add(name.split(".")[-1])
+        per_layer.append(frozenset(wrapped))
+    for extra in ("model.embed_tokens", "lm_head"):
+        if hasattr(causal_lm.get_submodule(extra), "base_layer"):
+            raise TPError(f"LoRA on {extra} is not supported with tensor parallelism; target only the decoder-layer "
+                          "linears (q/k/v/o/gate/up/down_proj).")
+    if len(set(per_layer)) > 1:
+        raise TPError("LoRA targets differ between decoder layers (peft layers_to_transform?); the tensor-parallel "
+                      "plan needs the same targets in every layer.")
+    return per_layer[0] if per_layer else frozenset()
+
+
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = True, loss_parallel: bool = True
+) -> nn.Module:
+    """Split a LlamaForCausalLM (or a peft LoRA PeftModel around one) across `tp_mesh`, in place.
+
+    Apply before FSDP (`fully_shard` on the dp_shard sub-mesh of the same mesh) and before building the optimizer.
+    All ranks must hold identical weights (same seed or same checkpoint): sharded weights are scattered from the
+    mesh's first rank, replicated norm weights are used as they are.
+
+    Args:
+        model: `LlamaForCausalLM`, or a `PeftModel` with LoRA on any of q/k/v/o/gate/up/down_proj.
+        tp_mesh: 1-D DeviceMesh of the tensor-parallel ranks (`mesh["tp"]` of a multi-axis mesh).
+        sequence_parallel: see `llama_tp_plan`.
+        loss_parallel: see `llama_tp_plan`; compute the loss with `tp_causal_lm_loss` under `loss_parallel()`.
+
+    Returns:
+        The same `model`, its parameters now DTensors on `tp_mesh`.
+    """
+    if tp_mesh.ndim != 1:
+        raise TPError(f"apply_tp needs the 1-D tensor-parallel sub-mesh (mesh['tp']), got a {tp_mesh.ndim}-D mesh "
+                      f"with axes {tp_mesh.mesh_dim_names}.")
+    causal_lm = _causal_lm(model)
+    validate_tp(causal_lm.config, tp_mesh.size())
+    if any(isinstance(p, DTensor) for p in causal_lm.parameters()):
+        raise TPError("The model already holds DTensor parameters: apply_tp must run once, before FSDP.")
+    tied = causal_lm.lm_head.weight is causal_lm.model.embed_tokens.weight
+    plan = llama_tp_plan(sequence_parallel, loss_parallel, tied, _lora_targets(causal_lm))
+    frozen = {name for name, p in causal_lm.named_parameters() if not p.requires_grad}
+    parallelize_module(causal_lm, tp_mesh, plan)
+    # SequenceParallel (torch 2.13) re-registers norm weights with requires_grad=True; frozen LoRA bases stay frozen.
+    for name, p in causal_lm.named_parameters():
+        p.requires_grad_(name not in frozen)
+    if tied:
+        # Each style registers its own Parameter; both shard the vocab dim (Shard(0)), so the tie can be restored.
+        causal_lm.lm_head.weight = causal_lm.model.embed_tokens.weight
+    plain = [name for name, p in causal_lm.named_parameters() if not isinstance(p, DTensor)]
+    if plain:
+        raise TPError(f"The tensor-parallel plan left parameters unsplit and unreplicated: {plain[:5]}; this model "
+                      "has modules the Llama plan does not know.")
+    return model
+
+
+def count_loss_tokens(labels: torch.Tensor) -> int:
+    """How many positions of `labels` contribute to the causal-LM loss (next-token targets that are not -100).
+
+    Sum this over gradient-accumulation micro-batches and data-parallel ranks to get `num_items_in_batch`.
+    """
+    return int((labels[..., 1:] != IGNORE_INDEX).sum())
+
+
+def _loss_parallel_active() -> bool:
+    # torch keeps no public flag for loss_parallel(); it installs handlers for these ops while active. Without them
+    # cross-entropy on vocab-sharded logits would silently all-gather the full logits on every rank.
+    return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
+
+
+def tp_causal_lm_loss(
+    model: nn.Module, batch: Mapping[str, torch.Tensor], num_items_in_batch: int | torch.Tensor | None = None
+) -> torch.Tensor:
+    """Causal-LM loss of a tensor-parallel Llama: sum of token cross-entropies / `num_items_in_batch`.
+
+    Calls the model without labels and computes the loss itself, since HF's `loss_function` would need the full
+    logits. Labels are shifted as HF does (pad with -100, drop the first position); -100 is ignored. With
+    vocab-sharded logits (apply_tp(loss_parallel=True)) both this call and `loss.backward()` must run inside
+    `torch.distributed.tensor.parallel.loss_parallel()`; also correct on a model without TP.
+
+    Args:
+        model: the model given to `apply_tp` (LlamaForCausalLM or PeftModel), possibly also FSDP-wrapped.
+        batch: `input_ids`, optional `labels` (default: input_ids), `attention_mask`, `position_ids`.
+        num_items_in_batch: global count of target tokens (`count_loss_tokens` summed over gradient-accumulation
+            steps and data-parallel ranks). None: this batch's own count, i.e. a plain mean. When it is the
+            global count and data-parallel gradients are averaged (FSDP2's default), scale the loss by the
+            data-parallel degree before backward, as HF Trainer does.
+
+    Returns:
+        A plain scalar tensor, identical on every tp rank.
+    """
+    labels = batch.get("labels", batch["input_ids"])
+    # The model's own forward (not model.model + lm_head) so FSDP2's root hooks run; without labels it returns
+    # the logits as lm_head made them and skips HF's loss.
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
+                   position_ids=batch.get("position_ids"), use_cache=False).logits
+    if isinstance(logits, DTensor) and not _loss_parallel_active():
+        raise TPError("lm_head returns vocab-sharded logits: call tp_causal_lm_loss and loss.backward() inside "
+                      "torch.distributed.tensor.parallel.loss_parallel().")
+    targets = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten().to(logits.device),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    if isinstance(loss, DTensor):
+        loss = loss.to_local()
+    if num_items_in_batch is None:
+        num_items_in_batch = (targets != IGNORE_INDEX).sum()
+    return loss / num_items_in_batch
+
+
+def gather_full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The unsharded state dict (CPU tensors) on rank 0, an empty dict elsewhere; every rank must call it.
+
+    Works for TP, FSDP2 and FSDP2 x TP models. Pass the result to `save_pretrained(dir, state_dict=...)` on rank 0
+    for a normal HF checkpoint (or, with `trainable_only=True` on a PeftModel, a normal LoRA adapter).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    return get_model_state_dict(model, options=options)
+
+
+def count_tp_collectives(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, dict[str, dict[str, int]]]:
+    """Collectives issued by one forward + backward of `tp_causal_lm_loss`, per module, via CommDebugMode.
+
+    Returns {module fqn: {"forward": {collective: count}, "backward": {...}}}; fqns are those of CommDebugMode
+    ("Global" for the whole step, then e.g. "LlamaForCausalLM.model.layers.0"). Runs under loss_parallel(), so it
+    also works when lm_head's output is vocab-sharded. Gradients are accumulated into `.grad` as by a training step.
+    """
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    comm_mode = CommDebugMode()
+    with warnings.catch_warnings():
+        # CommDebugMode hooks every module; HF modules returning ModelOutput make torch warn that backward hooks
+        # cannot fire on them, which is irrelevant to counting.
+        warnings.filterwarnings("ignore", message=".*backward hook", category=UserWarning)
+        with comm_mode, loss_parallel():
+            tp_causal_lm_loss(model, batch).backward()
+    return {
+        fqn: {phase: {str(op).split(".")[-1]: n for op, n in ops.items()} for phase, ops in counts.items()}
+        for fqn, counts in comm_mode.comm_module_counts.items()
+    }

@@ -1,0 +1,38 @@
+"""Bad input to scripts/finetune.py: one paragraph naming problem and fix, exit 2, nothing overwritten."""
+
+from __future__ import annotations
+
+import sys
+
+from conftest import FINETUNE, run_cmd
+
+
+def _finetune(*args):
+    return run_cmd([sys.executable, str(FINETUNE), *args], timeout=300)
+
+
+def test_unknown_config_lists_known_ones(tmp_path):
+    proc = _finetune("--config", "fsdp_hybird.yaml", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert "Unknown config 'fsdp_hybird.yaml'" in proc.stderr and "fsdp_hybrid" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_non_empty_output_dir_is_left_alone(tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    proc = _finetune("--output-dir", str(out), "--max-steps", "1")
+    assert proc.returncode == 2 and "--overwrite" in proc.stderr
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "precious"
+
+
+def test_batch_not_divisible_by_ranks(tmp_path):
+    proc = _finetune("--config", "fsdp_hybrid", "--global-batch-size", "6", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "not divisible by the 4 data-parallel ranks" in proc.stderr
+
+
+def test_sequence_longer_than_positions(tmp_path):
+    proc = _finetune("--model", "llama-tiny", "--seq-len", "1024", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "max_position_embeddings 512" in proc.stderr

@@ -1,0 +1,48 @@
+"""The run-time check refuses a model that is not in the state the requested strategy implies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hfdist.ladder import load_rung
+from hfdist.models import build_model
+from hfdist.verify import StrategyNotInEffect, verify_strategy
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("llama-tiny", vocab_size=1024)
+
+
+def _one_process(name):
+    return load_rung(name).with_num_processes(1) if name != "fsdp_hybrid" else load_rung(name)
+
+
+def test_single_process_model_passes_as_single(model):
+    verify_strategy(load_rung("single"), model, model, lora=False)
+
+
+def test_world_size_mismatch_is_refused(model):
+    with pytest.raises(StrategyNotInEffect, match="needs 2"):
+        verify_strategy(load_rung("ddp"), model, model, lora=False)
+
+
+@pytest.mark.parametrize("name, why", [("ddp", "not DistributedDataParallel"),
+                                       ("fsdp_full_shard", "not FSDP2 modules"),
+                                       ("zero3", "not a DeepSpeedEngine")])
+def test_fallback_to_a_plain_model_is_refused(model, name, why):
+    """What accelerate does on CPU with an FSDP config (DDP or nothing) must not pass as the rung."""
+    with pytest.raises(StrategyNotInEffect, match=why):
+        verify_strategy(_one_process(name), model, model, lora=False)
+
+
+def test_ddp_wrapper_passes_for_fsdp_rung_is_still_refused(model):
+    ddp_like = torch.nn.Sequential(model)  # any wrapper that is not FSDP2
+    with pytest.raises(StrategyNotInEffect):
+        verify_strategy(_one_process("fsdp_full_shard"), ddp_like, model, lora=False)
+
+
+def test_lora_requested_but_absent_is_refused(model):
+    with pytest.raises(StrategyNotInEffect, match="--lora"):
+        verify_strategy(load_rung("single"), model, model, lora=True)
