@@ -130,7 +130,7 @@ def known_rung_names() -> list[str]:
 
 def single_process_rung() -> Rung:
     """No distribution at all: the reference every strategy is compared against."""
-    return Rung(name="single", kind="single", num_processes=1, dims=ParallelDims())
+    return Rung(name="single", kind="single", num_processes=1, dims=ParallelDims(), mixed_precision="bf16")
 
 
 def _resolve_yaml(name_or_path: str) -> Path:

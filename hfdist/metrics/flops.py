@@ -56,7 +56,7 @@ PEAK_FLOPS: dict[str, dict[str, float]] = {
     "H200 NVL": {"bf16": 835 * _T, "fp16": 835 * _T, "tf32": 417.5 * _T, "fp32": 60 * _T},
     # NVIDIA GH200 Grace Hopper datasheet: its GPU has the H100 SXM compute.
     "GH200": {"bf16": 989 * _T, "fp16": 989 * _T, "tf32": 494.5 * _T, "fp32": 67 * _T},
-    # NVIDIA B200 (HGX B200 spec, per GPU, dense); no fp32/tf32 row: NVIDIA states them for the 8-GPU board only.
+    # NVIDIA HGX B200 spec (8-GPU board figures per GPU, sparse halved); bf16/fp16 only, as in torchtitan's table.
     "B200": {"bf16": 2250 * _T, "fp16": 2250 * _T},
     # NVIDIA A100 datasheet: SXM4 and PCIe, 40 GB and 80 GB, share the peak figures.
     "A100 SXM": {"bf16": 312 * _T, "fp16": 312 * _T, "tf32": 156 * _T, "fp32": 19.5 * _T},
@@ -188,8 +188,9 @@ def llama_flops_per_token(config: Any, seq_len: int, *, include_attention: bool 
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The module that carries `.config` under DDP / DeepSpeed wrappers (peft and FSDP2 models carry it already)."""
-    while not hasattr(model, "config") and hasattr(model, "module"):
+    """The module whose `.config` is the model's, below DDP / DeepSpeed wrappers (peft and FSDP2 models are not
+    wrappers in this sense; DeepSpeed's engine has a `.config` of its own, hence the field check)."""
+    while not hasattr(getattr(model, "config", None), "num_hidden_layers") and hasattr(model, "module"):
         model = model.module
     return model
 
