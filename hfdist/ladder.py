@@ -64,6 +64,12 @@ RUNG_INFO: dict[str, RungInfo] = {
                             "inside a node; replicated across nodes", "multi-node, slow inter-node fabric"),
     "zero3": RungInfo(3, "full fine-tune 30B-70B", "params + grads + optimizer state",
                       "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem"),
+    "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
+                         "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
+                         "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19"),
+    "fsdp_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs", "params + grads + optimizer state "
+                        "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
+                        "sharding alone is not enough or its all-gathers dominate; tp inside a node"),
     "zero3_offload_cpu": RungInfo(6, "single-node fine-tune, model exceeds the GPUs' memory",
                                   "params + grads + optimizer state, offloaded to CPU RAM",
                                   "not enough GPU memory at any sharding; slow but feasible"),
@@ -115,7 +121,11 @@ class Rung:
                 )
             dims = replace(d, dp_replicate=num_processes // d.dp_shard)
         elif self.kind in ("fsdp", "deepspeed"):
-            dims = replace(d, dp_shard=num_processes)
+            model_parallel = d.tp * d.pp
+            if num_processes % model_parallel:
+                raise LadderError(f"--num-processes {num_processes} is not a multiple of {self.name}'s tp x pp = "
+                                  f"{model_parallel}. Use a multiple of {model_parallel}.")
+            dims = replace(d, dp_shard=num_processes // model_parallel)
         else:
             raise LadderError(f"The {self.name} rung runs one process; --num-processes does not apply to it.")
         return replace(self, num_processes=num_processes, dims=dims)
@@ -199,11 +209,13 @@ def _deepspeed_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
     if not json_path.is_file():
         raise LadderError(f"{path} points at DeepSpeed config {json_ref}, which does not exist. Fix the path.")
     try:
-        zero = json.loads(json_path.read_text()).get("zero_optimization", {})
+        ds_json = json.loads(json_path.read_text())
     except json.JSONDecodeError as exc:
         raise LadderError(f"{json_path} is not valid JSON ({exc}). Fix the file.") from exc
+    zero = ds_json.get("zero_optimization", {})
     return {
-        "mixed_precision": ds_mixed_precision(json.loads(json_path.read_text())),
+        "tp": int((ds_json.get("tensor_parallel") or {}).get("autotp_size", 1)),
+        "mixed_precision": ds_mixed_precision(ds_json),
         "ds_config_path": json_path.resolve(),
         "zero_stage": int(zero.get("stage", 0)),
         "offload_param": (zero.get("offload_param") or {}).get("device", "none"),
@@ -238,8 +250,11 @@ def load_rung(name_or_path: str) -> Rung:
             dims.check_world(num_processes)
             rung = Rung(kind="fsdp", dims=dims, fsdp=_fsdp_settings(cfg, path), mixed_precision=mixed, **common)
         elif dtype == "DEEPSPEED":
-            rung = Rung(kind="deepspeed", dims=ParallelDims(dp_shard=num_processes),
-                        **_deepspeed_fields(cfg, path), **common)
+            fields = _deepspeed_fields(cfg, path)
+            tp = fields.pop("tp")
+            dims = ParallelDims(dp_shard=num_processes // tp, tp=tp)
+            dims.check_world(num_processes)
+            rung = Rung(kind="deepspeed", dims=dims, **fields, **common)
         else:
             raise LadderError(f"{path} has distributed_type {dtype}, which hfdist does not run. Use MULTI_GPU (DDP), "
                               "FSDP or DEEPSPEED.")

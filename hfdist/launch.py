@@ -157,7 +157,7 @@ def _shipped_twin(kind: str, dims: ParallelDims, ds_json: dict | None = None) ->
         if kind == "deepspeed":
             if json.loads(rung.ds_config_path.read_text()) == ds_json:
                 return rung.with_num_processes(dims.world_size)
-        elif (rung.dims.dp_replicate > 1) == (dims.dp_replicate > 1):
+        elif (rung.dims.dp_replicate > 1) == (dims.dp_replicate > 1) and rung.dims.tp == dims.tp:
             try:
                 twin = rung.with_num_processes(dims.world_size)
             except ValueError:
@@ -176,10 +176,13 @@ def _deepspeed_rung_from_env(world: int) -> Rung:
             "from the repository root, or pass --config with the rung's YAML."
         )
     ds = json.loads(path.read_text())
-    twin = _shipped_twin("deepspeed", ParallelDims(dp_shard=world), ds)
+    tp = int((ds.get("tensor_parallel") or {}).get("autotp_size", 1))
+    dims = ParallelDims(dp_shard=world // tp, tp=tp)
+    dims.check_world(world)
+    twin = _shipped_twin("deepspeed", dims, ds)
     zero = ds.get("zero_optimization", {})
     return Rung(name=twin.name if twin else path.stem, kind="deepspeed", num_processes=world,
-                dims=ParallelDims(dp_shard=world), mixed_precision=ds_mixed_precision(ds), ds_config_path=path.resolve(),
+                dims=dims, mixed_precision=ds_mixed_precision(ds), ds_config_path=path.resolve(),
                 zero_stage=int(zero.get("stage", 0)),
                 offload_param=(zero.get("offload_param") or {}).get("device", "none"),
                 offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none"),
@@ -200,7 +203,8 @@ def rung_from_launcher_env() -> Rung:
         return _deepspeed_rung_from_env(world)
     if _env_flag("ACCELERATE_USE_FSDP"):
         replicate = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
-        dims = ParallelDims(dp_replicate=replicate, dp_shard=world // replicate)
+        tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
+        dims = ParallelDims(dp_replicate=replicate, dp_shard=world // (replicate * tp), tp=tp)
         dims.check_world(world)
         settings = FsdpSettings(
             layer_cls_to_wrap=os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer"),

@@ -218,7 +218,8 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     pb = _per_param(rung, w)
 
     zero = rung.zero_stage if rung.kind == "deepspeed" else 0
-    n = dims.dp_shard
+    # hfdist's TP (fsdp rungs) splits every weight over tp but the norms (a few hundred bytes per layer).
+    n = dims.dp_shard * (dims.tp if rung.kind == "fsdp" else 1)
     fsdp = rung.kind == "fsdp"
     shard_opt = n if (fsdp or zero >= 1) else 1
     grads_sharded, weights_sharded = fsdp or zero >= 2, fsdp or zero >= 3
@@ -324,7 +325,8 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
     total = params + (trainable if lora else 0)
     ds = rung.kind == "deepspeed"
     zero = rung.zero_stage if ds else 0
-    n = dims.dp_shard
+    # hfdist's TP (fsdp rungs) splits every weight over tp but the norms (a few hundred bytes per layer).
+    n = dims.dp_shard * (dims.tp if rung.kind == "fsdp" else 1)
     weight = 2 if (ds and dtype == "bf16") else 4
     fp32_grad = 4 if (ds and dtype == "bf16") else 0
     shard_opt = n if (rung.kind == "fsdp" or zero >= 1) else 1

@@ -17,7 +17,8 @@ import torch
 from hfdist.ladder import Rung, load_rung
 from hfdist.launch import cpu_translation, ensure_world, rung_from_launcher_env, settle_mixed_precision
 
-__all__ = ["FinetuneConfig", "ConfigError", "finetune", "batch_layout", "plan_check", "SUMMARY_NAME"]
+__all__ = ["FinetuneConfig", "ConfigError", "finetune", "batch_layout", "plan_check", "check_model_fits_rung",
+           "SUMMARY_NAME"]
 
 SUMMARY_NAME = "hfdist_summary.json"
 CHECK_BLOCKS = 4  # packed blocks every rank scores after training; the saved model must reproduce that loss
@@ -51,6 +52,10 @@ class FinetuneConfig:
     activation_checkpointing: bool = False
     gpu_mem_gb: float | None = None
     skip_plan_check: bool = False
+    wandb: bool = True
+    metrics: bool = True
+    wandb_project: str | None = None
+    compare_id: str | None = None
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -177,6 +182,10 @@ def _apply_strategy(model, rung: Rung, mixed: str, on_gpu: bool):
         model = model.to(torch.device("cuda", torch.cuda.current_device()))
     mesh = rung.dims.build_mesh(device_type)
     dp_mesh = mesh["dp_replicate", "dp_shard"] if rung.dims.dp_replicate > 1 else mesh["dp_shard"]
+    if rung.dims.tp > 1:  # TP first, then FSDP over the data-parallel axes of the same mesh (design.md order)
+        from hfdist.parallel.tensor import apply_tp
+
+        apply_tp(model, mesh["tp"])
     return apply_fsdp(model, dp_mesh, layer_cls_name=rung.fsdp.layer_cls_to_wrap,
                       reshard_after_forward=rung.fsdp.reshard_after_forward,
                       param_dtype=torch.bfloat16 if mixed == "bf16" else None,
@@ -192,8 +201,27 @@ def _check_batch_loss(trainer, dataset) -> float:
     batch = {k: v.to(trainer.args.device) for k, v in batch.items()}
     model = trainer.model_wrapped
     model.eval()
-    loss = model(**batch).loss
+    with trainer.loss_context():
+        loss = trainer.causal_lm_loss(model, batch)
     return float(loss.detach().float().cpu())
+
+
+def check_model_fits_rung(config, rung: Rung) -> None:
+    """Model-specific checks of a rung, before any process or surgery: Llama for TP, tp dividing its sizes.
+
+    Raises:
+        ConfigError / TPError: naming the sizes and what would work.
+    """
+    from hfdist.models import is_llama
+
+    if rung.dims.tp > 1:
+        if not is_llama(config):
+            raise ConfigError(f"{rung.name} applies hfdist's Llama tensor-parallel plan, but the model is a "
+                              f"'{getattr(config, 'model_type', '?')}'. Use a Llama model, or a rung without TP "
+                              "(fsdp_full_shard, zero3).")
+        from hfdist.parallel.tensor import validate_tp
+
+        validate_tp(config, rung.dims.tp)
 
 
 def _gather_ranks(record: dict) -> list[dict]:
@@ -226,6 +254,9 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
     if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not os.environ.get("HFDIST_HANDED_OVER"):
         _check_output_dir(cfg)  # before any process starts: a bad --output-dir or a rung that cannot fit
         plan_check(cfg, rung, micro)  # costs nothing
+        from hfdist.models import DEFAULT_PRESET, load_config
+
+        check_model_fits_rung(load_config(cfg.model or DEFAULT_PRESET, 1024), rung)
     handed_over = ensure_world(rung, script, script_args)
     if handed_over is not None:
         return handed_over
@@ -235,8 +266,11 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.memory import MemoryCallback
     from hfdist.callbacks.progress import QuietProgressCallback
+    from hfdist.callbacks.rank_metrics import RankMetricsCallback
     from hfdist.callbacks.throughput import ThroughputCallback
+    from hfdist.callbacks.wandb_sink import WandbSink
     from hfdist.data import load_raw_dataset, load_tokenizer, tokenize_and_pack
+    from hfdist.metrics.flops import device_peak_flops, model_flops_per_token
     from hfdist.models import PRESETS
     from hfdist.trainer import HfdistTrainer
     from transformers.trainer_callback import ProgressCallback
@@ -256,30 +290,52 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
         dataset = tokenize_and_pack(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len)
     model = _apply_strategy(model, rung, mixed, on_gpu)
 
+    strategy = {"name": rung.name, "world_size": rung.num_processes, **rung.dims.to_dict(),
+                "zero_stage": rung.zero_stage, "lora": cfg.lora, "mixed_precision": mixed, "micro_batch": micro,
+                "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
+                "device": "cuda" if on_gpu else "cpu"}
     losses, memory, throughput = LossRecorder(), MemoryCallback(), ThroughputCallback()
+    rank = int(os.environ.get("RANK", "0"))
+    sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and rank == 0,
+                     project=cfg.wandb_project,
+                     name=f"{rung.name}{'-lora' if cfg.lora else ''}", group=cfg.compare_id, job_type=rung.kind,
+                     config={**strategy, **asdict(cfg)})
+    flops_per_token = model_flops_per_token(model, cfg.seq_len)
+    peak = device_peak_flops(args.device, torch.bfloat16 if mixed == "bf16" else torch.float32)
+    metrics = RankMetricsCallback(memory, throughput, sink, flops_per_token, peak.flops if peak else None,
+                                  ranks_per_replica=rung.dims.tp * rung.dims.pp)
+    # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (scripts/bench_callbacks.py).
+    callbacks = [losses, memory, throughput, metrics] if cfg.metrics else [losses]
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
-                            processing_class=tokenizer, callbacks=[losses, memory, throughput], rung=rung,
-                            lora=cfg.lora)
+                            processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgressCallback())
-    trainer.train()
+    sink.start()  # W&B's start-up (seconds) stays out of the measured training loop
+    train_output = trainer.train()
     check_loss = _check_batch_loss(trainer, dataset)
     trainer.save_model(cfg.output_dir)
 
-    rank = int(os.environ.get("RANK", "0"))
-    ranks = _gather_ranks({"rank": rank, **memory.record(), **throughput.record()})
+    own = {**memory.record(), **throughput.record()} if cfg.metrics else {}
+    rates = metrics.rates(own["tokens_per_second"]) if cfg.metrics else {}
+    ranks = _gather_ranks({"rank": rank, **own, **rates})
     if _is_rank0():
         summary = {
-            "strategy": {"name": rung.name, "world_size": rung.num_processes, **rung.dims.to_dict(),
-                         "zero_stage": rung.zero_stage, "lora": cfg.lora, "mixed_precision": mixed,
-                         "micro_batch": micro, "grad_accum": grad_accum, "global_batch": cfg.global_batch_size,
-                         "seq_len": cfg.seq_len, "device": "cuda" if on_gpu else "cpu"},
+            "strategy": strategy,
             "config": asdict(cfg),
             "losses": losses.losses,
             "check_batch_loss": check_loss,
             "check_blocks": CHECK_BLOCKS,
+            "train_runtime": train_output.metrics.get("train_runtime"),
+            "flops_per_token": flops_per_token,
+            "peak_flops": {"flops": peak.flops, "source": peak.source} if peak else None,
             "ranks": sorted(ranks, key=lambda r: r["rank"]),
         }
+        sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
+                          for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
+                          if any(k in r for r in ranks)})
+        run_dir = sink.run_dir  # gone once the run is finished
+        sink.finish()
+        summary["wandb"] = {"mode": sink.mode, "run_dir": str(run_dir) if run_dir else None, "error": sink.error}
         _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
         print(f"hfdist: {rung.name} done: loss {losses.losses[0]:.4f} -> {losses.losses[-1]:.4f} over "
               f"{len(losses.losses)} steps; model and {SUMMARY_NAME} in {cfg.output_dir}", flush=True)

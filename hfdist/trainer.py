@@ -44,6 +44,53 @@ class HfdistTrainer(Trainer):
             # accelerate prepares autocast only (no DDP wrap, no .to()) and saving joins all ranks.
             self.is_distributed_loading_by_transformers = True
 
+    # -- tensor parallelism: ranks of one tp group share a batch; the loss runs vocab-parallel -------------------
+
+    def get_tp_size(self) -> int:
+        """The rung's tp degree (the Trainer divides token counts and loss scaling by it)."""
+        return self.rung.dims.tp
+
+    def get_train_dataloader(self):
+        loader = super().get_train_dataloader()
+        replicas = self.rung.dims.tp * self.rung.dims.pp
+        if replicas > 1:
+            # accelerate shards batches over every process; with TP the ranks of a tp group must see the same
+            # batch, so shard over the data-parallel ranks only (tp innermost in the mesh: dp rank = rank // tp).
+            shard = loader.batch_sampler
+            shard.num_processes = self.rung.dims.dp
+            shard.process_index = self.args.process_index // replicas
+        return loader
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """`loss_parallel()` under TP (cross-entropy on vocab-sharded logits, forward and backward), else nothing."""
+        if self.rung.dims.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+    def causal_lm_loss(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
+        """The causal-LM loss: HF's own, or under TP the vocab-parallel one (never full logits on a rank)."""
+        if self.rung.dims.tp > 1:
+            from hfdist.parallel.tensor import tp_causal_lm_loss
+
+            return tp_causal_lm_loss(model, inputs, num_items_in_batch)
+        return model(**inputs, num_items_in_batch=num_items_in_batch).loss if num_items_in_batch is not None \
+            else model(**inputs).loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.rung.dims.tp == 1:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        loss = self.causal_lm_loss(model, inputs, num_items_in_batch)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # As the Trainer does: the gradient averaging over data-parallel ranks must not divide a global sum.
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        return (loss, None) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        with self.loss_context():  # backward too must run inside loss_parallel()
+            return super().training_step(model, inputs, num_items_in_batch)
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         verify_strategy(self.rung, model, self.model, self.lora)

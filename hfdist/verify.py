@@ -45,14 +45,24 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
     if not layers or unwrapped or not isinstance(model, FSDPModule):
         _fail(rung, f"{len(unwrapped)} of {len(layers)} {rung.fsdp.layer_cls_to_wrap} modules (or the root) are "
                     "not FSDP2 modules")
-    want = (Replicate(), Shard(0)) if rung.dims.dp_replicate > 1 else (Shard(0),)
-    want_shape = (rung.dims.dp_replicate, rung.dims.dp_shard) if rung.dims.dp_replicate > 1 else (rung.dims.dp_shard,)
+    d = rung.dims
+    want = (Replicate(), Shard(0)) if d.dp_replicate > 1 else (Shard(0),)
+    want_shape = (d.dp_replicate, d.dp_shard) if d.dp_replicate > 1 else (d.dp_shard,)
+    if d.tp > 1:
+        want_shape = (*want_shape, d.tp)
     for name, p in model.named_parameters():
         if not isinstance(p, DTensor):
             _fail(rung, f"parameter {name} is a plain tensor, not a sharded DTensor")
-        if tuple(p.placements) != want or tuple(p.device_mesh.shape) != want_shape:
+        # FSDP2 shards dim 0 of a TP-split weight as a _StridedShard (torch-private, no Shard subclass).
+        dp_ok = all(isinstance(w, Replicate) and isinstance(got, Replicate) or
+                    isinstance(w, Shard) and type(got).__name__ in ("Shard", "_StridedShard") and got.dim == w.dim
+                    for w, got in zip(want, p.placements))
+        if not dp_ok or tuple(p.device_mesh.shape) != want_shape:
             _fail(rung, f"parameter {name} has placements {p.placements} on a mesh of shape "
-                        f"{tuple(p.device_mesh.shape)}; expected {want} on {want_shape}")
+                        f"{tuple(p.device_mesh.shape)}; expected {want} (+ tp) on {want_shape}")
+        # Megatron TP: the column-parallel q_proj is split on its output dim across the tp axis.
+        if d.tp > 1 and name.endswith("q_proj.weight") and "lora" not in name and p.placements[-1] != Shard(0):
+            _fail(rung, f"{name} is not column-split over tp (placements {p.placements})")
 
 
 def _check_deepspeed(rung: Rung, wrapped: nn.Module) -> None:
@@ -61,6 +71,10 @@ def _check_deepspeed(rung: Rung, wrapped: nn.Module) -> None:
     stage = wrapped.zero_optimization_stage()
     if stage != rung.zero_stage:
         _fail(rung, f"DeepSpeed runs ZeRO stage {stage}, the config asks for {rung.zero_stage}")
+    if rung.dims.tp > 1:
+        split = [m for m in wrapped.module.modules() if type(m).__name__ in ("LinearLayer", "LinearAllreduce")]
+        if not split:
+            _fail(rung, f"DeepSpeed AutoTP (autotp_size={rung.dims.tp}) replaced no Linear layer")
     got = {}
     for key, section in (("offload_param", wrapped.zero_offload_param()),
                          ("offload_optimizer", wrapped.zero_offload_optimizer())):

@@ -49,6 +49,12 @@ def parse_args(argv: list[str]) -> FinetuneConfig:
                    help="memory per device to plan against (default: the GPU's own; no check on CPU without it)")
     p.add_argument("--skip-plan-check", action="store_true",
                    help="launch even if the memory planner predicts the rung cannot fit")
+    p.add_argument("--no-wandb", dest="wandb", action="store_false",
+                   help="no W&B run (default: one per run, offline unless you are logged in)")
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="leave out hfdist's memory/throughput callbacks (and W&B); to measure their cost")
+    p.add_argument("--wandb-project", default=d.wandb_project, help="W&B project (default hfdist)")
+    p.add_argument("--compare-id", default=d.compare_id, help="W&B group shared by the runs of one comparison")
     a = p.parse_args(argv)
     return FinetuneConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
 

@@ -36,3 +36,23 @@ def test_batch_not_divisible_by_ranks(tmp_path):
 def test_sequence_longer_than_positions(tmp_path):
     proc = _finetune("--model", "llama-tiny", "--seq-len", "1024", "--output-dir", str(tmp_path / "o"))
     assert proc.returncode == 2 and "max_position_embeddings 512" in proc.stderr
+
+
+def test_tp_not_dividing_the_heads(tmp_path):
+    from transformers import LlamaConfig
+
+    model = tmp_path / "three_heads"
+    LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3,
+                num_key_value_heads=3, vocab_size=1024).save_pretrained(model)
+    proc = _finetune("--config", "fsdp_tp", "--model", str(model), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "3" in proc.stderr and "tp" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_planner_refuses_a_rung_that_cannot_fit(tmp_path):
+    proc = _finetune("--config", "ddp", "--model", "llama-3.1-8b", "--gpu-mem-gb", "80",
+                     "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2
+    assert "ddp is predicted to need" in proc.stderr and "simplest rung that fits" in proc.stderr
+    assert "fsdp_full_shard" in proc.stderr  # the planner's table is shown

@@ -32,6 +32,7 @@ class MemoryCallback(TrainerCallback):
         self._model: torch.nn.Module | None = None
         self._hooks: list = []
         self._device = torch.device("cpu")
+        self._run_peaks: dict[str, int] = {}
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._model = model
@@ -60,10 +61,21 @@ class MemoryCallback(TrainerCallback):
             hook.remove()
         self._hooks = []
 
-    def record(self) -> dict[str, int]:
-        """This rank's figures: params, peak grads, optimizer state, master copies, peak memory (+ CUDA stats)."""
+    def take_window(self) -> dict[str, int]:
+        """This window's figures (CUDA peaks since the previous call, then reset); the run's peaks keep the max."""
         out = {k: v for k, v in self.state_bytes.items() if k != "grad_bytes"}
         out["grad_bytes"] = self.peak_grad_bytes
         out["peak_memory_bytes"] = peak_memory_bytes(self._device)
         out.update(cuda_memory_stats(self._device))
+        for key in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes"):
+            if key in out:
+                self._run_peaks[key] = max(self._run_peaks.get(key, 0), out[key])
+        reset_peak_memory(self._device)
+        return out
+
+    def record(self) -> dict[str, int]:
+        """This rank's figures for the whole run: params, peak grads, optimizer state, master copies, peak memory
+        (+ CUDA stats), the peaks being the max over all windows."""
+        out = self.take_window()
+        out.update(self._run_peaks)
         return out

@@ -24,6 +24,7 @@ class ThroughputCallback(TrainerCallback):
         self._t0 = 0.0
         self._hook = None
         self._device = torch.device("cpu")
+        self._window_start = 0
 
     def _count_tokens(self, module, args, kwargs) -> None:
         if not module.training:
@@ -57,6 +58,14 @@ class ThroughputCallback(TrainerCallback):
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
+
+    def take_window(self) -> dict[str, float]:
+        """Steps, seconds and tokens since the previous call (one logging window)."""
+        times, tokens = self.step_times[self._window_start:], self.step_tokens[self._window_start:]
+        self._window_start = len(self.step_times)
+        seconds = sum(times)
+        return {"steps": len(times), "step_seconds": seconds / max(len(times), 1), "tokens": sum(tokens),
+                "tokens_per_second": sum(tokens) / seconds if seconds > 0 else 0.0}
 
     def record(self) -> dict[str, float]:
         """Tokens/s of this rank (warm-up step excluded when possible), mean step time, total tokens."""

@@ -150,6 +150,10 @@ class WandbSink:
             self._run = self._call("init", self._start)
         return None if self._closed else self._run
 
+    def start(self) -> bool:
+        """Open the run now (e.g. before training, so W&B's start-up stays out of step times); True if it is open."""
+        return self._ensure_run() is not None
+
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one step's metrics (already gathered: `rank{r}/...` series and their aggregates)."""
         run = self._ensure_run()

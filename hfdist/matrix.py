@@ -1,0 +1,127 @@
+"""The comparison matrix: run summaries (hfdist_summary.json) -> one row per strategy -> CSV, Markdown, PNG plots.
+
+Every figure comes from a run's own measurements; nothing here computes a throughput or a memory figure.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+from statistics import mean
+from typing import Any, Iterable
+
+from hfdist.errors import HfdistError
+
+__all__ = ["MatrixError", "COLUMNS", "matrix_row", "load_rows", "write_matrix", "hardware_name"]
+
+COLUMNS = ("strategy", "world_size", "dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "lora", "micro_batch",
+           "global_batch", "seq_len", "tokens_per_s_per_device", "tflops_per_device", "mfu",
+           "peak_mem_max_mb", "peak_mem_min_mb", "param_mb_per_rank", "grad_mb_per_rank", "optimizer_mb_per_rank",
+           "final_loss")
+_MB = 1e6
+
+
+class MatrixError(HfdistError, ValueError):
+    """No usable run summaries where the matrix was asked to look."""
+
+
+def hardware_name() -> str:
+    """A folder name for this machine's results: the GPU model and count, or the CPU core count."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name(0).replace("NVIDIA ", "").lower()
+        return f"{'-'.join(name.split())}-x{torch.cuda.device_count()}"
+    return f"cpu-{os.cpu_count()}core"
+
+
+def matrix_row(summary: dict[str, Any]) -> dict[str, Any]:
+    """One row of the matrix from one run summary (per-rank figures: max over ranks unless named min/mean)."""
+    s, ranks = summary["strategy"], summary["ranks"]
+    name = s["name"] + ("+lora" if s["lora"] else "")
+    row: dict[str, Any] = {"strategy": name, **{k: s[k] for k in COLUMNS[1:11]}}
+    # Ranks of one tp x pp group process the same tokens: a device's share is its rate over tp x pp.
+    row["tokens_per_s_per_device"] = round(mean(r["tokens_per_second"] for r in ranks) / (s["tp"] * s["pp"]), 1)
+    row["tflops_per_device"] = round(mean(r["tflops_per_device"] for r in ranks), 4)
+    row["mfu"] = round(mean(r["mfu"] for r in ranks), 4) if all("mfu" in r for r in ranks) else None
+    row["peak_mem_max_mb"] = round(max(r["peak_memory_bytes"] for r in ranks) / _MB, 1)
+    row["peak_mem_min_mb"] = round(min(r["peak_memory_bytes"] for r in ranks) / _MB, 1)
+    for key in ("param", "grad"):
+        row[f"{key}_mb_per_rank"] = round(max(r[f"{key}_bytes"] for r in ranks) / _MB, 3)
+    row["optimizer_mb_per_rank"] = round(max(r["optimizer_bytes"] + r["master_bytes"] for r in ranks) / _MB, 3)
+    row["final_loss"] = round(summary["losses"][-1], 4)
+    return row
+
+
+def load_rows(summary_paths: Iterable[Path]) -> list[dict[str, Any]]:
+    """Rows for every summary file, in the order given.
+
+    Raises:
+        MatrixError: no summary file among the paths.
+    """
+    rows = [matrix_row(json.loads(Path(p).read_text())) for p in summary_paths if Path(p).is_file()]
+    if not rows:
+        raise MatrixError("No hfdist_summary.json found: run scripts/compare.py (or scripts/finetune.py) first, "
+                          "and point the matrix at the folders they wrote.")
+    return rows
+
+
+def _markdown(rows: list[dict[str, Any]], title: str, notes: list[str]) -> str:
+    lines = [f"# {title}", "", *notes, "", "| " + " | ".join(COLUMNS) + " |",
+             "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join("" if row[c] is None else str(row[c]) for c in COLUMNS) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _plots(rows: list[dict[str, Any]], out_dir: Path, hardware: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["strategy"] for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(rows)), 4.5))
+    ax.bar(x, [r["peak_mem_max_mb"] for r in rows], color="tab:blue", label="peak per rank (max over ranks)")
+    ax.scatter(x, [r["peak_mem_min_mb"] for r in rows], color="black", marker="_", s=300, zorder=3,
+               label="peak per rank (min over ranks)")
+    states = [r["param_mb_per_rank"] + r["grad_mb_per_rank"] + r["optimizer_mb_per_rank"] for r in rows]
+    ax.bar(x, states, color="tab:orange", width=0.4, label="params + grads + optimizer state held")
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_ylabel("MB per rank")
+    ax.set_title(f"Per-rank memory by strategy ({hardware})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    memory = out_dir / "memory.png"
+    fig.savefig(memory, dpi=120)
+    plt.close(fig)
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(rows)), 4.5))
+    left.bar(x, [r["tokens_per_s_per_device"] for r in rows], color="tab:green")
+    left.set_ylabel("tokens/s per device")
+    left.set_title("Throughput")
+    right.bar(x, [100 * (r["mfu"] or 0) for r in rows], color="tab:purple")
+    right.set_ylabel("MFU (%)")
+    right.set_title("Model FLOPs utilisation")
+    for ax in (left, right):
+        ax.set_xticks(list(x), names, rotation=30, ha="right")
+    fig.suptitle(f"Throughput by strategy ({hardware})")
+    fig.tight_layout()
+    throughput = out_dir / "throughput.png"
+    fig.savefig(throughput, dpi=120)
+    plt.close(fig)
+    return [memory, throughput]
+
+
+def write_matrix(rows: list[dict[str, Any]], out_dir: Path, hardware: str, notes: list[str]) -> list[Path]:
+    """Write matrix.csv, matrix.md and the plots into `out_dir`; return the paths written."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / "matrix.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    (out_dir / "matrix.md").write_text(_markdown(rows, f"Strategy matrix: {hardware}", notes))
+    return [out_dir / "matrix.csv", out_dir / "matrix.md", *_plots(rows, out_dir, hardware)]
