@@ -218,8 +218,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     pb = _per_param(rung, w)
 
     zero = rung.zero_stage if rung.kind == "deepspeed" else 0
-    # hfdist's TP (fsdp rungs) splits every weight over tp but the norms (a few hundred bytes per layer).
-    n = dims.dp_shard * (dims.tp if rung.kind == "fsdp" else 1)
+    n = dims.dp_shard
     fsdp = rung.kind == "fsdp"
     shard_opt = n if (fsdp or zero >= 1) else 1
     grads_sharded, weights_sharded = fsdp or zero >= 2, fsdp or zero >= 3

@@ -78,7 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         sink.log_table("matrix", list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows])
         sink.finish()
         print("\n".join(f"wrote {p}" for p in written))
-        if sink.mode != "online":
+        if sink.mode == "online" and sink.error is None:
+            from hfdist.wandb_report import build_comparison_report
+
+            try:
+                print(f"W&B report: {build_comparison_report(sink.project, compare_id)}")
+            except Exception as exc:  # the matrix is written; a report is a view of it
+                print(f"hfdist: warning: could not build the W&B report ({exc}); the runs are in group {compare_id}")
+        else:
             print(sync_instructions(sorted(runs_dir.glob("*/wandb/offline-run-*")) +
                                     sorted(runs_dir.glob("wandb/offline-run-*")), group=compare_id))
         return 0

@@ -202,6 +202,8 @@ def main() -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(result, f, indent=1)
+    # Both ranks leave together: gloo aborts a process whose peer tears the group down under it.
+    dist.barrier()
     dist.destroy_process_group()
 
 

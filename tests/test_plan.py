@@ -228,7 +228,7 @@ def test_sharding_per_rung():
     p = ModelShape.from_config(config).total_params
     plan = plan_rungs(config, gpus_per_node=4, nodes=2, gpu_mem_bytes=H100)
     assert [r.name for r in plan.rungs] == ["ddp", "zero1", "zero2", "fsdp_full_shard", "zero3", "fsdp_hybrid",
-                                            "zero3_offload_cpu", "zero3_offload_nvme"]
+                                            "fsdp_tp", "zero2_tp", "zero3_offload_cpu", "zero3_offload_nvme"]
     b = {r.name: r.bytes for r in plan.rungs}
     assert (b["ddp"].weights, b["ddp"].grads, b["ddp"].master, b["ddp"].optimizer) == (2 * p, 2 * p, 4 * p, 8 * p)
     assert b["zero1"].grads == 2 * p and b["zero1"].optimizer == 8 * p // 8
@@ -319,7 +319,9 @@ def test_recommendation_follows_decision_table(model, gpus, nodes, lora, expecte
 
 
 def test_offload_recommendation_hints_at_cheaper_fix():
-    plan = plan_rungs(load_config("llama-3.1-70b"), gpus_per_node=8, nodes=4, gpu_mem_bytes=H100)
+    data_parallel = ["ddp", "zero1", "zero2", "fsdp_full_shard", "zero3", "fsdp_hybrid", "zero3_offload_cpu",
+                     "zero3_offload_nvme"]  # without the TP rungs, which fit 70B on 32 GPUs
+    plan = plan_rungs(load_config("llama-3.1-70b"), data_parallel, gpus_per_node=8, nodes=4, gpu_mem_bytes=H100)
     assert plan.recommended.name == "zero3_offload_cpu"
     assert plan.hint.startswith("add --activation-checkpointing: then fsdp_full_shard fits")
 
@@ -334,13 +336,19 @@ def test_predict_state_bytes_fp32_cpu_runs():
     assert (ddp.param_bytes, ddp.grad_bytes, ddp.optimizer_bytes, ddp.master_bytes) == (4 * p, 4 * p, 8 * p, 0)
     fsdp = predict_state_bytes(config, load_rung("fsdp_full_shard"), 2)
     assert (fsdp.param_bytes, fsdp.grad_bytes, fsdp.optimizer_bytes) == (2 * p, 2 * p, 4 * p)
-    zero1 = predict_state_bytes(config, load_rung("zero1"), 2)  # DeepSpeed clones an fp32 master partition
+    # An fp32 full fine-tune without offload: DeepSpeed steps the weights' own fp32 buffer (no master copy) ...
+    zero1 = predict_state_bytes(config, load_rung("zero1"), 2)
     assert (zero1.param_bytes, zero1.grad_bytes, zero1.optimizer_bytes, zero1.master_bytes) == \
-        (4 * p, 4 * p, 6 * p, 2 * p)
+        (4 * p, 4 * p, 4 * p, 0)
     zero2 = predict_state_bytes(config, load_rung("zero2"), 2)
-    assert (zero2.param_bytes, zero2.grad_bytes, zero2.optimizer_bytes) == (4 * p, 2 * p, 6 * p)
+    assert (zero2.param_bytes, zero2.grad_bytes, zero2.optimizer_bytes) == (4 * p, 2 * p, 4 * p)
     zero3 = predict_state_bytes(config, load_rung("zero3"), 4)
-    assert (zero3.param_bytes, zero3.grad_bytes, zero3.optimizer_bytes) == (p, p, 3 * p)
+    assert (zero3.param_bytes, zero3.grad_bytes, zero3.optimizer_bytes) == (p, p, 2 * p)
+    # ... while offload keeps an fp32 master partition beside the Adam moments.
+    offload = predict_state_bytes(config, load_rung("zero3_offload_cpu"), 2)
+    assert (offload.optimizer_bytes, offload.master_bytes) == (6 * p, 2 * p)
+    tp = predict_state_bytes(config, load_rung("fsdp_tp"), 4)  # 2 x 2: every weight split over dp and tp
+    assert (tp.param_bytes, tp.grad_bytes, tp.optimizer_bytes) == (p, p, 2 * p)
     hybrid = predict_state_bytes(config, load_rung("fsdp_hybrid"), 4)  # the YAML's 2 x 2: sharded over 2
     assert hybrid.param_bytes == 2 * p
 

@@ -175,3 +175,15 @@ def test_sync_instructions_name_the_dirs():
     text = sync_instructions(["/o/ddp/wandb/offline-run-1", "/o/fsdp/wandb/offline-run-2"], project="p", group="g")
     assert "wandb sync --project p /o/ddp/wandb/offline-run-1 /o/fsdp/wandb/offline-run-2" in text
     assert "group 'g'" in text
+
+
+def test_comparison_report_panels_cover_the_compared_figures():
+    """The online report is built from the same keys the runs log (constructed here; saving needs a server)."""
+    from hfdist.wandb_report import comparison_report
+
+    report = comparison_report("me", "hfdist", "cmp-123")
+    grid = report.blocks[-1]
+    (runset,) = grid.runsets
+    assert runset.filters == "Group == 'cmp-123'" and runset.project == "hfdist"
+    keys = {y for panel in grid.panels for y in (getattr(panel, "y", None) or getattr(panel, "metrics", []))}
+    assert {"tokens_per_second/mean", "mfu/mean", "peak_memory_bytes/max", "loss"} <= keys

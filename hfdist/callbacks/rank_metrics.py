@@ -19,7 +19,7 @@ from hfdist.metrics.flops import mfu, tflops_per_device
 
 __all__ = ["RankMetricsCallback", "METRIC_KEYS"]
 
-METRIC_KEYS = ("step_seconds", "tokens", "tokens_per_second", "tflops_per_device", "mfu", "peak_memory_bytes",
+METRIC_KEYS = ("step_seconds", "tokens", "tokens_per_second", "samples_per_second", "tflops_per_device", "mfu", "peak_memory_bytes",
                "param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes", "peak_allocated_bytes",
                "peak_reserved_bytes", "peak_active_bytes", "alloc_retries", "ooms")
 

@@ -20,7 +20,9 @@ class ThroughputCallback(TrainerCallback):
     def __init__(self) -> None:
         self.step_times: list[float] = []
         self.step_tokens: list[int] = []
+        self.step_samples: list[int] = []
         self._pending_tokens: torch.Tensor | int = 0
+        self._pending_samples = 0
         self._t0 = 0.0
         self._hook = None
         self._device = torch.device("cpu")
@@ -31,6 +33,8 @@ class ThroughputCallback(TrainerCallback):
             return
         mask = kwargs.get("attention_mask")
         ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is not None:
+            self._pending_samples += ids.shape[0]
         if mask is not None:
             self._pending_tokens = self._pending_tokens + mask.sum()
         elif ids is not None:
@@ -52,7 +56,8 @@ class ThroughputCallback(TrainerCallback):
         self._sync()
         self.step_times.append(time.perf_counter() - self._t0)
         self.step_tokens.append(int(self._pending_tokens))
-        self._pending_tokens = 0
+        self.step_samples.append(self._pending_samples)
+        self._pending_tokens = self._pending_samples = 0
 
     def on_train_end(self, args, state, control, **kwargs):
         if self._hook is not None:
@@ -61,11 +66,12 @@ class ThroughputCallback(TrainerCallback):
 
     def take_window(self) -> dict[str, float]:
         """Steps, seconds and tokens since the previous call (one logging window)."""
-        times, tokens = self.step_times[self._window_start:], self.step_tokens[self._window_start:]
-        self._window_start = len(self.step_times)
-        seconds = sum(times)
-        return {"steps": len(times), "step_seconds": seconds / max(len(times), 1), "tokens": sum(tokens),
-                "tokens_per_second": sum(tokens) / seconds if seconds > 0 else 0.0}
+        start, self._window_start = self._window_start, len(self.step_times)
+        seconds = sum(self.step_times[start:])
+        tokens, samples = sum(self.step_tokens[start:]), sum(self.step_samples[start:])
+        return {"steps": len(self.step_times) - start, "step_seconds": seconds / max(len(self.step_times) - start, 1),
+                "tokens": tokens, "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+                "samples_per_second": samples / seconds if seconds > 0 else 0.0}
 
     def record(self) -> dict[str, float]:
         """Tokens/s of this rank (warm-up step excluded when possible), mean step time, total tokens."""
@@ -74,6 +80,7 @@ class ThroughputCallback(TrainerCallback):
         tokens = sum(self.step_tokens[skip:])
         return {
             "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
+            "samples_per_second": sum(self.step_samples[skip:]) / seconds if seconds > 0 else 0.0,
             "mean_step_seconds": seconds / max(len(self.step_times) - skip, 1),
             "tokens": sum(self.step_tokens),
             "steps": len(self.step_times),

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 __all__ = ["TOKEN_KEYS", "WandbSink", "aggregate_ranks", "resolve_wandb_mode", "sync_instructions"]
 
 # Counts that add up over ranks; under TP/PP every rank of a replica counts the same tokens (divide by tp·pp).
-TOKEN_KEYS = frozenset({"tokens", "tokens_per_second"})
+TOKEN_KEYS = frozenset({"tokens", "tokens_per_second", "samples_per_second"})
 _DEFAULT_PROJECT = "hfdist"
 _DEFAULT_BASE_URL = "https://api.wandb.ai"
 
@@ -114,6 +114,11 @@ class WandbSink:
         self._closed = not active
 
     @property
+    def project(self) -> str:
+        """The W&B project the run goes to."""
+        return self._init_kwargs["project"]
+
+    @property
     def run_dir(self) -> Path | None:
         """The run's local folder (`.../wandb/offline-run-*` offline), once started; None otherwise."""
         if self._run is None or self.mode == "disabled":
@@ -194,5 +199,6 @@ def sync_instructions(run_dirs: Iterable[str | os.PathLike], project: str | None
     where = f"group '{group}'" if group else "the runs"
     return (f"W&B runs were written offline. To upload them (after `wandb login` once):\n"
             f"  wandb sync --project {project} {dirs}\n"
-            f"Then, in project '{project}', group by Group to compare {where}, and build a report from the "
-            f"workspace (or in code with wandb-workspaces: pip install 'wandb[workspaces]').")
+            f"Then, in project '{project}', group by Group to compare {where}; for a report, run\n"
+            f"  python -c \"from hfdist.wandb_report import build_comparison_report as b; "
+            f"print(b('{project}', '{group}'))\"")

@@ -84,10 +84,29 @@ def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
             "master_bytes": master_bytes}
 
 
+def _vm_hwm_bytes() -> int | None:
+    """This process image's peak RSS (Linux VmHWM), or None where /proc has no such line."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this rank: CUDA max allocated on GPU, the process's peak RSS on CPU."""
+    """Peak memory of this rank: CUDA max allocated on GPU, the process's peak RSS on CPU.
+
+    On Linux the peak RSS is VmHWM: getrusage's ru_maxrss survives exec, so a rank started by a bigger launcher
+    (pytest, a notebook) would report the launcher's peak.
+    """
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
+    hwm = _vm_hwm_bytes()
+    if hwm is not None:
+        return hwm
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # Linux reports KiB, macOS bytes
 
