@@ -7,12 +7,11 @@ label tokens, which keeps distributed losses equal to the single-process ones.
 
 from __future__ import annotations
 
-from hfdist.errors import HfdistError
-
 from pathlib import Path
 from typing import Any
 
 from hfdist.default_data import DATA_FILE, TOKENIZER_DIR
+from hfdist.errors import HfdistError
 
 __all__ = ["DataError", "load_tokenizer", "load_raw_dataset", "detect_format", "tokenize_and_pack", "PROMPT_TEMPLATE"]
 

@@ -7,9 +7,9 @@ node), data parallelism outermost so its once-per-step collectives may cross nod
 
 from __future__ import annotations
 
-from hfdist.errors import HfdistError
-
 from dataclasses import asdict, dataclass
+
+from hfdist.errors import HfdistError
 
 __all__ = ["ParallelDims", "DimsError"]
 

@@ -7,8 +7,6 @@ user needs to choose one (scenario, what is sharded, when to pick it).
 
 from __future__ import annotations
 
-from hfdist.errors import HfdistError
-
 import json
 import os
 from dataclasses import dataclass, replace
@@ -18,6 +16,7 @@ from typing import Any
 import yaml
 
 from hfdist.dims import DimsError, ParallelDims
+from hfdist.errors import HfdistError
 
 __all__ = [
     "Rung",

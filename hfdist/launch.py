@@ -7,8 +7,6 @@ for it; inside that world it checks that the launcher's settings are the rung's.
 
 from __future__ import annotations
 
-from hfdist.errors import HfdistError
-
 import json
 import os
 import socket
@@ -20,6 +18,7 @@ from pathlib import Path
 import torch
 
 from hfdist.dims import ParallelDims
+from hfdist.errors import HfdistError
 from hfdist.ladder import (
     CONFIG_ROOT,
     RUNG_INFO,

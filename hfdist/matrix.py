@@ -84,16 +84,27 @@ def _plots(rows: list[dict[str, Any]], out_dir: Path, hardware: str) -> list[Pat
 
     names = [r["strategy"] for r in rows]
     x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(max(7, 0.9 * len(rows)), 4.5))
-    ax.bar(x, [r["peak_mem_max_mb"] for r in rows], color="tab:blue", label="peak per rank (max over ranks)")
-    ax.scatter(x, [r["peak_mem_min_mb"] for r in rows], color="black", marker="_", s=300, zorder=3,
-               label="peak per rank (min over ranks)")
-    states = [r["param_mb_per_rank"] + r["grad_mb_per_rank"] + r["optimizer_mb_per_rank"] for r in rows]
-    ax.bar(x, states, color="tab:orange", width=0.4, label="params + grads + optimizer state held")
-    ax.set_xticks(list(x), names, rotation=30, ha="right")
-    ax.set_ylabel("MB per rank")
-    ax.set_title(f"Per-rank memory by strategy ({hardware})")
-    ax.legend(fontsize=8)
+    # Two panels: peak memory is dominated by libraries and buffers on a small model, so the model states the
+    # sharding acts on get their own scale.
+    fig, (peak, states) = plt.subplots(1, 2, figsize=(max(10, 1.6 * len(rows)), 4.8))
+    peak.bar(x, [r["peak_mem_max_mb"] for r in rows], color="tab:blue", label="max over ranks")
+    peak.scatter(x, [r["peak_mem_min_mb"] for r in rows], color="black", marker="_", s=300, zorder=3,
+                 label="min over ranks")
+    peak.set_ylabel("MB per rank")
+    peak.set_title("Peak memory per rank")
+    peak.legend(fontsize=8)
+    bottom = [0.0] * len(rows)
+    for key, color in (("param_mb_per_rank", "tab:orange"), ("grad_mb_per_rank", "tab:red"),
+                       ("optimizer_mb_per_rank", "tab:gray")):
+        values = [r[key] for r in rows]
+        states.bar(x, values, bottom=bottom, color=color, label=key.removesuffix("_mb_per_rank"))
+        bottom = [b + v for b, v in zip(bottom, values)]
+    states.set_ylabel("MB per rank (max over ranks)")
+    states.set_title("Model states held: params + grads + optimizer (+ master)")
+    states.legend(fontsize=8)
+    for ax in (peak, states):
+        ax.set_xticks(list(x), names, rotation=30, ha="right")
+    fig.suptitle(f"Per-rank memory by strategy ({hardware})")
     fig.tight_layout()
     memory = out_dir / "memory.png"
     fig.savefig(memory, dpi=120)

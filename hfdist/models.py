@@ -6,12 +6,12 @@ real-shape ones (Llama-3.2-1B, 3.1-8B/70B/405B) feed the memory planner and meta
 
 from __future__ import annotations
 
-from hfdist.errors import HfdistError
-
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from hfdist.errors import HfdistError
 
 __all__ = ["PRESETS", "ModelSpecError", "preset_names", "load_config", "build_model", "is_llama"]
 

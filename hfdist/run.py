@@ -5,8 +5,6 @@ Order of the strategy steps (design.md): [LoRA] -> apply_fsdp -> Trainer (DDP / 
 
 from __future__ import annotations
 
-from hfdist.errors import HfdistError
-
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -14,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from hfdist.errors import HfdistError
 from hfdist.ladder import Rung, load_rung
 from hfdist.launch import cpu_translation, ensure_world, rung_from_launcher_env, settle_mixed_precision
 
@@ -262,6 +261,7 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
         return handed_over
 
     from transformers import default_data_collator
+    from transformers.trainer_callback import ProgressCallback
 
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.memory import MemoryCallback
@@ -273,7 +273,6 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
     from hfdist.metrics.flops import device_peak_flops, model_flops_per_token
     from hfdist.models import PRESETS
     from hfdist.trainer import HfdistTrainer
-    from transformers.trainer_callback import ProgressCallback
 
     on_gpu = torch.cuda.is_available()
     mixed = settle_mixed_precision(rung, on_gpu)

@@ -6,12 +6,11 @@ said FSDP, ZeRO not engaged, LoRA saving empty adapters), so every run checks it
 
 from __future__ import annotations
 
-from hfdist.errors import HfdistError
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hfdist.errors import HfdistError
 from hfdist.ladder import Rung
 
 __all__ = ["StrategyNotInEffect", "verify_strategy"]

@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     settings, args = parse_args(argv)
     import torch
     import transformers
-
     from _pp_bench_worker import make_model
+
     from hfdist.matrix import hardware_name
 
     out_dir = args.out or REPO / "results" / hardware_name()

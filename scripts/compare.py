@@ -11,6 +11,7 @@ plus a W&B table.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -73,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                  f"{args.seq_len} tokens, {args.max_steps} steps; tokens/s per device excludes the first step.",
                  "MFU on CPU is against the measured fp32 matmul peak of one process (hfdist.metrics.flops); "
                  "peak memory is the process's peak RSS on CPU, CUDA max allocated on GPU."]
+        cores = os.cpu_count() or 1
+        crowded = [r["strategy"] for r in rows if hardware.startswith("cpu") and r["world_size"] > cores]
+        if crowded:
+            notes.append(f"{', '.join(crowded)} run more processes than this machine has cores ({cores}): their "
+                         "per-device rates share cores and are not comparable with the others'.")
         written = write_matrix(rows, out, hardware, notes)
         sink = WandbSink(output_dir=runs_dir, active=True, name="matrix", group=compare_id, job_type="matrix")
         sink.log_table("matrix", list(COLUMNS), [[r[c] for c in COLUMNS] for r in rows])

@@ -116,8 +116,9 @@ def test_runs_measure_throughput_and_peak_memory(runs):
 
 
 def _check_batch(summary: dict):
-    from hfdist.data import load_raw_dataset, load_tokenizer, tokenize_and_pack
     from transformers import default_data_collator
+
+    from hfdist.data import load_raw_dataset, load_tokenizer, tokenize_and_pack
 
     tok = load_tokenizer(None, is_preset=True)
     ds = tokenize_and_pack(load_raw_dataset(None), tok, summary["strategy"]["seq_len"])

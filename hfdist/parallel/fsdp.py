@@ -6,10 +6,10 @@ silently runs DDP on CPU, and the same code path on CPU and GPU is what makes th
 
 from __future__ import annotations
 
-from hfdist.errors import HfdistError
-
 import torch
 from torch import nn
+
+from hfdist.errors import HfdistError
 
 __all__ = ["FsdpError", "apply_fsdp", "find_layers", "is_instance_of_named"]
 
