@@ -18,7 +18,6 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -216,26 +215,18 @@ def memory_case(mesh, s: BenchSettings, spec: str) -> dict:
     return {"spec": spec, "global_batch": batch, "ranks": ranks}
 
 
-def _timed(fn: Callable, clock: list[float]) -> Callable:
-    def wrapper(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            clock[0] += time.perf_counter() - start
-    return wrapper
-
-
 def _native_forward(model, ids: torch.Tensor, s: BenchSettings) -> dict:
     """Time no-grad forwards of the whole batch. A rank is idle while it waits in the stage's receive or in the
     logits broadcast (both also carry the transfer, which a CPU run cannot separate from waiting)."""
+    from hfdist.parallel.pipeline_bubble import timed
+
     stage = model._pp_stage
     with torch.no_grad():
         for _ in range(s.warmup):
             model(input_ids=ids)
         wait = [0.0]
-        stage.communicate = _timed(stage.communicate, wait)
-        stage.broadcast_from_last = _timed(stage.broadcast_from_last, wait)
+        stage.communicate = timed(stage.communicate, wait)
+        stage.broadcast_from_last = timed(stage.broadcast_from_last, wait)
         wall, calls = 0.0, s.rounds * s.steps
         for _ in range(calls):
             dist.barrier()

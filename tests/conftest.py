@@ -25,6 +25,17 @@ def run_cmd(cmd: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def torchrun_json(worker: Path, nproc: int, out: Path, timeout: int) -> dict:
+    """Run a test worker on `nproc` gloo ranks (torchrun picks a free port) and return the JSON it writes to `out`."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           str(worker), str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, f"{worker.name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return json.loads(out.read_text())
+
+
 def accelerate(*args: str) -> list[str]:
     """`accelerate launch ...` through this interpreter (the venv's accelerate, whatever PATH says)."""
     return [sys.executable, "-m", "accelerate.commands.launch", *args]

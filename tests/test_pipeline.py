@@ -7,10 +7,6 @@ relative 1e-5 (fp32; micro-batching changes matmul shapes and summation order, o
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -31,6 +27,8 @@ from hfdist.parallel.pipeline import (
     validate_microbatches,
 )
 from hfdist.parallel.pipeline_plan import SCHEDULES
+
+from conftest import torchrun_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL = 1e-5
@@ -252,15 +250,7 @@ def test_runner_layout_and_errors():
 
 @pytest.fixture(scope="module")
 def pp_results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("pp") / "pp.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    # --standalone: torchrun picks a free rendezvous port itself.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "_pp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, f"pipeline worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return torchrun_json(ROOT / "tests" / "_pp_worker.py", 2, tmp_path_factory.mktemp("pp") / "pp.json", timeout=300)
 
 
 def _run(pp_results: dict, name: str) -> dict:

@@ -11,10 +11,6 @@ so the 1e-6 rounding differences of near-zero gradient entries become update dif
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -37,6 +33,8 @@ from hfdist.parallel.tensor import (
     valid_tp_degrees,
     validate_tp,
 )
+
+from conftest import torchrun_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RTOL, PARAM_ATOL = 1e-5, 1e-4
@@ -187,15 +185,7 @@ def test_apply_tp_shards_heads_and_refuses_misuse():
 
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("tp") / "tp.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    # --standalone: torchrun picks a free rendezvous port itself.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(ROOT / "tests" / "_tp_worker.py"), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert proc.returncode == 0, f"tensor-parallel worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    return json.loads(out.read_text())
+    return torchrun_json(ROOT / "tests" / "_tp_worker.py", 4, tmp_path_factory.mktemp("tp") / "tp.json", timeout=400)
 
 
 def _case(results: dict, name: str) -> dict:

@@ -52,7 +52,8 @@ class BubbleMeasurement:
         return asdict(self)
 
 
-def _timed(fn: Callable, clock: list[float]) -> Callable:
+def timed(fn: Callable, clock: list[float]) -> Callable:
+    """`fn`, adding its wall time to clock[0] on every call."""
     def wrapper(*args, **kwargs):
         start = time.perf_counter()
         try:
@@ -77,7 +78,7 @@ def measure_bubble(runner: PipelineRunner, input_ids: torch.Tensor, labels: torc
     patched = [(stage, name) for stage in stages for name in _STAGE_COMPUTE]
     patched.append((schedule, "_compute_loss"))
     for obj, name in patched:
-        setattr(obj, name, _timed(getattr(obj, name), clock))
+        setattr(obj, name, timed(getattr(obj, name), clock))
     wall = 0.0
     try:
         for _ in range(steps):
