@@ -9,12 +9,28 @@ import json
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from hfdist.errors import HfdistError
 from hfdist.ladder import Rung, load_rung
-from hfdist.launch import cpu_translation, ensure_world, rung_from_launcher_env, settle_mixed_precision
+from hfdist.launch import (
+    HANDED_OVER_ENV,
+    cpu_translation,
+    ensure_world,
+    rung_from_launcher_env,
+    settle_mixed_precision,
+)
+
+if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
+    from hfdist.callbacks.losses import LossRecorder
+    from hfdist.callbacks.memory import MemoryCallback
+    from hfdist.callbacks.rank_metrics import RankMetricsCallback
+    from hfdist.callbacks.throughput import ThroughputCallback
+    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.metrics.flops import PeakFlops
+    from hfdist.trainer import HfdistTrainer
 
 __all__ = ["FinetuneConfig", "ConfigError", "finetune", "batch_layout", "plan_check", "check_model_fits_rung",
            "SUMMARY_NAME"]
@@ -239,27 +255,34 @@ def _write_json_atomically(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
-    """Run one fine-tune (handing over to `accelerate launch` first when the rung needs more processes).
+def _preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
+    """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
+    from hfdist.models import DEFAULT_PRESET, load_config
 
-    Returns:
-        The process exit code.
-    """
-    # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
-    rung = load_rung(cfg.config) if cfg.config else rung_from_launcher_env()
-    if cfg.num_processes:
-        rung = rung.with_num_processes(cfg.num_processes)
-    micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not os.environ.get("HFDIST_HANDED_OVER"):
-        _check_output_dir(cfg)  # before any process starts: a bad --output-dir or a rung that cannot fit
-        plan_check(cfg, rung, micro)  # costs nothing
-        from hfdist.models import DEFAULT_PRESET, load_config
+    _check_output_dir(cfg)
+    plan_check(cfg, rung, micro)
+    # Presets take the embedded tokenizer's vocabulary (1024); other models bring their own.
+    check_model_fits_rung(load_config(cfg.model or DEFAULT_PRESET, 1024), rung)
 
-        check_model_fits_rung(load_config(cfg.model or DEFAULT_PRESET, 1024), rung)
-    handed_over = ensure_world(rung, script, script_args)
-    if handed_over is not None:
-        return handed_over
 
+@dataclass
+class _Run:
+    """What one rank holds once the strategy is applied: the Trainer and the callbacks that measure it."""
+
+    trainer: HfdistTrainer
+    dataset: Any
+    strategy: dict[str, Any]
+    losses: LossRecorder
+    memory: MemoryCallback
+    throughput: ThroughputCallback
+    metrics: RankMetricsCallback
+    sink: WandbSink
+    flops_per_token: float
+    peak: PeakFlops | None
+
+
+def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> _Run:
+    """Tokenizer, data, model, strategy and Trainer with hfdist's callbacks, on this rank."""
     from transformers import default_data_collator
     from transformers.trainer_callback import ProgressCallback
 
@@ -279,8 +302,7 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
     translation = cpu_translation(rung, on_gpu)
     if translation is not None and rung.kind != "single" and _is_rank0():
         print(translation.line(rung), flush=True)
-    is_preset = cfg.model is None or cfg.model in PRESETS
-    tokenizer = load_tokenizer(cfg.model, is_preset)
+    tokenizer = load_tokenizer(cfg.model, is_preset=cfg.model is None or cfg.model in PRESETS)
     # Built before TrainingArguments exist: a DeepSpeed config in them makes transformers build under
     # deepspeed.zero.Init, which the shipped ZeRO-3 YAMLs turn off (zero3_init_flag: false).
     model = _build_model(cfg, tokenizer)
@@ -294,11 +316,9 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "device": "cuda" if on_gpu else "cpu"}
     losses, memory, throughput = LossRecorder(), MemoryCallback(), ThroughputCallback()
-    rank = int(os.environ.get("RANK", "0"))
-    sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and rank == 0,
-                     project=cfg.wandb_project,
-                     name=f"{rung.name}{'-lora' if cfg.lora else ''}", group=cfg.compare_id, job_type=rung.kind,
-                     config={**strategy, **asdict(cfg)})
+    sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
+                     project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
+                     group=cfg.compare_id, job_type=rung.kind, config={**strategy, **asdict(cfg)})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     peak = device_peak_flops(args.device, torch.bfloat16 if mixed == "bf16" else torch.float32)
     metrics = RankMetricsCallback(memory, throughput, sink, flops_per_token, peak.flops if peak else None,
@@ -309,35 +329,64 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgressCallback())
-    sink.start()  # W&B's start-up (seconds) stays out of the measured training loop
-    train_output = trainer.train()
-    check_loss = _check_batch_loss(trainer, dataset)
-    trainer.save_model(cfg.output_dir)
+    return _Run(trainer, dataset, strategy, losses, memory, throughput, metrics, sink, flops_per_token, peak)
 
-    own = {**memory.record(), **throughput.record()} if cfg.metrics else {}
-    rates = metrics.rates(own["tokens_per_second"]) if cfg.metrics else {}
-    ranks = _gather_ranks({"rank": rank, **own, **rates})
-    if _is_rank0():
-        summary = {
-            "strategy": strategy,
-            "config": asdict(cfg),
-            "losses": losses.losses,
-            "check_batch_loss": check_loss,
-            "check_blocks": CHECK_BLOCKS,
-            "train_runtime": train_output.metrics.get("train_runtime"),
-            "flops_per_token": flops_per_token,
-            "peak_flops": {"flops": peak.flops, "source": peak.source} if peak else None,
-            "ranks": sorted(ranks, key=lambda r: r["rank"]),
-        }
-        sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
+
+def _write_summary(cfg: FinetuneConfig, run: _Run, train_runtime: float | None, check_loss: float,
+                   ranks: list[dict]) -> None:
+    """Rank 0: close the W&B run with the peaks and write OUTPUT_DIR/hfdist_summary.json."""
+    summary = {
+        "strategy": run.strategy,
+        "config": asdict(cfg),
+        "losses": run.losses.losses,
+        "check_batch_loss": check_loss,
+        "check_blocks": CHECK_BLOCKS,
+        "train_runtime": train_runtime,
+        "flops_per_token": run.flops_per_token,
+        "peak_flops": {"flops": run.peak.flops, "source": run.peak.source} if run.peak else None,
+        "ranks": sorted(ranks, key=lambda r: r["rank"]),
+    }
+    run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
                           for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
                           if any(k in r for r in ranks)})
-        run_dir = sink.run_dir  # gone once the run is finished
-        sink.finish()
-        summary["wandb"] = {"mode": sink.mode, "run_dir": str(run_dir) if run_dir else None, "error": sink.error}
-        _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
-        print(f"hfdist: {rung.name} done: loss {losses.losses[0]:.4f} -> {losses.losses[-1]:.4f} over "
-              f"{len(losses.losses)} steps; model and {SUMMARY_NAME} in {cfg.output_dir}", flush=True)
+    run_dir = run.sink.run_dir  # gone once the run is finished
+    run.sink.finish()
+    summary["wandb"] = {"mode": run.sink.mode, "run_dir": str(run_dir) if run_dir else None,
+                        "error": run.sink.error}
+    _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
+    losses = run.losses.losses
+    print(f"hfdist: {run.strategy['name']} done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
+          f"steps; model and {SUMMARY_NAME} in {cfg.output_dir}", flush=True)
+
+
+def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
+    """Run one fine-tune (handing over to `accelerate launch` first when the rung needs more processes).
+
+    Returns:
+        The process exit code.
+    """
+    # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
+    rung = load_rung(cfg.config) if cfg.config else rung_from_launcher_env()
+    if cfg.num_processes:
+        rung = rung.with_num_processes(cfg.num_processes)
+    micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not os.environ.get(HANDED_OVER_ENV):
+        _preflight(cfg, rung, micro)
+    handed_over = ensure_world(rung, script, script_args)
+    if handed_over is not None:
+        return handed_over
+
+    run = _set_up(cfg, rung, micro, grad_accum)
+    run.sink.start()  # W&B's start-up (seconds) stays out of the measured training loop
+    train_output = run.trainer.train()
+    check_loss = _check_batch_loss(run.trainer, run.dataset)
+    run.trainer.save_model(cfg.output_dir)
+
+    own = {**run.memory.record(), **run.throughput.record()} if cfg.metrics else {}
+    rates = run.metrics.rates(own["tokens_per_second"]) if cfg.metrics else {}
+    ranks = _gather_ranks({"rank": int(os.environ.get("RANK", "0")), **own, **rates})
+    if _is_rank0():
+        _write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks)
     _leave_process_group()
     return 0
 
