@@ -52,11 +52,12 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    from hfdist.models import ModelSpecError, load_config
+    from hfdist.models import PRESETS, ModelSpecError, load_config, preset_shape
     from hfdist.plan import GB, plan_rungs
 
     try:
-        config = load_config(args.model)
+        # Presets need no transformers import (seconds): the planner only reads sizes.
+        config = preset_shape(args.model) if args.model in PRESETS else load_config(args.model)
     except ModelSpecError as exc:
         raise HfdistError(str(exc)) from exc
     plan = plan_rungs(

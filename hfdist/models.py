@@ -7,13 +7,15 @@ real-shape ones (Llama-3.2-1B, 3.1-8B/70B/405B) feed the memory planner and meta
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from hfdist.errors import HfdistError
 
-__all__ = ["PRESETS", "ModelSpecError", "preset_names", "load_config", "build_model", "is_llama"]
+__all__ = ["PRESETS", "ModelSpecError", "preset_names", "load_config", "preset_shape", "build_model", "is_llama"]
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
@@ -78,12 +80,27 @@ def load_config(spec: str, vocab_size: int | None = None):
         ) from exc
 
 
-def build_model(spec: str, vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """Instantiate the model: presets from their config with a seeded init, others with from_pretrained.
+def preset_shape(spec: str, vocab_size: int | None = None) -> SimpleNamespace:
+    """A preset's config fields as plain attributes, without importing transformers (seconds) or torch.
+
+    Enough for code that only reads sizes (the memory planner); use load_config for a real LlamaConfig.
+    """
+    if spec not in PRESETS:
+        raise ModelSpecError(f"'{spec}' is not a preset; presets: {', '.join(PRESETS)}.")
+    fields = {"model_type": "llama", "vocab_size": vocab_size or 1024, **PRESETS[spec]}
+    return SimpleNamespace(**fields)
+
+
+def build_model(spec: str, vocab_size: int | None = None, seed: int = 0, dtype: "torch.dtype | None" = None):
+    """Instantiate the model (fp32 unless `dtype`): presets from their config with a seeded init, others with
+    from_pretrained.
 
     The seed makes every rank (and the single-process reference) start from identical weights.
     """
+    import torch
     from transformers import AutoModelForCausalLM
+
+    dtype = dtype or torch.float32
 
     config = load_config(spec, vocab_size)
     torch.manual_seed(seed)

@@ -232,7 +232,7 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
     try:
         dims = dims_on_cluster(rung, gpus_per_node, nodes)
         if dims.tp > 1:
-            from hfdist.parallel.tensor import validate_tp
+            from hfdist.parallel.tensor_check import validate_tp
 
             validate_tp(config, dims.tp)
     except (PlanError, ValueError) as exc:

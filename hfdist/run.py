@@ -234,7 +234,7 @@ def check_model_fits_rung(config, rung: Rung) -> None:
             raise ConfigError(f"{rung.name} applies hfdist's Llama tensor-parallel plan, but the model is a "
                               f"'{getattr(config, 'model_type', '?')}'. Use a Llama model, or a rung without TP "
                               "(fsdp_full_shard, zero3).")
-        from hfdist.parallel.tensor import validate_tp
+        from hfdist.parallel.tensor_check import validate_tp
 
         validate_tp(config, rung.dims.tp)
 

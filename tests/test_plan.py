@@ -410,3 +410,15 @@ def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "hfdist.cli", "plan", "--help"], capture_output=True, text=True,
                          check=True).stdout
     assert "--bytes-per-param-adam" in out and "--activation-checkpointing" in out
+
+
+def test_presets_plan_without_importing_torch():
+    """`hfdist plan --model <preset>` reads sizes only: no torch/transformers import, so it answers at once."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hfdist.cli import main; rc = main(['plan', '--model', 'llama-3.1-405b', "
+            "'--gpus-per-node', '8', '--nodes', '16', '--gpu-mem-gb', '80', '--activation-checkpointing', "
+            "'--json']); print('torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stderr.strip().endswith("False False"), proc.stderr

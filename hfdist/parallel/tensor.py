@@ -40,7 +40,6 @@ Order of steps in a training script (mesh = ParallelDims(...).build_mesh(device_
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -59,7 +58,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hfdist.errors import HfdistError
+from hfdist.parallel.tensor_check import TPError, valid_tp_degrees, validate_tp
 
 __all__ = [
     "TPError",
@@ -81,10 +80,6 @@ IGNORE_INDEX = -100
 # Short names of the decoder-layer linears, by how their weight is split.
 LLAMA_COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 LLAMA_ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
-
-
-class TPError(HfdistError, ValueError):
-    """A model, mesh or adapter setup that tensor parallelism cannot split."""
 
 
 class ReplicateParallel(ParallelStyle):
@@ -118,49 +113,6 @@ class ReplicateParallel(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"ReplicateParallel(use_local_output={self.use_local_output})"
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def valid_tp_degrees(config) -> list[int]:
-    """The tp degrees that split every dimension the Llama plan shards evenly (see `validate_tp`)."""
-    return _divisors(math.gcd(*_sharded_sizes(config).values()))
-
-
-def _sharded_sizes(config) -> dict[str, int]:
-    return {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "intermediate_size": config.intermediate_size,
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
-    }
-
-
-def validate_tp(config, tp: int) -> None:
-    """Raise TPError, before any surgery, unless `tp` evenly splits every dimension the Llama plan shards.
-
-    The plan shards query heads and key/value heads (attention), the MLP intermediate size, the hidden size (the
-    embedding table) and the vocabulary (lm_head and the loss; the embedding too when tied).
-    """
-    if not isinstance(tp, int) or tp < 1:
-        raise TPError(f"The tensor-parallel degree must be a positive integer, got tp={tp!r}.")
-    sizes = _sharded_sizes(config)
-    bad = {name: size for name, size in sizes.items() if size % tp}
-    if bad:
-        listed = ", ".join(f"{name}={size}" for name, size in sizes.items())
-        failing = ", ".join(f"{name}={size}" for name, size in bad.items())
-        vocab_hint = (
-            f" A vocabulary can be padded to a multiple of tp with model.resize_token_embeddings(len(tokenizer), "
-            f"pad_to_multiple_of={tp})." if "vocab_size" in bad else ""
-        )
-        raise TPError(
-            f"Tensor parallelism with tp={tp} cannot split this model: tp must divide every sharded dimension "
-            f"({listed}) but does not divide {failing}. Tensor-parallel degrees that would work: "
-            f"{valid_tp_degrees(config)}; put the remaining processes on data or pipeline parallelism.{vocab_hint}"
-        )
 
 
 def _lora_entries(path: str, colwise: bool, residual) -> dict[str, ParallelStyle]:
