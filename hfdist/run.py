@@ -104,15 +104,18 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     if mem is None or cfg.skip_plan_check:
         return
     from hfdist.ladder import known_rung_names
-    from hfdist.models import DEFAULT_PRESET, load_config
+    from hfdist.models import DEFAULT_PRESET, is_llama, load_config
     from hfdist.plan import plan_rungs
 
     spec = cfg.model or DEFAULT_PRESET
+    config = load_config(spec)
+    if not is_llama(config):
+        return  # the planner models Llama layers only; other models run unplanned on the data-parallel rungs
     planned = rung if rung.kind != "single" else load_rung("ddp").with_num_processes(1)
     others = [load_rung(n) for n in known_rung_names() if n != planned.name]
     on_gpu = torch.cuda.is_available()
     dtype = "bf16" if (rung.mixed_precision == "bf16" and on_gpu) else "fp32"
-    plan = plan_rungs(load_config(spec), [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
+    plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
                       gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=micro, lora=cfg.lora, lora_r=cfg.lora_r,
                       activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec)
     mine = next(r for r in plan.rungs if r.name == planned.name)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from conftest import FINETUNE, run_cmd
+from conftest import FINETUNE, REPO, accelerate, run_cmd
 
 
 def _finetune(*args):
@@ -56,3 +56,23 @@ def test_planner_refuses_a_rung_that_cannot_fit(tmp_path):
     assert proc.returncode == 2
     assert "ddp is predicted to need" in proc.stderr and "simplest rung that fits" in proc.stderr
     assert "fsdp_full_shard" in proc.stderr  # the planner's table is shown
+
+
+def test_world_of_the_wrong_size_is_refused(tmp_path):
+    """A 2-process world (the ddp YAML) asked to run the 4-process fsdp_hybrid rung: refused, naming both."""
+    proc = run_cmd(accelerate("--config_file", str(REPO / "accelerate_configs" / "ddp.yaml"), str(FINETUNE),
+                              "--config", "fsdp_hybrid", "--model", "llama-tiny", "--output-dir", str(tmp_path / "o")),
+                   timeout=300)
+    assert proc.returncode != 0
+    assert "needs 4 processes" in proc.stderr and "this world has 2" in proc.stderr
+    assert "--num-processes 2" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_tp_surgery_on_a_non_llama_model_is_refused(tmp_path):
+    from transformers import GPT2Config
+
+    model = tmp_path / "gpt2"
+    GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1024).save_pretrained(model)
+    proc = _finetune("--config", "fsdp_tp", "--model", str(model), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Llama tensor-parallel plan" in proc.stderr and "'gpt2'" in proc.stderr
