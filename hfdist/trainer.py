@@ -1,7 +1,7 @@
 """HfdistTrainer: the HF Trainer, taught that hfdist may already have parallelised the model, and checked.
 
-DDP and DeepSpeed ZeRO go through the Trainer and accelerate unchanged. For FSDP2 (and later TP/PP) hfdist shards
-the model itself; the Trainer then must neither wrap it in DDP nor move it, and must gather the shards to save.
+DDP and DeepSpeed ZeRO go through the Trainer and accelerate unchanged. For FSDP2 and TP hfdist shards the model
+itself; the Trainer then must neither wrap it in DDP nor move it, and must gather the shards to save.
 Before the first step the strategy in effect is verified (hfdist.verify).
 """
 
@@ -55,7 +55,7 @@ class HfdistTrainer(Trainer):
         replicas = self.rung.dims.tp * self.rung.dims.pp
         if replicas > 1:
             # accelerate shards batches over every process; with TP the ranks of a tp group must see the same
-            # batch, so shard over the data-parallel ranks only (tp innermost in the mesh: dp rank = rank // tp).
+            # batch, so shard over the data-parallel ranks only (pp, tp innermost: dp rank = rank // (pp x tp)).
             shard = loader.batch_sampler
             shard.num_processes = self.rung.dims.dp
             shard.process_index = self.args.process_index // replicas
@@ -75,8 +75,7 @@ class HfdistTrainer(Trainer):
             from hfdist.parallel.tensor import tp_causal_lm_loss
 
             return tp_causal_lm_loss(model, inputs, num_items_in_batch)
-        return model(**inputs, num_items_in_batch=num_items_in_batch).loss if num_items_in_batch is not None \
-            else model(**inputs).loss
+        return model(**inputs, num_items_in_batch=num_items_in_batch).loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.rung.dims.tp == 1:
