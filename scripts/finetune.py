@@ -10,6 +10,7 @@ instruction data). Writes the model (or LoRA adapter) and OUTPUT_DIR/hfdist_summ
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from hfdist.run import FinetuneConfig
@@ -69,4 +70,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # The run is complete (summary, model and W&B written, process group destroyed), but gloo's threads can
+        # still abort the interpreter's teardown ("terminate called without an active exception", SIGABRT) and
+        # turn a finished run into a failed one. Leave without that teardown.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
