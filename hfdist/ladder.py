@@ -28,6 +28,7 @@ __all__ = [
     "load_rung",
     "single_process_rung",
     "ds_mixed_precision",
+    "deepspeed_rung",
 ]
 
 # accelerate_configs/ and ds_configs/ live beside the package in the repository (editable install).
@@ -191,7 +192,7 @@ def ds_mixed_precision(ds: dict[str, Any]) -> str:
     return "no"
 
 
-def _deepspeed_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
+def _deepspeed_json_path(cfg: dict[str, Any], path: Path) -> Path:
     ds = cfg.get("deepspeed_config") or {}
     if ds.get("zero3_init_flag"):
         raise LadderError(f"{path} sets zero3_init_flag: true. hfdist builds the model before DeepSpeed starts (every "
@@ -207,19 +208,31 @@ def _deepspeed_fields(cfg: dict[str, Any], path: Path) -> dict[str, Any]:
         json_path = next((p for p in (CONFIG_ROOT / json_ref, path.parent / json_ref) if p.is_file()), json_path)
     if not json_path.is_file():
         raise LadderError(f"{path} points at DeepSpeed config {json_ref}, which does not exist. Fix the path.")
+    return json_path
+
+
+def deepspeed_rung(name: str, json_path: Path, num_processes: int, **extra: Any) -> Rung:
+    """A DeepSpeed rung from its JSON: ZeRO stage, offload devices, AutoTP degree and precision all come from it.
+
+    Raises:
+        LadderError: the JSON is invalid or its tp does not divide the processes.
+    """
     try:
         ds_json = json.loads(json_path.read_text())
     except json.JSONDecodeError as exc:
         raise LadderError(f"{json_path} is not valid JSON ({exc}). Fix the file.") from exc
     zero = ds_json.get("zero_optimization", {})
-    return {
-        "tp": int((ds_json.get("tensor_parallel") or {}).get("autotp_size", 1)),
-        "mixed_precision": ds_mixed_precision(ds_json),
-        "ds_config_path": json_path.resolve(),
-        "zero_stage": int(zero.get("stage", 0)),
-        "offload_param": (zero.get("offload_param") or {}).get("device", "none"),
-        "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none"),
-    }
+    tp = int((ds_json.get("tensor_parallel") or {}).get("autotp_size", 1))
+    dims = ParallelDims(dp_shard=num_processes // tp, tp=tp)
+    try:
+        dims.check_world(num_processes)
+    except DimsError as exc:
+        raise LadderError(f"{json_path}: autotp_size={tp} does not divide {num_processes} processes. {exc}") from exc
+    return Rung(name=name, kind="deepspeed", num_processes=num_processes, dims=dims,
+                mixed_precision=ds_mixed_precision(ds_json), ds_config_path=json_path.resolve(),
+                zero_stage=int(zero.get("stage", 0)),
+                offload_param=(zero.get("offload_param") or {}).get("device", "none"),
+                offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none"), **extra)
 
 
 def load_rung(name_or_path: str) -> Rung:
@@ -249,11 +262,8 @@ def load_rung(name_or_path: str) -> Rung:
             dims.check_world(num_processes)
             rung = Rung(kind="fsdp", dims=dims, fsdp=_fsdp_settings(cfg, path), mixed_precision=mixed, **common)
         elif dtype == "DEEPSPEED":
-            fields = _deepspeed_fields(cfg, path)
-            tp = fields.pop("tp")
-            dims = ParallelDims(dp_shard=num_processes // tp, tp=tp)
-            dims.check_world(num_processes)
-            rung = Rung(kind="deepspeed", dims=dims, **fields, **common)
+            rung = deepspeed_rung(name, _deepspeed_json_path(cfg, path), num_processes, yaml_path=path,
+                                  info=RUNG_INFO.get(name))
         else:
             raise LadderError(f"{path} has distributed_type {dtype}, which hfdist does not run. Use MULTI_GPU (DDP), "
                               "FSDP or DEEPSPEED.")

@@ -24,7 +24,7 @@ from hfdist.ladder import (
     RUNG_INFO,
     FsdpSettings,
     Rung,
-    ds_mixed_precision,
+    deepspeed_rung,
     known_rung_names,
     load_rung,
 )
@@ -147,14 +147,14 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "false").lower() == "true"
 
 
-def _shipped_twin(kind: str, dims: ParallelDims, ds_json: dict | None = None) -> Rung | None:
+def _shipped_twin(kind: str, dims: ParallelDims, ds_config: Path | None = None) -> Rung | None:
     """The shipped rung a launcher environment describes, rescaled to its world, if there is one."""
     for name in known_rung_names():
         rung = load_rung(name)
         if rung.kind != kind:
             continue
         if kind == "deepspeed":
-            if json.loads(rung.ds_config_path.read_text()) == ds_json:
+            if json.loads(rung.ds_config_path.read_text()) == json.loads(ds_config.read_text()):
                 return rung.with_num_processes(dims.world_size)
         elif (rung.dims.dp_replicate > 1) == (dims.dp_replicate > 1) and rung.dims.tp == dims.tp:
             try:
@@ -174,18 +174,9 @@ def _deepspeed_rung_from_env(world: int) -> Rung:
             f"This world was launched with DeepSpeed but its config file '{ref}' cannot be found from here. Launch "
             "from the repository root, or pass --config with the rung's YAML."
         )
-    ds = json.loads(path.read_text())
-    tp = int((ds.get("tensor_parallel") or {}).get("autotp_size", 1))
-    dims = ParallelDims(dp_shard=world // tp, tp=tp)
-    dims.check_world(world)
-    twin = _shipped_twin("deepspeed", dims, ds)
-    zero = ds.get("zero_optimization", {})
-    return Rung(name=twin.name if twin else path.stem, kind="deepspeed", num_processes=world,
-                dims=dims, mixed_precision=ds_mixed_precision(ds), ds_config_path=path.resolve(),
-                zero_stage=int(zero.get("stage", 0)),
-                offload_param=(zero.get("offload_param") or {}).get("device", "none"),
-                offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none"),
-                yaml_path=twin.yaml_path if twin else None, info=twin.info if twin else None)
+    rung = deepspeed_rung(path.stem, path, world)
+    twin = _shipped_twin("deepspeed", rung.dims, path)  # the same JSON as a shipped rung: named and checked as it
+    return replace(rung, name=twin.name, yaml_path=twin.yaml_path, info=twin.info) if twin else rung
 
 
 def rung_from_launcher_env() -> Rung:

@@ -17,14 +17,7 @@ from transformers import Trainer
 from hfdist.ladder import Rung
 from hfdist.verify import verify_strategy
 
-__all__ = ["HfdistTrainer", "gather_full_state_dict"]
-
-
-def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The full (unsharded) state dict of a DTensor-sharded model, on CPU; collective, call on every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+__all__ = ["HfdistTrainer"]
 
 
 class HfdistTrainer(Trainer):
@@ -112,7 +105,9 @@ class HfdistTrainer(Trainer):
         if self.rung.kind != "fsdp":
             return super()._save(output_dir, state_dict)
         output_dir = output_dir or self.args.output_dir
-        full = gather_full_state_dict(self.model)  # every rank takes part in the all-gathers
+        from hfdist.parallel.tensor import gather_full_state_dict
+
+        full = gather_full_state_dict(self.model)  # every rank takes part in the all-gathers; full on rank 0
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             self.model.save_pretrained(output_dir, state_dict=full, safe_serialization=True)
