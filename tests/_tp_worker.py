@@ -10,6 +10,7 @@ case that raises is recorded with its traceback instead of aborting the launch.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -305,3 +306,8 @@ def main(out_path: str) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1])
+    # The results are written and the group destroyed; gloo's threads can still abort interpreter teardown
+    # (SIGABRT, "terminate called without an active exception"), so leave without it (as scripts/finetune.py does).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
