@@ -21,6 +21,7 @@ from hfdist.errors import HfdistError
 __all__ = [
     "Rung",
     "FsdpSettings",
+    "PipelineSettings",
     "LadderError",
     "CONFIG_ROOT",
     "RUNG_INFO",
@@ -50,7 +51,8 @@ class RungInfo:
 
 
 # Decision-table order (../shared/seeds/002: N.1.6). Rows: 1 DDP, 2 FSDP FULL_SHARD / ZeRO-2, 3 HYBRID / ZeRO-3,
-# 4 TP, 5 3D, 6 ZeRO-3 + offload. ZeRO-1 sits between rows 1 and 2.
+# 4 PP or TP (N.1.5: pipeline stages first, then tensor parallelism), 5 3D, 6 ZeRO-3 + offload. ZeRO-1 sits
+# between rows 1 and 2.
 RUNG_INFO: dict[str, RungInfo] = {
     "ddp": RungInfo(1, "LoRA fine-tune <= 7B; the model fits on one device", "nothing (full replica per rank)",
                     "the model, grads and Adam state fit one device; fastest"),
@@ -64,12 +66,18 @@ RUNG_INFO: dict[str, RungInfo] = {
                             "inside a node; replicated across nodes", "multi-node, slow inter-node fabric"),
     "zero3": RungInfo(3, "full fine-tune 30B-70B", "params + grads + optimizer state",
                       "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem"),
-    "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
-                         "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
-                         "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19"),
+    "pp": RungInfo(4, "beyond ~30B: the model's depth spread over GPUs or nodes",
+                   "decoder layers over pp ranks (pipeline stages, 1F1B schedule)",
+                   "stages fit one device each; only point-to-point activations cross links, so pp spans nodes"),
     "fsdp_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs", "params + grads + optimizer state "
                         "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
                         "sharding alone is not enough or its all-gathers dominate; tp inside a node"),
+    "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
+                         "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
+                         "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19"),
+    "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
+                   "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
+                   "the model needs tp inside a node and pp across nodes to fit; dp for the rest"),
     "zero3_offload_cpu": RungInfo(6, "single-node fine-tune, model exceeds the GPUs' memory",
                                   "params + grads + optimizer state, offloaded to CPU RAM",
                                   "not enough GPU memory at any sharding; slow but feasible"),
@@ -89,6 +97,15 @@ class FsdpSettings:
 
 
 @dataclass(frozen=True)
+class PipelineSettings:
+    """hfdist's pipeline options, read from a YAML's parallelism_config (accelerate has no PP for HF models and
+    passes these keys over untouched): parallelism_config_pp_size / _pp_schedule / _pp_microbatches."""
+
+    schedule: str = "1F1B"
+    n_microbatches: int = 4
+
+
+@dataclass(frozen=True)
 class Rung:
     """One launchable strategy: where its configs are and what it does to the model."""
 
@@ -103,6 +120,7 @@ class Rung:
     offload_param: str = "none"
     offload_optimizer: str = "none"
     fsdp: FsdpSettings | None = None
+    pipeline: PipelineSettings | None = None
     info: RungInfo | None = None
 
     def with_num_processes(self, num_processes: int) -> "Rung":
@@ -257,10 +275,16 @@ def load_rung(name_or_path: str) -> Rung:
             pc = cfg.get("parallelism_config") or {}
             replicate = int(pc.get("parallelism_config_dp_replicate_size", 1))
             tp = int(pc.get("parallelism_config_tp_size", 1))
-            shard = int(pc.get("parallelism_config_dp_shard_size", num_processes // max(replicate * tp, 1)))
-            dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=tp)
+            pp = int(pc.get("parallelism_config_pp_size", 1))
+            shard = int(pc.get("parallelism_config_dp_shard_size", num_processes // max(replicate * tp * pp, 1)))
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, pp=pp, tp=tp)
             dims.check_world(num_processes)
-            rung = Rung(kind="fsdp", dims=dims, fsdp=_fsdp_settings(cfg, path), mixed_precision=mixed, **common)
+            pipeline = PipelineSettings(
+                schedule=str(pc.get("parallelism_config_pp_schedule", PipelineSettings.schedule)),
+                n_microbatches=int(pc.get("parallelism_config_pp_microbatches", PipelineSettings.n_microbatches)),
+            ) if pp > 1 else None
+            rung = Rung(kind="fsdp", dims=dims, fsdp=_fsdp_settings(cfg, path), pipeline=pipeline,
+                        mixed_precision=mixed, **common)
         elif dtype == "DEEPSPEED":
             rung = deepspeed_rung(name, _deepspeed_json_path(cfg, path), num_processes, yaml_path=path,
                                   info=RUNG_INFO.get(name))

@@ -179,16 +179,42 @@ def _deepspeed_rung_from_env(world: int) -> Rung:
     return replace(rung, name=twin.name, yaml_path=twin.yaml_path, info=twin.info) if twin else rung
 
 
+def launcher_config_file() -> Path | None:
+    """The --config_file of the `accelerate launch` that started this rank, from the launcher's command line.
+
+    accelerate starts the ranks from its own process (torch's elastic agent runs inside it), so on Linux the
+    parent's /proc cmdline holds it. None when not found (another launcher, another OS).
+    """
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    for i, arg in enumerate(argv):
+        value = argv[i + 1] if arg == "--config_file" and i + 1 < len(argv) else None
+        if arg.startswith("--config_file="):
+            value = arg.split("=", 1)[1]
+        if value and Path(value).is_file():
+            return Path(value).resolve()
+    return None
+
+
 def rung_from_launcher_env() -> Rung:
     """The rung of a world started by `accelerate launch --config_file X.yaml` without --config.
 
     accelerate passes its config to the processes as environment variables only; they are read back here (the
-    shipped rung they match when there is one, so the run is named and checked like it).
+    shipped rung they match when there is one, so the run is named and checked like it). Pipeline settings have no
+    environment variable, so a pipeline YAML is found through the launcher's command line; when that is not
+    possible a pipeline config cannot be told from its FSDP (x TP) twin, and --config must name it.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if world == 1:
         return load_rung("single")
+    yaml_path = launcher_config_file()
+    if yaml_path is not None:
+        rung = load_rung(str(yaml_path))
+        if rung.dims.pp > 1:
+            return replace(rung.with_num_processes(world), mixed_precision=mixed)
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
         return _deepspeed_rung_from_env(world)
     if _env_flag("ACCELERATE_USE_FSDP"):

@@ -52,7 +52,9 @@ __all__ = [
 
 # The decision-table order the recommendation walks (simplest first); rungs not named here (TP, 3D) come after
 # these, offload rungs always last.
-_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp_full_shard", "zero3", "fsdp_hybrid")
+# Seed 002 (N.1.5 and its summary): beyond sharding add pipeline stages first, then tensor parallelism, then both.
+_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp_full_shard", "zero3", "fsdp_hybrid", "pp", "fsdp_tp", "zero2_tp",
+          "3d")
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,10 @@ def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload
              "--num-processes", str(world), "--model", model]
     if w.lora:
         parts += ["--lora", "--lora-r", str(w.lora_r)]
-    parts += ["--seq-len", str(w.seq), "--micro-batch-size", str(w.micro_batch),
-              "--global-batch-size", str(w.micro_batch * dims.dp)]
+    # Under PP the planned micro-batch is a pipeline micro-batch; a rank's batch holds n_microbatches of them.
+    per_rank = w.micro_batch * (rung.pipeline.n_microbatches if rung.pipeline is not None else 1)
+    parts += ["--seq-len", str(w.seq), "--micro-batch-size", str(per_rank),
+              "--global-batch-size", str(per_rank * dims.dp)]
     if w.activation_checkpointing:
         parts.append("--activation-checkpointing")
     return shlex.join(parts)

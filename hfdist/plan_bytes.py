@@ -271,7 +271,9 @@ def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, pb: _PerP
     """Unsharded parameters (and their grads) that exist while a sharded-weight rung computes."""
     unit_grad = pb.grad * trainable_share
     if rung.kind == "fsdp":
-        if rung.fsdp is not None and not rung.fsdp.reshard_after_forward:
+        # Under PP, torch's schedules keep a stage's FSDP units unsharded through all micro-batches and
+        # reduce-scatter once at the end of the step (pipelining/stage.py), as without resharding after forward.
+        if rung.fsdp is not None and not rung.fsdp.reshard_after_forward or dims.pp > 1:
             return (layers * layer + root) * (pb.weight + unit_grad)
         # Root unit unsharded all step, two layers gathered (current + prefetched), one layer's grads.
         return root * (pb.weight + unit_grad) + layer * (2 * pb.weight + unit_grad)
@@ -324,8 +326,9 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
     total = params + (trainable if lora else 0)
     ds = rung.kind == "deepspeed"
     zero = rung.zero_stage if ds else 0
-    # hfdist's TP (fsdp rungs) splits every weight over tp but the norms (a few hundred bytes per layer).
-    n = dims.dp_shard * (dims.tp if rung.kind == "fsdp" else 1)
+    # hfdist's TP (fsdp rungs) splits every weight over tp but the norms (a few hundred bytes per layer); its
+    # pipeline stages split the layers over pp (a tied embedding, held by the first and the last stage, twice).
+    n = dims.dp_shard * (dims.tp * dims.pp if rung.kind == "fsdp" else 1)
     weight = 2 if (ds and dtype == "bf16") else 4
     fp32_grad = 4 if (ds and dtype == "bf16") else 0
     shard_opt = n if (rung.kind == "fsdp" or zero >= 1) else 1

@@ -1,6 +1,7 @@
 """The fine-tuning job behind scripts/finetune.py: rung -> world -> data -> model -> strategy -> train -> save.
 
-Order of the strategy steps (design.md): [LoRA] -> apply_fsdp -> Trainer (DDP / DeepSpeed wrap) -> verify.
+Order of the strategy steps (design.md): [LoRA] -> apply_tp -> apply_fsdp -> Trainer (DDP / DeepSpeed wrap) -> verify;
+under pipeline parallelism: [LoRA] -> apply_tp (whole model) -> split into stages -> apply_fsdp per stage.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class FinetuneConfig:
     num_processes: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
+    pp_schedule: str | None = None
+    pp_microbatches: int | None = None
     gpu_mem_gb: float | None = None
     skip_plan_check: bool = False
     wandb: bool = True
@@ -83,6 +86,52 @@ def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[i
         raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
                           f"{dp} data-parallel ranks = {micro * dp}. Pick sizes where it is.")
     return micro, global_batch // (micro * dp)
+
+
+def with_pipeline_overrides(rung: Rung, cfg: FinetuneConfig) -> Rung:
+    """The rung with --pp-schedule / --pp-microbatches applied (they override the YAML's pp settings).
+
+    Raises:
+        ConfigError: a pipeline option given for a rung without pipeline stages.
+    """
+    if cfg.pp_schedule is None and cfg.pp_microbatches is None:
+        return rung
+    if rung.pipeline is None:
+        raise ConfigError(f"--pp-schedule / --pp-microbatches apply to pipeline rungs only, and {rung.name} has no "
+                          "pipeline stages (pp=1). Use --config pp.yaml or 3d.yaml, or drop these options.")
+    from dataclasses import replace
+
+    pipeline = replace(rung.pipeline, **{k: v for k, v in (("schedule", cfg.pp_schedule),
+                                                            ("n_microbatches", cfg.pp_microbatches)) if v is not None})
+    return replace(rung, pipeline=pipeline)
+
+
+def check_pipeline(rung: Rung, micro: int, num_layers: int) -> None:
+    """A pipeline rung's schedule, micro-batches and stages against the batch and the model, before any process.
+
+    Raises:
+        ConfigError: naming the value that does not work and the values that would.
+    """
+    if rung.pipeline is None:
+        return
+    from hfdist.parallel.pipeline_plan import PipelineConfigError, default_stages_per_rank, validate_microbatches
+
+    p, pp = rung.pipeline, rung.dims.pp
+    try:
+        per_rank = default_stages_per_rank(p.schedule)
+        if pp * per_rank > num_layers:
+            raise ConfigError(f"{rung.name} cuts the model into {pp * per_rank} pipeline stages (pp={pp} x "
+                              f"{per_rank} per rank for {p.schedule}), but the model has only {num_layers} decoder "
+                              f"layers and every stage needs one. Use pp <= {num_layers // per_rank}, a one-stage "
+                              "schedule (1F1B, GPipe), or a deeper model.")
+        validate_microbatches(p.schedule, p.n_microbatches, pp, per_rank)
+    except PipelineConfigError as exc:
+        raise ConfigError(f"{rung.name}: {exc} Set it with --pp-schedule / --pp-microbatches or in "
+                          "parallelism_config_pp_* of the YAML.") from exc
+    if micro % p.n_microbatches:
+        raise ConfigError(f"{rung.name}: each data-parallel rank gets {micro} sequences per step, which the "
+                          f"{p.n_microbatches} pipeline micro-batches must divide evenly. Pick --pp-microbatches "
+                          f"dividing {micro}, or a --global-batch-size / --micro-batch-size that it divides.")
 
 
 def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
@@ -115,8 +164,10 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     others = [load_rung(n) for n in known_rung_names() if n != planned.name]
     on_gpu = torch.cuda.is_available()
     dtype = "bf16" if (rung.mixed_precision == "bf16" and on_gpu) else "fp32"
+    # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
+    plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
     plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
-                      gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=micro, lora=cfg.lora, lora_r=cfg.lora_r,
+                      gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
                       activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec)
     mine = next(r for r in plan.rungs if r.name == planned.name)
     if mine.fits:
@@ -161,7 +212,8 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, save_strategy="no", eval_strategy="no",
         report_to="none", bf16=mixed == "bf16", use_cpu=not on_gpu, deepspeed=deepspeed,
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
-        activation_checkpointing=cfg.activation_checkpointing,
+        # Under PP, _split_pipeline enables it on the decoder layers; the Trainer cannot reach them through the stages.
+        activation_checkpointing=cfg.activation_checkpointing and rung.dims.pp == 1,
         activation_checkpointing_kwargs={"use_reentrant": False} if cfg.activation_checkpointing else None,
         log_level="warning", log_level_replica="error", disable_tqdm=False,
     )
@@ -188,8 +240,8 @@ def _build_model(cfg: FinetuneConfig, tokenizer):
     return model
 
 
-def _apply_strategy(model, rung: Rung, mixed: str, on_gpu: bool):
-    """Shard the model where hfdist owns the strategy (FSDP2); DDP and ZeRO are applied by the Trainer."""
+def _apply_strategy(model, rung: Rung, mixed: str, on_gpu: bool, activation_checkpointing: bool = False):
+    """Shard the model where hfdist owns the strategy (FSDP2, TP, PP); DDP and ZeRO are applied by the Trainer."""
     if rung.kind != "fsdp":
         return model
     from hfdist.parallel.fsdp import apply_fsdp
@@ -204,10 +256,34 @@ def _apply_strategy(model, rung: Rung, mixed: str, on_gpu: bool):
         from hfdist.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"])
-    return apply_fsdp(model, dp_mesh, layer_cls_name=rung.fsdp.layer_cls_to_wrap,
-                      reshard_after_forward=rung.fsdp.reshard_after_forward,
-                      param_dtype=torch.bfloat16 if mixed == "bf16" else None,
-                      offload_params=rung.fsdp.offload_params and on_gpu)
+
+    def shard(module):
+        return apply_fsdp(module, dp_mesh, layer_cls_name=rung.fsdp.layer_cls_to_wrap,
+                          reshard_after_forward=rung.fsdp.reshard_after_forward,
+                          param_dtype=torch.bfloat16 if mixed == "bf16" else None,
+                          offload_params=rung.fsdp.offload_params and on_gpu)
+
+    if rung.dims.pp == 1:
+        return shard(model)
+    return _split_pipeline(model, rung, mesh, shard if rung.dims.dp > 1 else None, activation_checkpointing)
+
+
+def _split_pipeline(model, rung: Rung, mesh, shard, activation_checkpointing: bool):
+    """Cut the (TP-split) model into this rank's pipeline stages, each FSDP-sharded over dp when dp > 1."""
+    from hfdist.parallel.pipeline import PipelineRunner
+    from hfdist.parallel.pipeline_model import PipelineModel, meta_skeleton
+
+    assert rung.pipeline is not None
+    if activation_checkpointing:
+        # On the decoder layers, before the split: the Trainer cannot reach them through the stage wrapper.
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    skeleton = meta_skeleton(model)
+    runner = PipelineRunner(model, mesh["pp"], schedule=rung.pipeline.schedule,
+                            n_microbatches=rung.pipeline.n_microbatches, parallelize=shard,
+                            activation_mesh=mesh["tp"] if rung.dims.tp > 1 else None)
+    # FSDP2 averages gradients over the dp replicas; the loss normaliser is scaled by dp to undo that.
+    return PipelineModel(runner, skeleton, loss_scale=rung.dims.dp if shard is not None else 1)
 
 
 @torch.no_grad()
@@ -215,23 +291,47 @@ def _check_batch_loss(trainer, dataset) -> float:
     """Loss of the first CHECK_BLOCKS packed blocks through the trained (still distributed) model."""
     from transformers import default_data_collator
 
-    batch = default_data_collator([dataset[i] for i in range(min(CHECK_BLOCKS, len(dataset)))])
+    batch = default_data_collator([dataset[i] for i in range(check_blocks(trainer.rung, len(dataset)))])
     batch = {k: v.to(trainer.args.device) for k, v in batch.items()}
     model = trainer.model_wrapped
     model.eval()
     with trainer.loss_context():
+        if trainer.rung.dims.pp > 1:
+            return _pipeline_check_loss(model, batch)
         loss = trainer.causal_lm_loss(model, batch)
     return float(loss.detach().float().cpu())
 
 
+def check_blocks(rung: Rung, available: int) -> int:
+    """How many packed blocks the post-training check scores: CHECK_BLOCKS, rounded up to a multiple of the
+    pipeline micro-batches (a pipeline splits the batch evenly)."""
+    n = rung.pipeline.n_microbatches if rung.pipeline is not None else 1
+    return min(-(-CHECK_BLOCKS // n) * n, available)
+
+
+def _pipeline_check_loss(model, batch) -> float:
+    """The pipeline's forward-only loss, sent from the last stage to pp rank 0 (global rank 0 writes it)."""
+    import torch.distributed as dist
+
+    runner = model.runner
+    loss = model.evaluate_loss(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
+    box = [loss]
+    dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
+    return float(box[0])
+
+
 def check_model_fits_rung(config, rung: Rung) -> None:
-    """Model-specific checks of a rung, before any process or surgery: Llama for TP, tp dividing its sizes.
+    """Model-specific checks of a rung, before any process or surgery: Llama for TP and PP, tp dividing its sizes.
 
     Raises:
         ConfigError / TPError: naming the sizes and what would work.
     """
     from hfdist.models import is_llama
 
+    if rung.dims.pp > 1 and not is_llama(config):
+        raise ConfigError(f"{rung.name} cuts the model into hfdist's Llama pipeline stages, but the model is a "
+                          f"'{getattr(config, 'model_type', '?')}'. Use a Llama model, or a rung without PP "
+                          "(fsdp_full_shard, zero3).")
     if rung.dims.tp > 1:
         if not is_llama(config):
             raise ConfigError(f"{rung.name} applies hfdist's Llama tensor-parallel plan, but the model is a "
@@ -263,9 +363,11 @@ def _preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     from hfdist.models import DEFAULT_PRESET, load_config
 
     _check_output_dir(cfg)
-    plan_check(cfg, rung, micro)
     # Presets take the embedded tokenizer's vocabulary (1024); other models bring their own.
-    check_model_fits_rung(load_config(cfg.model or DEFAULT_PRESET, 1024), rung)
+    config = load_config(cfg.model or DEFAULT_PRESET, 1024)
+    check_model_fits_rung(config, rung)
+    check_pipeline(rung, micro, config.num_hidden_layers)
+    plan_check(cfg, rung, micro)
 
 
 @dataclass
@@ -312,11 +414,13 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> _Ru
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
     with args.main_process_first(desc="dataset"):  # rank 0 tokenizes first; the others reuse its cache
         dataset = tokenize_and_pack(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len)
-    model = _apply_strategy(model, rung, mixed, on_gpu)
+    model = _apply_strategy(model, rung, mixed, on_gpu, cfg.activation_checkpointing)
 
     strategy = {"name": rung.name, "world_size": rung.num_processes, **rung.dims.to_dict(),
                 "zero_stage": rung.zero_stage, "lora": cfg.lora, "mixed_precision": mixed, "micro_batch": micro,
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
+                "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
+                "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
                 "device": "cuda" if on_gpu else "cpu"}
     losses, memory, throughput = LossRecorder(), MemoryCallback(), ThroughputCallback()
     sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
@@ -343,7 +447,7 @@ def _write_summary(cfg: FinetuneConfig, run: _Run, train_runtime: float | None, 
         "config": asdict(cfg),
         "losses": run.losses.losses,
         "check_batch_loss": check_loss,
-        "check_blocks": CHECK_BLOCKS,
+        "check_blocks": check_blocks(run.trainer.rung, len(run.dataset)),
         "train_runtime": train_runtime,
         "flops_per_token": run.flops_per_token,
         "peak_flops": {"flops": run.peak.flops, "source": run.peak.source} if run.peak else None,
@@ -372,8 +476,11 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
     rung = load_rung(cfg.config) if cfg.config else rung_from_launcher_env()
     if cfg.num_processes:
         rung = rung.with_num_processes(cfg.num_processes)
+    rung = with_pipeline_overrides(rung, cfg)
     micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1 and not os.environ.get(HANDED_OVER_ENV):
+    if not os.environ.get(HANDED_OVER_ENV):
+        # Before hand-over, or on every rank of a world another launcher started (nothing is written before these
+        # checks end: the process group forms after them, and only then are files written).
         _preflight(cfg, rung, micro)
     handed_over = ensure_world(rung, script, script_args)
     if handed_over is not None:

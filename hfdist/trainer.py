@@ -1,8 +1,10 @@
 """HfdistTrainer: the HF Trainer, taught that hfdist may already have parallelised the model, and checked.
 
-DDP and DeepSpeed ZeRO go through the Trainer and accelerate unchanged. For FSDP2 and TP hfdist shards the model
-itself; the Trainer then must neither wrap it in DDP nor move it, and must gather the shards to save.
-Before the first step the strategy in effect is verified (hfdist.verify).
+DDP and DeepSpeed ZeRO go through the Trainer and accelerate unchanged. For FSDP2, TP and PP hfdist shards the model
+itself; the Trainer then must neither wrap it in DDP nor move it, and must gather the shards to save. Under PP the
+Trainer's model is a PipelineModel (hfdist.parallel.pipeline_model) whose forward runs a whole schedule step, so
+the training step, gradient clipping and saving go through its runner. Before the first step the strategy in effect
+is verified (hfdist.verify).
 """
 
 from __future__ import annotations
@@ -40,8 +42,9 @@ class HfdistTrainer(Trainer):
     # -- tensor parallelism: ranks of one tp group share a batch; the loss runs vocab-parallel -------------------
 
     def get_tp_size(self) -> int:
-        """The rung's tp degree (the Trainer divides token counts and loss scaling by it)."""
-        return self.rung.dims.tp
+        """Ranks that share one batch: tp x pp. The Trainer divides its gathered token count and its loss scaling
+        (and the data-parallel world in the total batch size) by this, which is what both axes need."""
+        return self.rung.dims.tp * self.rung.dims.pp
 
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
@@ -80,8 +83,38 @@ class HfdistTrainer(Trainer):
         return (loss, None) if return_outputs else loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.rung.dims.pp > 1:
+            return self._pipeline_training_step(model, inputs, num_items_in_batch)
         with self.loss_context():  # backward too must run inside loss_parallel()
             return super().training_step(model, inputs, num_items_in_batch)
+
+    # -- pipeline parallelism: one forward call is a schedule step (forward + backward of all micro-batches) -----
+
+    def _pipeline_training_step(self, model, inputs, num_items_in_batch) -> torch.Tensor:
+        model.train()
+        inputs = self._prepare_inputs(inputs)
+        with self.loss_context():
+            loss = model(**inputs, num_items_in_batch=num_items_in_batch)
+        # The Trainer logs the mean of this over all ranks. Only the last stage's ranks (1 in pp) hold a loss, and
+        # it is already scaled by dp like any Trainer loss, so scaling it by pp makes that mean the batch loss.
+        return loss.detach() * self.rung.dims.pp
+
+    def _sync_replicated_trainable_parameters(self, model) -> None:
+        if self.rung.dims.pp > 1:
+            # The Trainer would broadcast every plain-tensor parameter from rank 0 to all ranks, but pipeline ranks
+            # hold different stages; replicas of one stage are FSDP2 modules that reduce their own gradients.
+            return
+        super()._sync_replicated_trainable_parameters(model)
+
+    def _clip_grad_norm(self, model):
+        if self.rung.dims.pp > 1:  # the norm over every stage: each rank holds only its stages' gradients
+            return self.model.runner.clip_grad_norm_(self.args.max_grad_norm)
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self.rung.dims.pp > 1 and grad_norm is None:
+            grad_norm = self.model.runner.clip_grad_norm_(float("inf"))
+        return super()._get_grad_norm(model, grad_norm)
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
@@ -105,9 +138,12 @@ class HfdistTrainer(Trainer):
         if self.rung.kind != "fsdp":
             return super()._save(output_dir, state_dict)
         output_dir = output_dir or self.args.output_dir
-        from hfdist.parallel.tensor import gather_full_state_dict
+        if self.rung.dims.pp > 1:
+            full = self.model.runner.consolidate_state_dict()  # collective; the full dict on pp rank 0
+        else:
+            from hfdist.parallel.tensor import gather_full_state_dict
 
-        full = gather_full_state_dict(self.model)  # every rank takes part in the all-gathers; full on rank 0
+            full = gather_full_state_dict(self.model)  # every rank takes part in the all-gathers; full on rank 0
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
             self.model.save_pretrained(output_dir, state_dict=full, safe_serialization=True)

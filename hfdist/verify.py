@@ -64,6 +64,34 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
             _fail(rung, f"{name} is not column-split over tp (placements {p.placements})")
 
 
+def _check_pipeline(rung: Rung, model: nn.Module) -> None:
+    """PP: this rank trains only its stages, on a pipeline of the asked size and schedule; each stage is FSDP2 over
+    dp (when dp > 1) and TP-split (when tp > 1), checked like a whole FSDP model."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from hfdist.parallel.pipeline_model import PipelineModel
+
+    if not isinstance(model, PipelineModel):
+        _fail(rung, f"the Trainer's model is a {type(model).__name__}, not hfdist's PipelineModel")
+    runner, want = model.runner, rung.pipeline
+    if runner.pp != rung.dims.pp or (runner.schedule_name, runner.n_microbatches) != (want.schedule, want.n_microbatches):
+        _fail(rung, f"the pipeline runs pp={runner.pp}, {runner.schedule_name} with {runner.n_microbatches} "
+                    f"micro-batches; the config asks for pp={rung.dims.pp}, {want.schedule} with {want.n_microbatches}")
+    local = sum(len(stage.layer_range) for stage in runner.stages)
+    total = sum(len(r) for r in runner.layer_ranges)
+    if local >= total:
+        _fail(rung, f"this rank holds {local} of the model's {total} decoder layers: the model was not split")
+    for stage in runner.stages:
+        if rung.dims.dp > 1:
+            _check_fsdp(rung, stage)
+        elif rung.dims.tp > 1:
+            for name, p in stage.named_parameters():
+                if not isinstance(p, DTensor) or tuple(p.device_mesh.shape) != (rung.dims.tp,):
+                    _fail(rung, f"stage parameter {name} is not a DTensor on the tp mesh")
+                if name.endswith("q_proj.weight") and "lora" not in name and p.placements[-1] != Shard(0):
+                    _fail(rung, f"{name} is not column-split over tp (placements {p.placements})")
+
+
 def _check_deepspeed(rung: Rung, wrapped: nn.Module) -> None:
     if type(wrapped).__name__ != "DeepSpeedEngine":
         _fail(rung, f"the Trainer's model is a {type(wrapped).__name__}, not a DeepSpeedEngine")
@@ -88,7 +116,8 @@ def _check_lora(rung: Rung, model: nn.Module) -> None:
     from peft import PeftModel
 
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    if not isinstance(model, PeftModel) or not trainable:
+    # Pipeline stages hold the PeftModel's LoRA layers, not the PeftModel itself.
+    if not (isinstance(model, PeftModel) or rung.dims.pp > 1) or not trainable:
         _fail(rung, f"--lora was asked but the model is a {type(model).__name__} with {len(trainable)} trainables")
     stray = [n for n in trainable if "lora_" not in n]
     if stray:
@@ -108,7 +137,9 @@ def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool
         _fail(rung, f"the world has {world} processes, the config needs {rung.num_processes}")
     if rung.kind == "ddp" and not isinstance(wrapped, torch.nn.parallel.DistributedDataParallel):
         _fail(rung, f"the Trainer's model is a {type(wrapped).__name__}, not DistributedDataParallel")
-    if rung.kind == "fsdp":
+    if rung.dims.pp > 1:
+        _check_pipeline(rung, model)
+    elif rung.kind == "fsdp":
         _check_fsdp(rung, model)
     if rung.kind == "deepspeed":
         _check_deepspeed(rung, wrapped)

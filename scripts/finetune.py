@@ -21,8 +21,9 @@ def parse_args(argv: list[str]) -> FinetuneConfig:
     d = FinetuneConfig()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=d.config,
-                   help="rung name (ddp, fsdp_full_shard, fsdp_hybrid, zero1, zero2, zero3, zero3_offload_cpu, "
-                        "zero3_offload_nvme; with or without .yaml), a path to an Accelerate YAML, or 'single'. "
+                   help="rung name (ddp, zero1, fsdp_full_shard, zero2, fsdp_hybrid, zero3, pp, fsdp_tp, zero2_tp, 3d, "
+                        "zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to an Accelerate "
+                        "YAML, or 'single'. "
                         "Default: the world `accelerate launch --config_file` started, else one process")
     p.add_argument("--model", default=d.model, help="HF id, local checkpoint folder, or preset (default llama-small)")
     p.add_argument("--dataset", default=d.dataset,
@@ -46,6 +47,11 @@ def parse_args(argv: list[str]) -> FinetuneConfig:
                    help="rescale the rung's data-parallel axis to this many processes")
     p.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--pp-schedule", default=d.pp_schedule,
+                   choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
+                   help="pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule)")
+    p.add_argument("--pp-microbatches", type=int, default=d.pp_microbatches,
+                   help="pipeline micro-batches per step; must divide the per-rank batch (default: the YAML's)")
     p.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb,
                    help="memory per device to plan against (default: the GPU's own; no check on CPU without it)")
     p.add_argument("--skip-plan-check", action="store_true",

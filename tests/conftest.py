@@ -62,3 +62,25 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
     summary = json.loads((out / "hfdist_summary.json").read_text())
     summary["_stdout"] = proc.stdout
     return summary
+
+
+@pytest.fixture(scope="session")
+def references(tmp_path_factory) -> dict[str, dict]:
+    """The single-process runs every strategy is compared with: {"single": summary, "lora_single": summary}."""
+    root = tmp_path_factory.mktemp("references")
+    out = {"single": finetune(root / "single", via="python"),
+           "lora_single": finetune(root / "lora_single", "--lora", via="python")}
+    for name, summary in out.items():
+        summary["_dir"] = root / name
+    return out
+
+
+def check_batch(summary: dict):
+    """The packed blocks a run scored after training (summary["check_batch_loss"]), as a model input batch."""
+    from transformers import default_data_collator
+
+    from hfdist.data import load_raw_dataset, load_tokenizer, tokenize_and_pack
+
+    tok = load_tokenizer(None, is_preset=True)
+    ds = tokenize_and_pack(load_raw_dataset(None), tok, summary["strategy"]["seq_len"])
+    return default_data_collator([ds[i] for i in range(summary["check_blocks"])])

@@ -76,3 +76,42 @@ def test_tp_surgery_on_a_non_llama_model_is_refused(tmp_path):
     GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1024).save_pretrained(model)
     proc = _finetune("--config", "fsdp_tp", "--model", str(model), "--output-dir", str(tmp_path / "o"))
     assert proc.returncode == 2 and "Llama tensor-parallel plan" in proc.stderr and "'gpt2'" in proc.stderr
+
+
+def test_pipeline_with_more_stages_than_layers(tmp_path):
+    """An 8-stage pipeline YAML for the 4-layer llama-tiny: refused before any process starts."""
+    yaml_text = (REPO / "accelerate_configs" / "pp.yaml").read_text()
+    deep = tmp_path / "pp8.yaml"
+    deep.write_text(yaml_text.replace("num_processes: 2", "num_processes: 8")
+                    .replace("parallelism_config_pp_size: 2", "parallelism_config_pp_size: 8"))
+    proc = _finetune("--config", str(deep), "--model", "llama-tiny", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "8 pipeline stages" in proc.stderr and "only 4 decoder layers" in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_fewer_microbatches_than_stages(tmp_path):
+    proc = _finetune("--config", "pp", "--pp-microbatches", "1", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "1F1B needs at least as many micro-batches as pipeline stages" in proc.stderr
+    assert "--pp-microbatches" in proc.stderr
+
+
+def test_microbatches_not_dividing_the_rank_batch(tmp_path):
+    proc = _finetune("--config", "pp", "--pp-microbatches", "3", "--global-batch-size", "8",
+                     "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "gets 8 sequences per step" in proc.stderr and "dividing 8" in proc.stderr
+
+
+def test_pipeline_options_on_a_rung_without_stages(tmp_path):
+    proc = _finetune("--config", "ddp", "--pp-schedule", "GPipe", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "pipeline rungs only" in proc.stderr and "pp.yaml" in proc.stderr
+
+
+def test_pipeline_on_a_non_llama_model_is_refused(tmp_path):
+    from transformers import GPT2Config
+
+    model = tmp_path / "gpt2"
+    GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1024).save_pretrained(model)
+    proc = _finetune("--config", "pp", "--model", str(model), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Llama pipeline stages" in proc.stderr and "'gpt2'" in proc.stderr

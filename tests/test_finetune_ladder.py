@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO, finetune
+from conftest import REPO, check_batch, finetune
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,11 +28,10 @@ VIA_CONFIG_FILE = {"fsdp_hybrid", "zero1", "zero2_tp", "zero3_offload_cpu"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, references):
     """All runs once: {name: summary}; "single" and "lora_single" are the references."""
     root = tmp_path_factory.mktemp("ladder")
-    out = {"single": finetune(root / "single", via="python"),
-           "lora_single": finetune(root / "lora_single", "--lora", via="python")}
+    out = {}
     for name in FULL:
         if name in VIA_CONFIG_FILE:
             out[name] = finetune(root / name, config_file=str(REPO / "accelerate_configs" / f"{name}.yaml"))
@@ -43,7 +42,7 @@ def runs(tmp_path_factory):
         out[f"lora_{name}"] = finetune(root / f"lora_{name}", "--config", name, "--lora")
     for name, summary in out.items():
         summary["_dir"] = root / name
-    return out
+    return {**references, **out}
 
 
 def _bytes(summary: dict, key: str) -> list[int]:
@@ -115,16 +114,6 @@ def test_runs_measure_throughput_and_peak_memory(runs):
             assert r["tokens"] == 4 * 8 * 64 * runs[name]["strategy"]["tp"] // len(runs[name]["ranks"])
 
 
-def _check_batch(summary: dict):
-    from transformers import default_data_collator
-
-    from hfdist.data import load_raw_dataset, load_tokenizer, tokenize_and_pack
-
-    tok = load_tokenizer(None, is_preset=True)
-    ds = tokenize_and_pack(load_raw_dataset(None), tok, summary["strategy"]["seq_len"])
-    return default_data_collator([ds[i] for i in range(summary["check_blocks"])])
-
-
 def test_fsdp_tp_splits_every_matrix_over_tp_and_shards_over_dp(runs):
     """2 x 2: each rank holds 1/4 of the params, grads and optimizer state (1/2 by TP, 1/2 of that by FSDP)."""
     ddp = runs["ddp"]["ranks"][0]
@@ -149,7 +138,7 @@ def test_saved_model_reloads_with_trained_loss(runs, name):
     summary = runs[name]
     model = AutoModelForCausalLM.from_pretrained(summary["_dir"]).eval()
     with torch.no_grad():
-        loss = model(**_check_batch(summary)).loss.item()
+        loss = model(**check_batch(summary)).loss.item()
     assert loss == pytest.approx(summary["check_batch_loss"], rel=LOSS_RTOL)
     assert loss < summary["losses"][0]  # trained weights, not the initial ones
 
@@ -168,7 +157,7 @@ def test_saved_lora_adapter_reloads_with_trained_loss(runs, name):
     base = build_model("llama-tiny", vocab_size=1024, seed=summary["config"]["seed"])
     model = PeftModel.from_pretrained(base, summary["_dir"]).eval()
     with torch.no_grad():
-        loss = model(**_check_batch(summary)).loss.item()
+        loss = model(**check_batch(summary)).loss.item()
     assert loss == pytest.approx(summary["check_batch_loss"], rel=LOSS_RTOL)
 
 

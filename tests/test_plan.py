@@ -228,7 +228,8 @@ def test_sharding_per_rung():
     p = ModelShape.from_config(config).total_params
     plan = plan_rungs(config, gpus_per_node=4, nodes=2, gpu_mem_bytes=H100)
     assert [r.name for r in plan.rungs] == ["ddp", "zero1", "zero2", "fsdp_full_shard", "zero3", "fsdp_hybrid",
-                                            "fsdp_tp", "zero2_tp", "zero3_offload_cpu", "zero3_offload_nvme"]
+                                            "pp", "fsdp_tp", "zero2_tp", "3d", "zero3_offload_cpu",
+                                            "zero3_offload_nvme"]
     b = {r.name: r.bytes for r in plan.rungs}
     assert (b["ddp"].weights, b["ddp"].grads, b["ddp"].master, b["ddp"].optimizer) == (2 * p, 2 * p, 4 * p, 8 * p)
     assert b["zero1"].grads == 2 * p and b["zero1"].optimizer == 8 * p // 8
@@ -385,6 +386,9 @@ def test_cli_json_on_local_checkpoint(tmp_path, capsys):
     assert data["recommended"]["name"] == "ddp" and str(tmp_path) in data["recommended"]["command"]
     for rung in data["rungs"]:
         assert {"name", "fits", "per_rank_bytes"} <= set(rung)
+        if rung["name"] == "3d":  # tp x pp = 4 model-parallel ranks cannot fit on 2 GPUs: said, not planned
+            assert rung["per_rank_bytes"] is None and not rung["fits"] and "tp x pp = 4" in rung["note"]
+            continue
         assert {"weights", "grads", "master", "optimizer", "activations", "total"} <= set(rung["per_rank_bytes"])
     ddp = data["rungs"][0]["per_rank_bytes"]
     assert ddp["master"] == 0  # fp32 training keeps no master copy outside DeepSpeed

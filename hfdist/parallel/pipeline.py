@@ -72,9 +72,12 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
 
 def token_sum_loss(logits: torch.Tensor, target: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """One micro-batch's share of the batch loss: summed token cross-entropy over `num_tokens`, the number of
-    real (not IGNORE_INDEX) shifted labels in the whole batch. Summed over micro-batches it is the batch mean."""
+    real (not IGNORE_INDEX) shifted labels in the whole batch. Summed over micro-batches it is the batch mean.
+
+    Vocab-sharded logits (TP with loss parallelism, inside `loss_parallel()`) give a replicated DTensor loss; its
+    local value is the loss, and backward through `to_local` reaches the sharded logits as DTensor gradients."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-    return ce / num_tokens
+    return _local(ce) / num_tokens
 
 
 def _stage_device(device_type: str) -> torch.device:
@@ -102,7 +105,10 @@ class PipelineRunner:
         layers_per_stage, embed_weight, head_weight: passed to `split_stages`.
         parallelize: applied to each local stage module before the schedule is built; returns that module,
             changed in place (as `fully_shard` and `parallelize_module` do): the hook for FSDP2 (on a dp mesh)
-            and TP (on a tp mesh) within a stage, i.e. for 3D parallelism.
+            within a stage, i.e. for 3D parallelism.
+        activation_mesh: the mesh of DTensor activations that cross stage boundaries: with TP applied to the
+            whole model before splitting (hfdist.parallel.tensor.apply_tp), the hidden states are DTensors on the
+            tp mesh, and a receiving stage rebuilds them on this mesh. Call `step` inside `loss_parallel()` then.
 
     Tied embeddings (Llama-3.2-1B ties lm_head to embed_tokens) stay tied: when the first and the last stage are
     on different ranks each holds a copy, and after every step their gradients are summed between those two
@@ -122,6 +128,7 @@ class PipelineRunner:
         embed_weight: float = 1.0,
         head_weight: float = 1.0,
         parallelize: Callable[[LlamaPipelineStage], nn.Module] | None = None,
+        activation_mesh=None,
     ):
         if pp_mesh.ndim != 1:
             raise PipelineConfigError(
@@ -154,10 +161,12 @@ class PipelineRunner:
         stages = [build_stage_module(model, i, self.num_stages, self.layer_ranges[i]) for i in self.stage_indices]
         self.stages: list[nn.Module] = [parallelize(s) for s in stages] if parallelize else stages
         self.device = _stage_device(pp_mesh.device_type)
+        self._activation_mesh = activation_mesh
 
         # Tied embeddings across ranks: the pp ranks of the first and last stage exchange that weight's gradient.
         last_rank = next(r for r in range(self.pp)
                          if self.num_stages - 1 in stage_indices_for_rank(r, self.pp, self.stages_per_rank, style))
+        self.last_stage_rank = last_rank  # pp rank holding the last stage: where losses are
         self._tie_peer: int | None = None
         self._tied_param: nn.Parameter | None = None
         if tied and last_rank != 0 and self.pp_rank in (0, last_rank):
@@ -195,13 +204,19 @@ class PipelineRunner:
         import torch.distributed.pipelining as pipelining
 
         cls = getattr(pipelining, SCHEDULES[self.schedule_name])
-        stages = [pipelining.PipelineStage(m, i, self.num_stages, self.device, group=self.pp_group)
+        stages = [pipelining.PipelineStage(m, i, self.num_stages, self.device, group=self.pp_group,
+                                           get_mesh=self._mesh_of_activation)
                   for i, m in zip(self.stage_indices, self.stages)]
         # scale_grads=False: token_sum_loss already divides by the batch's token count; torch's default would
         # divide the gradients by n_microbatches once more.
         kwargs = dict(n_microbatches=self.n_microbatches, loss_fn=token_sum_loss, scale_grads=False)
         self._schedule = cls(stages, **kwargs) if self.schedule_name in MULTI_STAGE_SCHEDULES \
             else cls(stages[0], **kwargs)
+
+    def _mesh_of_activation(self, mesh_dim_names, mesh_layout):
+        """torch's lookup for the mesh of a received DTensor activation (None: not one this runner knows)."""
+        mesh = self._activation_mesh
+        return mesh if mesh is not None and tuple(mesh.mesh_dim_names or ()) == tuple(mesh_dim_names or ()) else None
 
     def step(
         self,
@@ -210,7 +225,7 @@ class PipelineRunner:
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         *,
-        num_tokens: int | None = None,
+        num_tokens: float | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch through the pipeline; gradients accumulate into the parameters.
 
@@ -227,6 +242,43 @@ class PipelineRunner:
         Returns:
             The batch loss (0-dim, detached) on the rank holding the last stage, None on the others.
         """
+        args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, position_ids, num_tokens)
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        # The tie exchange must add only this step's gradient: set earlier (accumulated) ones aside.
+        earlier = self._tied_param.grad if self._tied_param is not None else None
+        if self._tied_param is not None:
+            self._tied_param.grad = None
+        self._schedule.step(*args, losses=losses, return_outputs=False, **kwargs)
+        self._exchange_tied_grad(earlier)
+        return torch.stack(losses).sum().detach() if losses is not None else None
+
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 attention_mask: torch.Tensor | None = None) -> float | None:
+        """The batch's mean token loss with the current weights; same rules and ranks as `step`. Gradients and
+        weights are left as they were.
+
+        Returns:
+            The loss on the rank holding the last stage, None on the others.
+        """
+        if self.schedule_name == "ZBVZeroBubble":
+            # torch 2.13's ScheduleZBVZeroBubble.eval still runs its backward actions and fails ("can't
+            # steal_bwd_input if this stage doesn't have backward"): score with a step, then restore the gradients.
+            saved = [(p, p.grad) for p in self.parameters()]
+            for p, _ in saved:
+                p.grad = None
+            with torch.enable_grad():
+                loss = self.step(input_ids, labels, attention_mask)
+            for p, grad in saved:
+                p.grad = grad
+            return None if loss is None else float(loss)
+        args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, None, None)
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        with torch.no_grad():
+            self._schedule.eval(*args, losses=losses, **kwargs)
+        return float(torch.stack(losses).sum()) if losses is not None else None
+
+    def _schedule_inputs(self, input_ids, labels, attention_mask, position_ids, num_tokens):
+        """Validate a batch and turn it into the schedule's (args, kwargs); (re)build the schedule for its shape."""
         batch, seq = input_ids.shape
         if labels.shape != input_ids.shape:
             raise PipelineConfigError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}.")
@@ -241,28 +293,15 @@ class PipelineRunner:
         if self._schedule_shape != (batch, seq):
             self._build_schedule()
             self._schedule_shape = (batch, seq)
-        kwargs = {}
+        # An all-ignored batch gives loss 0 (and no gradient) instead of 0/0.
+        kwargs = {"target": target.to(self.device) if self.has_last_stage else None,
+                  "loss_kwargs": {"num_tokens": num_tokens if num_tokens > 0 else 1}}
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.device)
         if position_ids is not None:
             kwargs["position_ids"] = position_ids.to(self.device)
         args = (input_ids.to(self.device),) if self.has_first_stage else ()
-        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
-        # The tie exchange must add only this step's gradient: set earlier (accumulated) ones aside.
-        earlier = self._tied_param.grad if self._tied_param is not None else None
-        if self._tied_param is not None:
-            self._tied_param.grad = None
-        self._schedule.step(
-            *args,
-            target=target.to(self.device) if self.has_last_stage else None,
-            losses=losses,
-            return_outputs=False,
-            # An all-ignored batch gives loss 0 (and no gradient) instead of 0/0.
-            loss_kwargs={"num_tokens": max(num_tokens, 1)},
-            **kwargs,
-        )
-        self._exchange_tied_grad(earlier)
-        return torch.stack(losses).sum().detach() if losses is not None else None
+        return args, kwargs
 
     def _exchange_tied_grad(self, earlier: torch.Tensor | None) -> None:
         p = self._tied_param
