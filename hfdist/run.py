@@ -63,6 +63,9 @@ class FinetuneConfig:
     seed: int = 0
     output_dir: str = "outputs/finetune"
     overwrite: bool = False
+    save_steps: int = 50
+    save_total_limit: int = 2
+    resume: bool = False
     num_processes: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
@@ -134,6 +137,32 @@ def check_pipeline(rung: Rung, micro: int, num_layers: int) -> None:
                           f"dividing {micro}, or a --global-batch-size / --micro-batch-size that it divides.")
 
 
+def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum: int) -> None:
+    """Values a DeepSpeed JSON fixes (not "auto") must equal what the command line sets, or DeepSpeed and the
+    Trainer would disagree mid-launch (the Trainer raises there, after the processes started).
+
+    Raises:
+        ConfigError: listing each contradiction and the fix.
+    """
+    if rung.ds_config_path is None:
+        return
+    ds = json.loads(rung.ds_config_path.read_text())
+    implied = {"train_micro_batch_size_per_gpu": (micro, "--micro-batch-size"),
+               "gradient_accumulation_steps": (grad_accum, "--global-batch-size / --micro-batch-size"),
+               "train_batch_size": (cfg.global_batch_size, "--global-batch-size"),
+               "gradient_clipping": (1.0, "hfdist's max grad norm")}
+    optimizer_lr = ((ds.get("optimizer") or {}).get("params") or {}).get("lr")
+    if optimizer_lr is not None:
+        implied["optimizer.params.lr"] = (cfg.learning_rate, "--learning-rate")
+    values = {**{k: ds.get(k, "auto") for k in implied}, "optimizer.params.lr": optimizer_lr}
+    clashes = [f"{key} is {values[key]} but {flag} makes it {want}" for key, (want, flag) in implied.items()
+               if values[key] not in ("auto", None) and float(values[key]) != float(want)]
+    if clashes:
+        raise ConfigError(f"{rung.ds_config_path} contradicts the command line: {'; '.join(clashes)}. Set these "
+                          "keys to \"auto\" (the Trainer fills them from the command line, as the shipped JSONs "
+                          "do), or pass flags that match the JSON.")
+
+
 def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
     """Memory per device to plan against: --gpu-mem-gb, else the GPU's own; None on CPU (nothing to check)."""
     if cfg.gpu_mem_gb is not None:
@@ -189,9 +218,36 @@ def _is_rank0() -> bool:
 
 def _check_output_dir(cfg: FinetuneConfig) -> None:
     out = Path(cfg.output_dir)
-    if out.exists() and any(out.iterdir()) and not cfg.overwrite:
-        raise ConfigError(f"--output-dir {out} already holds files (a previous run?). Nothing was changed. Pass a "
-                          "new --output-dir, or --overwrite to replace its contents.")
+    if out.exists() and any(out.iterdir()) and not (cfg.overwrite or cfg.resume):
+        raise ConfigError(f"--output-dir {out} already holds files (a previous run?). Nothing was changed. Pass "
+                          "--resume to continue that run from its latest checkpoint, a new --output-dir, or "
+                          "--overwrite to replace its contents.")
+
+
+def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
+    """What a checkpoint must share with a run that resumes it: the strategy's layout and the workload."""
+    from hfdist.models import DEFAULT_PRESET
+
+    return {"strategy": rung.name, "world_size": rung.num_processes, "dims": rung.dims.to_dict(),
+            "pp_schedule": rung.pipeline.schedule if rung.pipeline else None, "lora": cfg.lora,
+            "model": cfg.model or DEFAULT_PRESET, "global_batch_size": cfg.global_batch_size, "seq_len": cfg.seq_len}
+
+
+def resume_point(cfg: FinetuneConfig, rung: Rung) -> Path | None:
+    """With --resume: the latest complete checkpoint in --output-dir (None: start from scratch), checked to be
+    resumable by this run. Without --resume: None.
+
+    Raises:
+        CheckpointError: the checkpoint was written by another strategy, world or workload.
+    """
+    if not cfg.resume:
+        return None
+    from hfdist.checkpoint import check_resumable, latest_checkpoint
+
+    latest = latest_checkpoint(Path(cfg.output_dir))
+    if latest is not None:
+        check_resumable(latest, checkpoint_identity(cfg, rung))
+    return latest
 
 
 def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, mixed: str, on_gpu: bool):
@@ -209,7 +265,9 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
         max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
         warmup_steps=min(cfg.warmup_steps, cfg.max_steps // 10), weight_decay=0.0, max_grad_norm=1.0,
-        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, save_strategy="no", eval_strategy="no",
+        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
+        save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
+        save_total_limit=cfg.save_total_limit,
         report_to="none", bf16=mixed == "bf16", use_cpu=not on_gpu, deepspeed=deepspeed,
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
         # Under PP, _split_pipeline enables it on the decoder layers; the Trainer cannot reach them through the stages.
@@ -363,10 +421,12 @@ def _preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     from hfdist.models import DEFAULT_PRESET, load_config
 
     _check_output_dir(cfg)
+    resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     # Presets take the embedded tokenizer's vocabulary (1024); other models bring their own.
     config = load_config(cfg.model or DEFAULT_PRESET, 1024)
     check_model_fits_rung(config, rung)
     check_pipeline(rung, micro, config.num_hidden_layers)
+    check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     plan_check(cfg, rung, micro)
 
 
@@ -416,7 +476,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> _Ru
         dataset = tokenize_and_pack(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len)
     model = _apply_strategy(model, rung, mixed, on_gpu, cfg.activation_checkpointing)
 
-    strategy = {"name": rung.name, "world_size": rung.num_processes, **rung.dims.to_dict(),
+    nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
+    strategy = {"name": rung.name, "world_size": rung.num_processes, "nodes": nodes, **rung.dims.to_dict(),
                 "zero_stage": rung.zero_stage, "lora": cfg.lora, "mixed_precision": mixed, "micro_batch": micro,
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
@@ -433,19 +494,22 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> _Ru
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (scripts/bench_callbacks.py).
     callbacks = [losses, memory, throughput, metrics] if cfg.metrics else [losses]
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
-                            processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora)
+                            processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
+                            checkpoint_identity=checkpoint_identity(cfg, rung))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(QuietProgressCallback())
     return _Run(trainer, dataset, strategy, losses, memory, throughput, metrics, sink, flops_per_token, peak)
 
 
 def _write_summary(cfg: FinetuneConfig, run: _Run, train_runtime: float | None, check_loss: float,
-                   ranks: list[dict]) -> None:
+                   ranks: list[dict], resume_from: Path | None) -> None:
     """Rank 0: close the W&B run with the peaks and write OUTPUT_DIR/hfdist_summary.json."""
     summary = {
         "strategy": run.strategy,
         "config": asdict(cfg),
         "losses": run.losses.losses,
+        "loss_steps": run.losses.steps,
+        "resumed_from": str(resume_from) if resume_from else None,
         "check_batch_loss": check_loss,
         "check_blocks": check_blocks(run.trainer.rung, len(run.dataset)),
         "train_runtime": train_runtime,
@@ -488,7 +552,10 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
 
     run = _set_up(cfg, rung, micro, grad_accum)
     run.sink.start()  # W&B's start-up (seconds) stays out of the measured training loop
-    train_output = run.trainer.train()
+    resume_from = resume_point(cfg, rung)
+    if resume_from is not None and _is_rank0():
+        print(f"hfdist: resuming from {resume_from}", flush=True)
+    train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     check_loss = _check_batch_loss(run.trainer, run.dataset)
     run.trainer.save_model(cfg.output_dir)
 
@@ -496,7 +563,7 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
     rates = run.metrics.rates(own["tokens_per_second"]) if cfg.metrics else {}
     ranks = _gather_ranks({"rank": int(os.environ.get("RANK", "0")), **own, **rates})
     if _is_rank0():
-        _write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks)
+        _write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
     _leave_process_group()
     return 0
 

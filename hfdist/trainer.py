@@ -17,23 +17,27 @@ import torch.distributed as dist
 from transformers import Trainer
 
 from hfdist.ladder import Rung
+from hfdist.trainer_checkpoint import CheckpointingMixin
 from hfdist.verify import verify_strategy
 
 __all__ = ["HfdistTrainer"]
 
 
-class HfdistTrainer(Trainer):
-    """Trainer for a model hfdist may have sharded; verifies the rung before training.
+class HfdistTrainer(CheckpointingMixin, Trainer):
+    """Trainer for a model hfdist may have sharded; verifies the rung before training; atomic checkpoints.
 
     Args:
         rung: the strategy asked for.
         lora: whether the model carries LoRA adapters (verified too).
+        checkpoint_identity: what a checkpoint records about the run, to refuse resuming another setup's.
     """
 
-    def __init__(self, *args, rung: Rung, lora: bool = False, **kwargs) -> None:
+    def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rung = rung
         self.lora = lora
+        self.checkpoint_identity = checkpoint_identity or {}
         if rung.kind == "fsdp":
             # The Trainer's own switch for "the model already owns its placement and gradient reduction": with it,
             # accelerate prepares autocast only (no DDP wrap, no .to()) and saving joins all ranks.

@@ -6,6 +6,8 @@ said FSDP, ZeRO not engaged, LoRA saving empty adapters), so every run checks it
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,6 +47,12 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
         _fail(rung, f"{len(unwrapped)} of {len(layers)} {rung.fsdp.layer_cls_to_wrap} modules (or the root) are "
                     "not FSDP2 modules")
     d = rung.dims
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", d.dp_shard))
+    if d.dp_replicate > 1 and local % d.dp_shard:
+        # Ranks are numbered node by node, so shard groups of consecutive ranks stay inside a node when dp_shard
+        # divides the processes per node; otherwise every all-gather would cross the slow inter-node link.
+        _fail(rung, f"hybrid sharding groups of dp_shard={d.dp_shard} ranks do not fit the {local} processes of a "
+                    "node, so shards would span nodes; set parallelism_config_dp_shard_size to the processes per node")
     want = (Replicate(), Shard(0)) if d.dp_replicate > 1 else (Shard(0),)
     want_shape = (d.dp_replicate, d.dp_shard) if d.dp_replicate > 1 else (d.dp_shard,)
     if d.tp > 1:

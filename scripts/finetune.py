@@ -43,6 +43,12 @@ def parse_args(argv: list[str]) -> FinetuneConfig:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--output-dir", default=d.output_dir)
     p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty --output-dir")
+    p.add_argument("--save-steps", type=int, default=d.save_steps,
+                   help="write a checkpoint every N optimizer steps into OUTPUT_DIR/checkpoint-N (0: none)")
+    p.add_argument("--save-total-limit", type=int, default=d.save_total_limit, help="checkpoints kept (newest)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --output-dir from its latest complete checkpoint (from scratch if it "
+                        "has none); use it under launchers that restart failed jobs")
     p.add_argument("--num-processes", type=int, default=d.num_processes,
                    help="rescale the rung's data-parallel axis to this many processes")
     p.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme")

@@ -115,3 +115,21 @@ def test_pipeline_on_a_non_llama_model_is_refused(tmp_path):
     GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1024).save_pretrained(model)
     proc = _finetune("--config", "pp", "--model", str(model), "--output-dir", str(tmp_path / "o"))
     assert proc.returncode == 2 and "Llama pipeline stages" in proc.stderr and "'gpt2'" in proc.stderr
+
+
+def test_deepspeed_json_contradicting_the_command_line(tmp_path):
+    """A user's ZeRO-2 JSON that fixes the micro-batch and LR the command line sets differently: refused at once."""
+    import json
+
+    ds = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    ds["train_micro_batch_size_per_gpu"] = 2
+    ds["optimizer"] = {"type": "AdamW", "params": {"lr": 1e-4}}
+    (tmp_path / "mine.json").write_text(json.dumps(ds))
+    yaml_text = (REPO / "accelerate_configs" / "zero2.yaml").read_text()
+    (tmp_path / "mine.yaml").write_text(yaml_text.replace("ds_configs/zero2.json", str(tmp_path / "mine.json")))
+    proc = _finetune("--config", str(tmp_path / "mine.yaml"), "--global-batch-size", "16", "--learning-rate", "1e-3",
+                     "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "train_micro_batch_size_per_gpu is 2 but --micro-batch-size makes it 8" in proc.stderr
+    assert "optimizer.params.lr is 0.0001 but --learning-rate makes it 0.001" in proc.stderr
+    assert '"auto"' in proc.stderr and not (tmp_path / "o").exists()
