@@ -133,19 +133,24 @@ def test_inactive_rank_does_nothing(tmp_path):
     assert sink.run_dir is None and sink.error is None and not (tmp_path / "rank1").exists()
 
 
-def test_unreachable_server_warns_once_and_training_goes_on(tmp_path, monkeypatch, capsys):
+def test_unreachable_server_or_bad_key_logs_offline_and_training_goes_on(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # the discard port: nothing listens
     monkeypatch.setenv("WANDB_API_KEY", "f" * 40)
     sink = WandbSink(output_dir=tmp_path / "run", active=True, name="ddp", init_timeout=2)
     start = time.perf_counter()
     for step in range(3):
-        sink.log({"loss": 1.0}, step=step)  # the first call pays the init timeout; the rest return at once
+        sink.log({"loss": 1.0 + step}, step=step)  # the first call pays the init timeout; the rest return at once
     sink.set_summary({"peak": 1})
     sink.finish()
     assert time.perf_counter() - start < 30
-    assert sink.error is not None and sink.error.startswith("W&B init failed")
-    assert capsys.readouterr().err.count("hfdist: warning: W&B") == 1
+    assert sink.error is not None and sink.error.startswith("W&B online init failed")
+    assert sink.mode == "offline"
+    err = capsys.readouterr().err
+    assert err.count("hfdist: warning: W&B") == 1 and "wandb sync" in err
+    # Nothing was lost: the run went to disk, every step and the summary in it.
+    run = read_offline_run(tmp_path / "run")
+    assert [row["loss"] for row in run.history] == [1.0, 2.0, 3.0] and run.summary["peak"] == 1
 
 
 def test_failing_log_mid_run_warns_once_and_keeps_what_was_logged(tmp_path, monkeypatch, capsys):

@@ -96,7 +96,8 @@ class WandbSink:
         config: the strategy dims and run settings, shown as the run's config.
         project: W&B project; default WANDB_PROJECT, else "hfdist".
         mode: online / offline / disabled; default resolve_wandb_mode().
-        init_timeout: seconds wandb.init may take (an unreachable server costs this once, then W&B is off).
+        init_timeout: seconds wandb.init may take (an unreachable server or a rejected key costs this once, then
+            the run is logged offline).
     """
 
     def __init__(self, *, output_dir: str | os.PathLike, active: bool, name: str, group: str | None = None,
@@ -148,11 +149,26 @@ class WandbSink:
         return wandb.init(dir=str(self._output_dir), reinit="create_new",
                           settings=wandb.Settings(init_timeout=self._init_timeout), **self._init_kwargs)
 
+    def _start_online_or_offline(self) -> Any:
+        try:
+            return self._start()
+        except Exception as exc:
+            if self.mode != "online":
+                raise
+            # Unreachable server or rejected key: keep the run on disk instead, to `wandb sync` later.
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            self.error = f"W&B online init failed ({type(exc).__name__}: {first_line}); logged offline instead"
+            self.mode = self._init_kwargs["mode"] = "offline"
+            run = self._start()
+            print(f"hfdist: warning: {self.error} in {run.settings.sync_dir}; upload it with `wandb sync` once "
+                  "W&B is reachable.", file=sys.stderr, flush=True)
+            return run
+
     def _ensure_run(self) -> Any:
         if self._closed:
             return None
         if self._run is None:
-            self._run = self._call("init", self._start)
+            self._run = self._call("init", self._start_online_or_offline)
         return None if self._closed else self._run
 
     def start(self) -> bool:
