@@ -120,6 +120,13 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
             grad_norm = self.model.runner.clip_grad_norm_(float("inf"))
         return super()._get_grad_norm(model, grad_norm)
 
+    def create_optimizer(self, model=None):
+        optimizer = super().create_optimizer(model)
+        # The Trainer always makes a decay and a no-decay group; under LoRA the second is empty, and an empty group
+        # breaks torch.distributed.checkpoint's flattened optimizer state (torch 2.13: IndexError on resume).
+        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        return optimizer
+
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         verify_strategy(self.rung, model, self.model, self.lora)

@@ -22,7 +22,7 @@ from conftest import FINETUNE, TINY_ARGS, finetune, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
-RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp"]
+RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp", "lora_fsdp_full_shard"]
 RTOL = 1e-6  # same ranks, same reduction order: resumed steps are bit-identical in practice
 
 
@@ -33,10 +33,11 @@ def runs(tmp_path_factory):
     out = {}
     for name in RUNGS:
         full, resumed = root / name / "full", root / name / "resumed"
-        first = finetune(full, "--config", name, "--save-steps", "2")
+        args = ["--config", name.removeprefix("lora_"), "--save-steps", "2"] + (["--lora"] if "lora" in name else [])
+        first = finetune(full, *args)
         resumed.mkdir(parents=True)
         shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-        second = finetune(resumed, "--config", name, "--save-steps", "2", "--resume")
+        second = finetune(resumed, *args, "--resume")
         out[name] = (first, second, full, resumed)
     return out
 
@@ -55,12 +56,13 @@ def test_checkpoints_are_complete_and_describe_their_run(runs, name):
     first, _, full, _ = runs[name]
     assert sorted(p.name for p in full.iterdir() if "checkpoint" in p.name) == ["checkpoint-2", "checkpoint-4"]
     marker = json.loads((full / "checkpoint-4" / "hfdist_checkpoint.json").read_text())
-    assert marker["step"] == 4 and marker["strategy"] == name
+    assert marker["step"] == 4 and marker["strategy"] == name.removeprefix("lora_")
+    assert marker["lora"] == name.startswith("lora_")
     assert marker["world_size"] == first["strategy"]["world_size"]
     ckpt = full / "checkpoint-2"
     world = first["strategy"]["world_size"]
     assert sorted(p.name for p in ckpt.glob("rng_state_*.pth")) == [f"rng_state_{r}.pth" for r in range(world)]
-    if name in ("fsdp_full_shard", "fsdp_tp", "pp"):  # hfdist-owned sharding: one DCP file per rank
+    if name in ("fsdp_full_shard", "fsdp_tp", "pp", "lora_fsdp_full_shard"):  # hfdist-owned: a DCP file per rank
         assert len(list((ckpt / "sharded").glob("*.distcp"))) == world
     if name == "zero3":  # DeepSpeed's own per-rank partitions
         assert len(list(ckpt.glob("global_step2/*optim_states.pt"))) == world
