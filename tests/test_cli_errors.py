@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from conftest import FINETUNE, REPO, accelerate, run_cmd
 
 
@@ -69,13 +71,15 @@ def test_world_of_the_wrong_size_is_refused(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_tp_surgery_on_a_non_llama_model_is_refused(tmp_path):
+@pytest.mark.parametrize("config, surgery", [("fsdp_tp", "Llama tensor-parallel plan"),
+                                             ("pp", "Llama pipeline stages")])
+def test_llama_surgery_on_a_non_llama_model_is_refused(tmp_path, config, surgery):
     from transformers import GPT2Config
 
     model = tmp_path / "gpt2"
     GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1024).save_pretrained(model)
-    proc = _finetune("--config", "fsdp_tp", "--model", str(model), "--output-dir", str(tmp_path / "o"))
-    assert proc.returncode == 2 and "Llama tensor-parallel plan" in proc.stderr and "'gpt2'" in proc.stderr
+    proc = _finetune("--config", config, "--model", str(model), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and surgery in proc.stderr and "'gpt2'" in proc.stderr
 
 
 def test_pipeline_with_more_stages_than_layers(tmp_path):
@@ -106,15 +110,6 @@ def test_microbatches_not_dividing_the_rank_batch(tmp_path):
 def test_pipeline_options_on_a_rung_without_stages(tmp_path):
     proc = _finetune("--config", "ddp", "--pp-schedule", "GPipe", "--output-dir", str(tmp_path / "o"))
     assert proc.returncode == 2 and "pipeline rungs only" in proc.stderr and "pp.yaml" in proc.stderr
-
-
-def test_pipeline_on_a_non_llama_model_is_refused(tmp_path):
-    from transformers import GPT2Config
-
-    model = tmp_path / "gpt2"
-    GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=1024).save_pretrained(model)
-    proc = _finetune("--config", "pp", "--model", str(model), "--output-dir", str(tmp_path / "o"))
-    assert proc.returncode == 2 and "Llama pipeline stages" in proc.stderr and "'gpt2'" in proc.stderr
 
 
 def test_deepspeed_json_contradicting_the_command_line(tmp_path):
