@@ -128,3 +128,14 @@ def test_deepspeed_json_contradicting_the_command_line(tmp_path):
     assert "train_micro_batch_size_per_gpu is 2 but --micro-batch-size makes it 8" in proc.stderr
     assert "optimizer.params.lr is 0.0001 but --learning-rate makes it 0.001" in proc.stderr
     assert '"auto"' in proc.stderr and not (tmp_path / "o").exists()
+
+
+def test_dataset_without_usable_columns(tmp_path):
+    import json
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("\n".join(json.dumps({"question_text": "q", "label": 1}) for _ in range(8)))
+    proc = _finetune("--dataset", str(data), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "instruction/response" in proc.stderr and "question_text" in proc.stderr
+    assert not (tmp_path / "o").exists()
