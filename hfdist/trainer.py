@@ -122,9 +122,11 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        # The Trainer always makes a decay and a no-decay group; under LoRA the second is empty, and an empty group
-        # breaks torch.distributed.checkpoint's flattened optimizer state (torch 2.13: IndexError on resume).
-        optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        if self._owns_sharding():
+            # The Trainer always makes a decay and a no-decay group; under LoRA the second is empty, and an empty
+            # group breaks torch.distributed.checkpoint's flattened optimizer state (torch 2.13: IndexError on
+            # resume). (DeepSpeed rungs may hold a placeholder without groups here: DeepSpeed builds the real one.)
+            optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
         return optimizer
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
