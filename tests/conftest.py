@@ -84,3 +84,24 @@ def check_batch(summary: dict):
     tok = load_tokenizer(None, is_preset=True)
     ds = tokenize_and_pack(load_raw_dataset(None), tok, summary["strategy"]["seq_len"])
     return default_data_collator([ds[i] for i in range(summary["check_blocks"])])
+
+
+def finished_offline_run(root, timeout: float = 60.0):
+    """The offline run under `root` once its exit record is on disk. wandb's writer is a separate process
+    (wandb-core) that may still be flushing when `finish()` returns (seen once in CI: an empty file)."""
+    import time
+
+    from hfdist.wandb_offline import WandbFileError, read_offline_run
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            run = read_offline_run(root)
+            if run.exit_code is not None:
+                return run
+        except (WandbFileError, IndexError):
+            pass
+        if time.time() > deadline:
+            raise AssertionError(f"W&B did not finish writing the offline run under {root} in {timeout:.0f} s")
+        time.sleep(0.2)
+

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import REPO, check_batch, finetune
+from conftest import REPO, check_batch, finetune, finished_offline_run
 
 pytestmark = pytest.mark.multiproc
 
@@ -192,12 +192,12 @@ def test_planner_predicts_the_measured_bytes(runs, name):
 
 def test_every_rank_reaches_wandb_offline(runs):
     """What reached W&B, read back from the offline run files (real wandb, no mock)."""
-    from hfdist.wandb_offline import find_offline_runs, read_offline_run
+    from hfdist.wandb_offline import find_offline_runs
 
     summary = runs["fsdp_hybrid"]
     assert summary["wandb"]["mode"] == "offline" and summary["wandb"]["error"] is None
     (run_file,) = find_offline_runs(summary["_dir"])
-    run = read_offline_run(run_file)
+    run = finished_offline_run(run_file)
     assert run.config["dp_replicate"] == 2 and run.config["dp_shard"] == 2 and run.name == "fsdp_hybrid"
     steps = [row for row in run.history if "loss" in row]
     assert [row["loss"] for row in steps] == pytest.approx(summary["losses"], rel=1e-6)

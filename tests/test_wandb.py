@@ -14,6 +14,8 @@ import pytest
 from hfdist.callbacks.wandb_sink import WandbSink, aggregate_ranks, resolve_wandb_mode, sync_instructions
 from hfdist.wandb_offline import WandbFileError, find_offline_runs, read_offline_run, read_records
 
+from conftest import finished_offline_run
+
 STRATEGY = {"name": "fsdp2", "world_size": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1}
 
 
@@ -83,8 +85,8 @@ def test_sink_round_trip_through_the_offline_file(tmp_path):
     assert sink.error is None
 
     assert run_dir is not None and run_dir.parent == out / "wandb" and run_dir.name.startswith("offline-run-")
+    run = finished_offline_run(out)
     assert find_offline_runs(out) == [next(run_dir.glob("run-*.wandb"))]
-    run = read_offline_run(out)
     assert (run.name, run.group, run.job_type, run.project) == ("fsdp2", "cmp-123", "fsdp", "hfdist")
     assert run.config == {"strategy": STRATEGY, "seq_len": 64, "notes": big}
     assert [row["_step"] for row in run.history] == [1, 2, 3, 4]
@@ -101,6 +103,7 @@ def test_reader_rejects_corrupt_files_and_tolerates_a_cut_tail(tmp_path):
     for step in range(3):
         sink.log({"loss": float(step)}, step=step)
     sink.finish()
+    finished_offline_run(tmp_path / "run")
     path = find_offline_runs(tmp_path / "run")[0]
     data = path.read_bytes()
 
@@ -149,7 +152,7 @@ def test_unreachable_server_or_bad_key_logs_offline_and_training_goes_on(tmp_pat
     err = capsys.readouterr().err
     assert err.count("hfdist: warning: W&B") == 1 and "wandb sync" in err
     # Nothing was lost: the run went to disk, every step and the summary in it.
-    run = read_offline_run(tmp_path / "run")
+    run = finished_offline_run(tmp_path / "run")
     assert [row["loss"] for row in run.history] == [1.0, 2.0, 3.0] and run.summary["peak"] == 1
 
 
@@ -171,7 +174,7 @@ def test_failing_log_mid_run_warns_once_and_keeps_what_was_logged(tmp_path, monk
     sink.finish()  # the run is still closed properly
     assert sink.error == "W&B log failed: OSError: No space left on device"
     assert capsys.readouterr().err.count("hfdist: warning: W&B") == 1
-    run = read_offline_run(tmp_path / "run")
+    run = finished_offline_run(tmp_path / "run")
     assert [row["loss"] for row in run.history] == [2.0]
     assert "peak" not in run.summary
 
