@@ -174,14 +174,21 @@ def resume_point(cfg: FinetuneConfig, rung: Rung) -> Path | None:
 
     Raises:
         CheckpointError: the checkpoint was written by another strategy, world or workload.
+        ConfigError: the checkpoint is already at --max-steps (the Trainer would train one step past it).
     """
     if not cfg.resume:
         return None
-    from hfdist.checkpoint import check_resumable, latest_checkpoint
+    from hfdist.checkpoint import MARKER, check_resumable, latest_checkpoint
 
     latest = latest_checkpoint(Path(cfg.output_dir))
-    if latest is not None:
-        check_resumable(latest, checkpoint_identity(cfg, rung))
+    if latest is None:
+        return None
+    check_resumable(latest, checkpoint_identity(cfg, rung))
+    step = json.loads((latest / MARKER).read_text())["step"]
+    if step >= cfg.max_steps:
+        raise ConfigError(f"{latest} is already at step {step}, and --max-steps is {cfg.max_steps}: nothing is left "
+                          "to train, so nothing was changed. Pass a larger --max-steps to train further from it, or "
+                          "a new --output-dir for a new run.")
     return latest
 
 

@@ -129,3 +129,12 @@ def test_incomplete_checkpoints_are_never_the_latest(tmp_path):
     staging_dir(tmp_path / "checkpoint-8").mkdir()  # a save that crashed before its rename
     # checkpoint-6 has no marker (a foreign or interrupted folder), checkpoint-8 was never renamed.
     assert latest_checkpoint(tmp_path) == tmp_path / "checkpoint-4"
+
+
+def test_resuming_a_finished_run_changes_nothing(runs, tmp_path):
+    """The final checkpoint is at --max-steps: refused (the Trainer would train one step past max_steps)."""
+    _, _, full, _ = runs["ddp"]
+    shutil.copytree(full / "checkpoint-4", tmp_path / "checkpoint-4")
+    proc = run_cmd(_resume_cmd(tmp_path, "--config", "ddp"), timeout=300)
+    assert proc.returncode == 2 and "nothing is left to train" in proc.stderr and "--max-steps" in proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-4"]
