@@ -172,7 +172,7 @@ def _pipeline_check_loss(model, batch) -> float:
     import torch.distributed as dist
 
     runner = model.runner
-    loss = model.evaluate_loss(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
+    loss = runner.evaluate(batch["input_ids"], batch["labels"], batch.get("attention_mask"))
     box = [loss]
     dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
     return float(box[0])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -16,7 +18,10 @@ def model():
 
 
 def _one_process(name):
-    return load_rung(name).with_num_processes(1) if name != "fsdp_hybrid" else load_rung(name)
+    rung = load_rung(name)
+    if name == "pp":  # pp=2 cannot shrink to one process; keep its dims, pretend the world matches
+        return replace(rung, num_processes=1)
+    return rung.with_num_processes(1) if name != "fsdp_hybrid" else rung
 
 
 def test_single_process_model_passes_as_single(model):
@@ -30,7 +35,8 @@ def test_world_size_mismatch_is_refused(model):
 
 @pytest.mark.parametrize("name, why", [("ddp", "not DistributedDataParallel"),
                                        ("fsdp_full_shard", "not FSDP2 modules"),
-                                       ("zero3", "not a DeepSpeedEngine")])
+                                       ("zero3", "not a DeepSpeedEngine"),
+                                       ("pp", "not hfdist's PipelineModel")])
 def test_fallback_to_a_plain_model_is_refused(model, name, why):
     """What accelerate does on CPU with an FSDP config (DDP or nothing) must not pass as the rung."""
     with pytest.raises(StrategyNotInEffect, match=why):

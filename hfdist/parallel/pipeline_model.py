@@ -82,11 +82,6 @@ class PipelineModel(nn.Module):
             return torch.zeros((), device=self.runner.device)
         return loss
 
-    def evaluate_loss(self, input_ids: torch.Tensor, labels: torch.Tensor,
-                      attention_mask: torch.Tensor | None = None) -> float | None:
-        """The mean token loss of a batch with the current weights; a float on the last stage's rank, None elsewhere."""
-        return self.runner.evaluate(input_ids, labels, attention_mask)
-
     def save_pretrained(self, save_directory: str, state_dict: dict[str, torch.Tensor], **kwargs) -> None:
         """Write a standard HF checkpoint (or LoRA adapter) from a `runner.consolidate_state_dict()` result."""
         self._skeleton[0].save_pretrained(save_directory, state_dict=state_dict, **kwargs)
