@@ -152,8 +152,13 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
 
 def _check_output_dir(cfg: FinetuneConfig) -> None:
+    from hfdist.job.console import log_dir
+
     out = Path(cfg.output_dir)
-    if out.exists() and any(out.iterdir()) and not (cfg.overwrite or cfg.resume):
+    # The ranks' library logs (OUTPUT_DIR/logs) do not count: in a world another launcher started, a rank past
+    # these checks may already have opened its log while another rank is still checking.
+    held = [p for p in out.iterdir() if p != log_dir(out)] if out.is_dir() else []
+    if held and not (cfg.overwrite or cfg.resume):
         raise ConfigError(f"--output-dir {out} already holds files (a previous run?). Nothing was changed. Pass "
                           "--resume to continue that run from its latest checkpoint, a new --output-dir, or "
                           "--overwrite to replace its contents.")
@@ -181,12 +186,23 @@ def check_model_fits_rung(config, rung: Rung) -> None:
         validate_tp(config, rung.dims.tp)
 
 
+def _check_gpu_settings(rung: Rung) -> None:
+    """YAML settings hfdist does not implement on a GPU (hfdist.job.translate.refuse_on_gpu)."""
+    if rung.yaml_path is None or not torch.cuda.is_available():
+        return
+    from hfdist.job.ladder import read_accelerate_yaml
+    from hfdist.job.translate import refuse_on_gpu
+
+    refuse_on_gpu(read_accelerate_yaml(rung.yaml_path), rung.owns_sharding, rung.yaml_path)
+
+
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
     from hfdist.models.presets import load_config
     from hfdist.train.resume import resume_point
 
     _check_output_dir(cfg)
+    _check_gpu_settings(rung)
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
     check_model_fits_rung(config, rung)
