@@ -23,12 +23,12 @@ TINY_ARGS = ["--model", "llama-tiny", "--max-steps", "4", "--global-batch-size",
              "--learning-rate", "3e-3", "--warmup-steps", "0"]
 
 
-def run_cmd(cmd: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run a command from the repository root with a quiet, offline environment."""
+def run_cmd(cmd: list[str], timeout: int = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run a command (from the repository root unless `cwd`) with a quiet, offline environment."""
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
     env.pop("HFDIST_HANDED_OVER", None)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun_json(worker: Path, nproc: int, out: Path, timeout: int) -> dict:
@@ -47,8 +47,10 @@ def accelerate(*args: str) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", *args]
 
 
-def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = "accelerate") -> dict:
-    """Run the main job into `out` and return its hfdist_summary.json; fail the test with the log if it fails.
+def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = "accelerate",
+             cwd: Path = REPO) -> dict:
+    """Run the main job into `out` (from `cwd`) and return its hfdist_summary.json, with the run's stdout and stderr
+    under "_stdout" / "_stderr"; fail the test with the log if it fails.
 
     via="accelerate": `accelerate launch scripts/finetune.py ...` (the README's form, hfdist hands over);
     via="python": `python scripts/finetune.py ...`; config_file: `accelerate launch --config_file F ...`.
@@ -61,12 +63,12 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
                          "--dynamo_backend", "no", *args)
     else:
         cmd = [sys.executable, *args]
-    proc = run_cmd(cmd)
+    proc = run_cmd(cmd, cwd=cwd)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
     summary = json.loads((out / "hfdist_summary.json").read_text())
-    summary["_stdout"] = proc.stdout
+    summary["_stdout"], summary["_stderr"] = proc.stdout, proc.stderr
     return summary
 
 
