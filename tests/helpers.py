@@ -23,6 +23,27 @@ TINY_ARGS = ["--model", "llama-tiny", "--max-steps", "4", "--global-batch-size",
              "--learning-rate", "3e-3", "--warmup-steps", "0"]
 
 
+# Configs other projects ship, as users bring them (tests/unit/test_translate.py, tests/e2e/test_byo_configs.py).
+# accelerate's examples/config_yaml_templates/fsdp.yaml: FSDP1 keys, no fsdp_version.
+ACCELERATE_FSDP1_TEMPLATE = {
+    "distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
+    "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                    "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_cpu_ram_efficient_loading": True,
+                    "fsdp_forward_prefetch": False, "fsdp_offload_params": False,
+                    "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                    "fsdp_sync_module_states": True, "fsdp_use_orig_params": True},
+}
+# axolotl's deepspeed_configs/zero3_bf16.json, verbatim.
+AXOLOTL_ZERO3_BF16 = {
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+                          "reduce_bucket_size": "auto", "prefetch_bucket_size": "auto",
+                          "param_persistence_threshold": "auto", "max_live_parameters": 0, "max_reuse_distance": 0,
+                          "gather_16bit_weights_on_model_save": True},
+    "bf16": {"enabled": True}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
 def run_cmd(cmd: list[str], timeout: int = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
     """Run a command (from the repository root unless `cwd`) with a quiet, offline environment."""
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",

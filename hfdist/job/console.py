@@ -139,8 +139,8 @@ def start(log_file: str | Path, verbose: bool = False) -> None:
     _state.update(screen_out=sys.stdout, screen_err=sys.stderr, log=log, path=path, verbose=verbose)
     sys.stdout = _Router(old[0], log, verbose)  # type: ignore[assignment]
     sys.stderr = _Router(old[1], log, verbose)  # type: ignore[assignment]
+    # Python's warnings print to sys.stderr at the time they are shown, so they reach the log through the router.
     _repoint_handlers(old, sys.stdout, sys.stderr)  # type: ignore[arg-type]
-    logging.captureWarnings(True)  # warnings -> the "py.warnings" logger -> stderr -> the log
     sys.excepthook = _show_exception
     threading.excepthook = lambda args: _show_exception(args.exc_type, args.exc_value, args.exc_traceback)
     if not verbose and "transformers.utils.logging" in sys.modules:  # imported before start(): switch its bars off
@@ -155,6 +155,5 @@ def stop() -> None:
     sys.stdout, sys.stderr = _state["screen_out"], _state["screen_err"]  # type: ignore[assignment]
     _repoint_handlers(routed, sys.stdout, sys.stderr)
     sys.excepthook, threading.excepthook = sys.__excepthook__, threading.__excepthook__
-    logging.captureWarnings(False)
     _state["log"].close()  # type: ignore[union-attr]
     _state.clear()

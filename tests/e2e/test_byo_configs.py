@@ -10,28 +10,10 @@ import json
 import pytest
 import yaml
 
-from helpers import finetune
+from helpers import ACCELERATE_FSDP1_TEMPLATE, AXOLOTL_ZERO3_BF16, finetune
 
 pytestmark = pytest.mark.multiproc
 
-# accelerate's examples/config_yaml_templates/fsdp.yaml (FSDP1 keys, no fsdp_version).
-FSDP1_TEMPLATE = {
-    "distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
-    "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                    "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_cpu_ram_efficient_loading": True,
-                    "fsdp_forward_prefetch": False, "fsdp_offload_params": False,
-                    "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                    "fsdp_sync_module_states": True, "fsdp_use_orig_params": True},
-}
-# axolotl's deepspeed_configs/zero3_bf16.json, verbatim.
-AXOLOTL_ZERO3_BF16 = {
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
-                          "reduce_bucket_size": "auto", "prefetch_bucket_size": "auto",
-                          "param_persistence_threshold": "auto", "max_live_parameters": 0, "max_reuse_distance": 0,
-                          "gather_16bit_weights_on_model_save": True},
-    "bf16": {"enabled": True}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
-}
 # accelerate's examples/deepspeed_config_templates/zero_stage3_config.json without its optimizer and scheduler
 # sections: DeepSpeed's own AdamW would JIT-compile its CPU op (minutes, once per machine) and its WarmupDecayLR
 # schedule differs from the single-process run's cosine, so the losses could not be compared.
@@ -58,9 +40,9 @@ def _deepspeed_yaml(json_name: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("byo")
-    hybrid = {**FSDP1_TEMPLATE, "num_processes": 4,
-              "fsdp_config": {**FSDP1_TEMPLATE["fsdp_config"], "fsdp_sharding_strategy": "HYBRID_SHARD"}}
-    files = {"fsdp1.yaml": FSDP1_TEMPLATE, "hybrid1.yaml": hybrid,
+    hybrid = {**ACCELERATE_FSDP1_TEMPLATE, "num_processes": 4,
+              "fsdp_config": {**ACCELERATE_FSDP1_TEMPLATE["fsdp_config"], "fsdp_sharding_strategy": "HYBRID_SHARD"}}
+    files = {"fsdp1.yaml": ACCELERATE_FSDP1_TEMPLATE, "hybrid1.yaml": hybrid,
              "zero3_bf16.yaml": _deepspeed_yaml("zero3_bf16.json"),
              "zero3_fp16.yaml": _deepspeed_yaml("zero3_fp16.json")}
     for name, cfg in files.items():

@@ -13,15 +13,8 @@ from hfdist.job.ladder import CONFIG_ROOT, LadderError, StrategyKind, load_rung,
 from hfdist.job.translate import deepspeed_config_for_run, read_fsdp_config, refuse_on_gpu
 from hfdist.parallel.dims import ParallelDims
 
-# The shape of accelerate's examples/config_yaml_templates/fsdp.yaml (FSDP1 keys, no fsdp_version).
-ACCELERATE_FSDP_TEMPLATE = {
-    "distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
-    "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-                    "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_cpu_ram_efficient_loading": True,
-                    "fsdp_forward_prefetch": False, "fsdp_offload_params": False,
-                    "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-                    "fsdp_sync_module_states": True, "fsdp_use_orig_params": True},
-}
+from helpers import ACCELERATE_FSDP1_TEMPLATE, AXOLOTL_ZERO3_BF16
+
 # LLaMA-Factory's examples/accelerate/fsdp_config.yaml: FSDP1 with fp16 and parameter offload.
 LLAMA_FACTORY_FSDP = {
     "compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "FSDP", "downcast_bf16": "no",
@@ -47,7 +40,7 @@ def _with_fsdp(base: dict, **fsdp) -> dict:
 
 
 def test_accelerate_fsdp1_template_is_fully_shard(tmp_path):
-    rung = load_rung(_yaml(tmp_path, ACCELERATE_FSDP_TEMPLATE))
+    rung = load_rung(_yaml(tmp_path, ACCELERATE_FSDP1_TEMPLATE))
     assert rung.kind is StrategyKind.MESH and rung.dims == ParallelDims(dp_shard=2)
     assert rung.fsdp.reshard_after_forward and not rung.fsdp.hybrid and rung.fsdp.layer_cls_to_wrap is None
     (note,) = rung.notes
@@ -66,10 +59,10 @@ def test_sharding_strategies_map_to_fsdp2(strategy, reshard, hybrid):
 
 
 def test_no_shard_is_ddp_and_hybrid_shards_over_a_machine(tmp_path):
-    ddp = load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP_TEMPLATE, fsdp_sharding_strategy="NO_SHARD")))
+    ddp = load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP1_TEMPLATE, fsdp_sharding_strategy="NO_SHARD")))
     assert ddp.kind is StrategyKind.DDP and ddp.dims == ParallelDims(dp_replicate=2)
     assert "NO_SHARD -> DDP" in ddp.notes[0]
-    two_machines = {**_with_fsdp(ACCELERATE_FSDP_TEMPLATE, fsdp_sharding_strategy="HYBRID_SHARD"),
+    two_machines = {**_with_fsdp(ACCELERATE_FSDP1_TEMPLATE, fsdp_sharding_strategy="HYBRID_SHARD"),
                     "num_processes": 8, "num_machines": 2}
     hybrid = load_rung(_yaml(tmp_path, two_machines, "h.yaml"))
     assert hybrid.dims == ParallelDims(dp_replicate=2, dp_shard=4) and hybrid.fsdp.hybrid
@@ -99,12 +92,12 @@ def test_llama_factory_fsdp_config_loads(tmp_path):
 ])
 def test_unimplemented_fsdp_settings_are_refused_by_name(tmp_path, fsdp, named):
     with pytest.raises(HfdistError) as err:
-        load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP_TEMPLATE, **fsdp)))
+        load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP1_TEMPLATE, **fsdp)))
     assert named in str(err.value) and "Traceback" not in str(err.value)
 
 
 def test_a_named_layer_class_is_honoured(tmp_path):
-    rung = load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP_TEMPLATE,
+    rung = load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP1_TEMPLATE,
                                                 fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer")))
     assert rung.fsdp.layer_cls_to_wrap == "LlamaDecoderLayer"
 
@@ -118,7 +111,7 @@ def test_a_named_layer_class_is_honoured(tmp_path):
     ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, "dynamo_config.dynamo_backend: INDUCTOR"),
 ])
 def test_unimplemented_keys_are_refused_by_name(tmp_path, extra, named):
-    cfg = {**ACCELERATE_FSDP_TEMPLATE, "fsdp_config": {"fsdp_version": 2}, "num_processes": 8, **extra}
+    cfg = {**ACCELERATE_FSDP1_TEMPLATE, "fsdp_config": {"fsdp_version": 2}, "num_processes": 8, **extra}
     with pytest.raises(HfdistError) as err:
         load_rung(_yaml(tmp_path, cfg))
     assert named in str(err.value)
@@ -141,14 +134,6 @@ def test_accelerate_cp_example_names_context_parallelism(tmp_path):
         load_rung(_yaml(tmp_path, cp, "cp.yaml"))
 
 
-AXOLOTL_ZERO3_BF16 = {
-    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
-                          "reduce_bucket_size": "auto", "prefetch_bucket_size": "auto",
-                          "param_persistence_threshold": "auto", "max_live_parameters": 0, "max_reuse_distance": 0,
-                          "gather_16bit_weights_on_model_save": True},
-    "bf16": {"enabled": True}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
-}
 
 
 def test_explicit_deepspeed_precision_follows_the_run(tmp_path):
