@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "fine-tunes.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="<command>", title="commands")
     for name, help_line, description, add_args, run in _verbs():
-        p = sub.add_parser(name, help=help_line, description=description,
+        p = sub.add_parser(name, prog=f"hfdist {name}", help=help_line, description=description,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_args(p)
         p.set_defaults(run=run)

@@ -35,6 +35,9 @@ def exit_after_run(code: int) -> None:
     ("terminate called without an active exception", SIGABRT) and turn a finished run into a failed one: such a
     rank leaves without that teardown."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from hfdist.job import console
+
+        console.finish()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

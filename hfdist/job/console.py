@@ -13,10 +13,15 @@ The decision is made per write at the start of a line and holds until the line e
 stays together. Library progress bars (datasets' map, transformers' shard writing) are switched off unless verbose:
 their redraws would otherwise reach the screen. Code that draws for the person (a progress bar, a closing table)
 can also write to `screen()` directly; `say()` prints one line to screen and log.
+
+The log file (OUTPUT_DIR/logs/<name>.log) is opened once the run's output folder exists: until then its lines wait
+in memory, so a run stopped by bad input before it wrote anything leaves no folder behind (its hfdist paragraph
+says what is wrong). An uncaught exception writes the log out in any case, and so does `finish()`.
 """
 
 from __future__ import annotations
 
+import atexit
 import io
 import logging
 import os
@@ -26,8 +31,8 @@ import traceback
 from pathlib import Path
 from typing import TextIO
 
-__all__ = ["SCREEN_PREFIX", "LOG_DIR_ENV", "VERBOSE_ENV", "log_dir", "log_path", "start", "stop", "screen", "say",
-           "launch_env"]
+__all__ = ["SCREEN_PREFIX", "LOG_DIR_ENV", "VERBOSE_ENV", "log_dir", "log_path", "start", "finish", "stop", "screen",
+           "say", "launch_env"]
 
 SCREEN_PREFIX = "hfdist"
 # How hfdist's hand-over tells the processes it starts where their logs go and whether to be verbose.
@@ -51,6 +56,41 @@ def launch_env(output_dir: str | Path, verbose: bool) -> dict[str, str]:
     """Environment for the processes a hand-over starts: where the launcher logs, verbosity, and libraries' own
     progress bars off unless verbose."""
     return {LOG_DIR_ENV: str(log_dir(output_dir)), **({VERBOSE_ENV: "1"} if verbose else dict(_QUIET_ENV))}
+
+
+class _DeferredLog(io.TextIOBase):
+    """The log file, opened (appending) once `anchor` (the run's output folder) exists; lines wait in memory until
+    then."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.anchor = path, path.parent.parent
+        self._file: TextIO | None = None
+        self._pending: list[str] = []
+
+    def materialise(self) -> None:
+        """Open the file now (creating its folders) and write what waited."""
+        if self._file is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (the process's log)
+            self._file.write("".join(self._pending))
+            self._pending.clear()
+
+    def write(self, text: str) -> int:
+        if self._file is None and self.anchor.is_dir():
+            self.materialise()
+        if self._file is None:
+            self._pending.append(text)
+        else:
+            self._file.write(text)
+        return len(text)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
 
 
 class _Router(io.TextIOBase):
@@ -110,9 +150,20 @@ def _show_exception(exc_type, exc, tb) -> None:
     screen().write(text)
     screen().flush()
     log = _state.get("log")
-    if log is not None:
-        log.write(text)  # type: ignore[union-attr]
-        log.flush()  # type: ignore[union-attr]
+    if isinstance(log, _DeferredLog):  # a crash keeps its log, output folder or not
+        log.write(text)
+        log.materialise()
+        log.flush()
+
+
+def finish() -> None:
+    """Write the log out if the run's output folder exists (a process about to leave without its interpreter's
+    exit handlers, as a finished rank does, calls this)."""
+    log = _state.get("log")
+    if isinstance(log, _DeferredLog):
+        if log.anchor.is_dir():
+            log.materialise()
+        log.flush()
 
 
 def _repoint_handlers(old: tuple[TextIO, ...], new_out: TextIO, new_err: TextIO) -> None:
@@ -126,13 +177,13 @@ def _repoint_handlers(old: tuple[TextIO, ...], new_out: TextIO, new_err: TextIO)
 
 
 def start(log_file: str | Path, verbose: bool = False) -> None:
-    """Route this process's stdout/stderr as the module docstring says, library output into `log_file` (appended;
-    its folder is created). Idempotent: a second call keeps the first routing."""
+    """Route this process's stdout/stderr as the module docstring says, library output into `log_file`
+    (OUTPUT_DIR/logs/<name>.log, appended). Idempotent: a second call keeps the first routing."""
     if _state:
         return
     path = Path(log_file)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the process's lifetime)
+    log = _DeferredLog(path)
+    atexit.register(finish)
     if not verbose:
         os.environ.update(_QUIET_ENV)
     old = (sys.stdout, sys.stderr)
@@ -155,5 +206,6 @@ def stop() -> None:
     sys.stdout, sys.stderr = _state["screen_out"], _state["screen_err"]  # type: ignore[assignment]
     _repoint_handlers(routed, sys.stdout, sys.stderr)
     sys.excepthook, threading.excepthook = sys.__excepthook__, threading.__excepthook__
+    atexit.unregister(finish)
     _state["log"].close()  # type: ignore[union-attr]
     _state.clear()

@@ -155,8 +155,8 @@ def _check_output_dir(cfg: FinetuneConfig) -> None:
     from hfdist.job.console import log_dir
 
     out = Path(cfg.output_dir)
-    # The ranks' library logs (OUTPUT_DIR/logs) do not count: in a world another launcher started, a rank past
-    # these checks may already have opened its log while another rank is still checking.
+    # hfdist's own library logs (OUTPUT_DIR/logs) do not count: a run that crashed before writing anything else
+    # leaves only them, and they are appended to.
     held = [p for p in out.iterdir() if p != log_dir(out)] if out.is_dir() else []
     if held and not (cfg.overwrite or cfg.resume):
         raise ConfigError(f"--output-dir {out} already holds files (a previous run?). Nothing was changed. Pass "

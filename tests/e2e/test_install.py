@@ -87,3 +87,14 @@ def test_installed_hfdist_runs_from_any_directory(installed):
     assert summary["strategy"]["name"] == "fsdp_full_shard" and summary["strategy"]["world_size"] == 2
     assert len(summary["losses"]) == 2 and "Traceback" not in run.stderr
     assert (cwd / "outputs" / "finetune" / "logs" / "rank-1.log").is_file()
+
+
+def test_installed_hfdist_compares_rungs(installed):
+    venv, cwd = installed["venv"], installed["cwd"]
+    proc = _run([venv / "bin" / "hfdist", "compare", "--configs", "ddp", "fsdp_full_shard", "--model", "llama-tiny",
+                 "--max-steps", "2", "--global-batch-size", "8", "--seq-len", "64", "--out", "matrix",
+                 "--runs-dir", "runs"], cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert "[1/2] ddp: ok" in proc.stdout and "[2/2] fsdp_full_shard: ok" in proc.stdout
+    matrix = (cwd / "matrix" / "matrix.md").read_text()
+    assert "| ddp |" in matrix and "| fsdp_full_shard |" in matrix and "Measured by `hfdist compare --configs" in matrix

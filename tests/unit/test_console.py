@@ -10,7 +10,7 @@ import textwrap
 
 from hfdist.errors import ERROR_DIR_ENV, collected_errors, run_with_clear_errors
 from hfdist.job.config import ConfigError
-from hfdist.job.console import _Router
+from hfdist.job.console import _DeferredLog, _Router
 
 
 def _route(*writes: str, verbose: bool = False) -> tuple[str, str]:
@@ -36,6 +36,22 @@ def test_router_keeps_a_print_together_and_bars_on_screen():
     assert log == "hfdist: done\nlibrary note\n\n"  # bar redraws stay out of the log
     screen, _ = _route("library note\n", verbose=True)
     assert screen == "library note\n"
+
+
+def test_the_log_waits_for_the_output_folder(tmp_path):
+    """A run stopped by bad input before it wrote anything leaves no folder behind; once the run has made its
+    folder, what waited is written first."""
+    log = _DeferredLog(tmp_path / "out" / "logs" / "rank-0.log")
+    log.write("before the folder\n")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()
+    log.write("after\n")
+    log.flush()
+    assert (tmp_path / "out" / "logs" / "rank-0.log").read_text() == "before the folder\nafter\n"
+    crash = _DeferredLog(tmp_path / "crashed" / "logs" / "rank-0.log")
+    crash.write("chatter\n")
+    crash.materialise()  # what an uncaught exception does
+    assert (tmp_path / "crashed" / "logs" / "rank-0.log").read_text() == "chatter\n"
 
 
 _SCRIPT = """
