@@ -192,7 +192,9 @@ def rung_from_launcher_env(node: Node) -> Rung:
         return load_rung("single")
     yaml_path = launcher_config_file()
     if yaml_path is not None:
-        return replace(load_rung(str(yaml_path)), mixed_precision=mixed)
+        rung = load_rung(str(yaml_path))
+        # accelerate's --mixed_precision overrides the YAML's; a DeepSpeed rung takes its precision from the JSON
+        return rung if rung.uses_deepspeed else replace(rung, mixed_precision=mixed)
     if _env_flag("ACCELERATE_USE_DEEPSPEED"):
         return _deepspeed_rung_from_env(world)
     if _env_flag("ACCELERATE_USE_FSDP"):
