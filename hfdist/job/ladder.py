@@ -166,13 +166,12 @@ class Rung:
                     raise LadderError(f"{self.name} keeps tp x pp = {model_parallel} ranks inside a node, which does "
                                       f"not divide the node's {node_size} processes. Use --tp / --pp dividing "
                                       f"{node_size}.")
-                shard = node_size // model_parallel if node_size is not None else d.dp_shard
-                shard = min(shard, dp)
-                dp_replicate = dp // shard if dp % shard == 0 else None
-                if dp_replicate is None:
+                shard = min(node_size // model_parallel if node_size is not None else d.dp_shard, dp)
+                if dp % shard:
                     raise LadderError(f"{self.name} shards over {shard} ranks per node (dp_shard) and replicates "
                                       f"across nodes, so its {dp} data-parallel ranks must be a multiple of {shard}. "
                                       f"Use a multiple of {shard * model_parallel} processes, or set --dp-replicate.")
+                dp_replicate = dp // shard
             replicate = dp_replicate or 1
             if dp % replicate:
                 raise LadderError(f"--dp-replicate {replicate} does not divide {self.name}'s {dp} data-parallel ranks "
