@@ -98,18 +98,23 @@ class _Router(io.TextIOBase):
 
     def __init__(self, screen_stream: TextIO, log: TextIO, verbose: bool) -> None:
         self._screen, self._log, self._verbose = screen_stream, log, verbose
-        self._line_start, self._to_screen = True, True
+        self._line_start, self._to_screen, self._bar = True, True, False
         self._lock = threading.Lock()
 
     def write(self, text: str) -> int:
         if not text:
             return 0
         with self._lock:
-            if self._line_start:
-                self._to_screen = self._verbose or text.startswith((SCREEN_PREFIX, "\r"))
+            bar_part = text.startswith("\r") or (self._bar and text.startswith("\n"))
+            if text.startswith("\r"):  # a bar redraw: the bar's line stays open on the screen
+                self._to_screen, self._bar = True, True
+            elif self._bar and text.startswith("\n"):  # the newline that closes the bar
+                self._to_screen, self._bar = True, False
+            elif self._line_start or self._bar:  # a new line, or another thread's text while a bar is drawn
+                self._to_screen, self._bar = self._verbose or text.startswith(SCREEN_PREFIX), False
             if self._to_screen:
                 self._screen.write(text)
-            if not text.startswith("\r"):  # bar redraws would fill the log with copies of one line
+            if not bar_part:  # bar redraws would fill the log with copies of one line
                 self._log.write(text)
             self._line_start = text.endswith("\n")
         return len(text)

@@ -145,9 +145,11 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
                 "device": "cuda" if on_gpu else "cpu"}
     losses, memory, throughput = LossRecorder(), MemoryCallback(), ThroughputCallback()
+    # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
+    # hide the degrees that ran.
     sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
                      project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
-                     group=cfg.compare_id, job_type=rung.kind.value, config={**strategy, **asdict(cfg)})
+                     group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     peak = device_peak_flops(args.device, torch.bfloat16 if mixed == "bf16" else torch.float32)
     metrics = RankMetricsCallback(memory, throughput, sink, flops_per_token, peak.flops if peak else None,

@@ -33,9 +33,12 @@ def test_router_keeps_a_print_together_and_bars_on_screen():
     # print() writes the text and its end separately; a line's first write decides where all of it goes
     screen, log = _route("hfdist: done", "\n", "library note", "\n", "\r 50%|#####", "\r100%|##########", "\n")
     assert screen == "hfdist: done\n\r 50%|#####\r100%|##########\n"
-    assert log == "hfdist: done\nlibrary note\n\n"  # bar redraws stay out of the log
+    assert log == "hfdist: done\nlibrary note\n"  # bar redraws (and the newline closing the bar) stay out
     screen, _ = _route("library note\n", verbose=True)
     assert screen == "library note\n"
+    # a warning from another thread while the bar's line is open goes to the log, not onto the bar's line
+    screen, log = _route("\r 50%|#####", "x.py:83: FutureWarning: old\n  return func()\n", "\r100%|##########", "\n")
+    assert screen == "\r 50%|#####\r100%|##########\n" and log == "x.py:83: FutureWarning: old\n  return func()\n"
 
 
 def test_the_log_waits_for_the_output_folder(tmp_path):
