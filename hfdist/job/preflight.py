@@ -166,7 +166,7 @@ def _check_output_dir(cfg: FinetuneConfig) -> None:
 
 def check_model_fits_rung(config, rung: Rung) -> None:
     """Model-specific checks of a rung, before any process or surgery: a registered architecture for hfdist's TP
-    and PP (hfdist.models.registry), tp dividing its sizes.
+    and PP (hfdist.models.registry), tp dividing its sizes, the FSDP layer class a config names.
 
     Raises:
         ConfigError / TPError: naming the architecture or the sizes, and what would work.
@@ -184,6 +184,20 @@ def check_model_fits_rung(config, rung: Rung) -> None:
         from hfdist.parallel.tensor_check import validate_tp
 
         validate_tp(config, rung.dims.tp)
+    if rung.fsdp is not None and rung.fsdp.layer_cls_to_wrap:
+        _check_layer_class(config, rung.fsdp.layer_cls_to_wrap)
+
+
+def _check_layer_class(config, name: str) -> None:
+    """A config's fsdp_transformer_layer_cls_to_wrap must name a module class of the model: checked on a skeleton
+    built on the meta device (no memory), so a wrong name fails here rather than in every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from hfdist.parallel.fsdp import find_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    find_layers(model, name)
 
 
 def _check_gpu_settings(rung: Rung) -> None:

@@ -96,10 +96,19 @@ def test_unimplemented_fsdp_settings_are_refused_by_name(tmp_path, fsdp, named):
     assert named in str(err.value) and "Traceback" not in str(err.value)
 
 
-def test_a_named_layer_class_is_honoured(tmp_path):
+def test_a_named_layer_class_is_honoured_or_refused_before_any_process(tmp_path):
+    from hfdist.job.preflight import check_model_fits_rung
+    from hfdist.models.presets import load_config
+
     rung = load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP1_TEMPLATE,
                                                 fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer")))
     assert rung.fsdp.layer_cls_to_wrap == "LlamaDecoderLayer"
+    check_model_fits_rung(load_config("llama-tiny"), rung)
+    gpt2 = load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP1_TEMPLATE,
+                                                fsdp_transformer_layer_cls_to_wrap="GPT2Block"), "gpt2.yaml"))
+    with pytest.raises(HfdistError, match="'GPT2Block', but the model has no module of that class") as err:
+        check_model_fits_rung(load_config("llama-tiny"), gpt2)
+    assert "LlamaDecoderLayer" in str(err.value)  # the classes that would work
 
 
 @pytest.mark.parametrize("extra, named", [
