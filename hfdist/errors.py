@@ -1,16 +1,37 @@
-"""hfdist's error base and the entry-point wrapper that turns its errors into one clear paragraph and exit 2."""
+"""hfdist's error base and the entry-point wrapper that turns its errors into one clear paragraph and exit 2.
+
+Under hfdist's own hand-over (hfdist.job.launch) the ranks do not print their paragraph: every rank usually stops
+on the same bad input, and the launch stack would print its tracebacks after them. Each rank leaves its paragraph
+in the folder named by HFDIST_ERROR_DIR instead, and the hand-over prints each distinct paragraph once, last.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
-__all__ = ["HfdistError", "run_with_clear_errors"]
+__all__ = ["HfdistError", "run_with_clear_errors", "ERROR_DIR_ENV", "FAILURES_FILE", "collected_errors"]
+
+ERROR_DIR_ENV = "HFDIST_ERROR_DIR"
+FAILURES_FILE = "launcher.json"  # written by hfdist.job.quiet_launch: {"failures": {rank: exit code}}
 
 
 class HfdistError(Exception):
     """Base of every error hfdist raises for bad input or a strategy not in effect; the message names the fix."""
+
+
+def _leave_for_hand_over(rank: str, message: str) -> bool:
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if not folder or not Path(folder).is_dir():
+        return False
+    try:
+        (Path(folder) / f"rank-{rank}.txt").write_text(message)
+    except OSError:
+        return False
+    return True
 
 
 def run_with_clear_errors(job: Callable[[], int]) -> int:
@@ -18,7 +39,27 @@ def run_with_clear_errors(job: Callable[[], int]) -> int:
     try:
         return job()
     except HfdistError as exc:
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        where = f" (rank {os.environ.get('RANK', '0')})" if world > 1 else ""
-        print(f"hfdist: error{where}: {exc}", file=sys.stderr, flush=True)
+        rank = os.environ.get("RANK", "0")
+        if not _leave_for_hand_over(rank, str(exc)):
+            where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+            print(f"hfdist: error{where}: {exc}", file=sys.stderr, flush=True)
         return 2
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    contiguous = ranks == list(range(ranks[0], ranks[-1] + 1))
+    return f"ranks {ranks[0]}-{ranks[-1]}" if contiguous else "ranks " + ", ".join(map(str, ranks))
+
+
+def collected_errors(folder: Path) -> tuple[list[str], dict[int, int]]:
+    """What the ranks of a failed hand-over left in `folder`: each distinct hfdist paragraph once, prefixed with the
+    ranks that raised it, and the launcher's record of which ranks exited with which code."""
+    by_text: dict[str, list[int]] = {}
+    for path in sorted(folder.glob("rank-*.txt")):
+        by_text.setdefault(path.read_text(), []).append(int(path.stem.split("-", 1)[1]))
+    paragraphs = [f"hfdist: error ({_ranks(sorted(ranks))}): {text}" for text, ranks in by_text.items()]
+    failures_file = folder / FAILURES_FILE
+    failures = json.loads(failures_file.read_text())["failures"] if failures_file.is_file() else {}
+    return paragraphs, {int(rank): int(code) for rank, code in failures.items()}

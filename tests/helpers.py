@@ -23,12 +23,33 @@ TINY_ARGS = ["--model", "llama-tiny", "--max-steps", "4", "--global-batch-size",
              "--learning-rate", "3e-3", "--warmup-steps", "0"]
 
 
-def run_cmd(cmd: list[str], timeout: int = 900) -> subprocess.CompletedProcess:
-    """Run a command from the repository root with a quiet, offline environment."""
+# Configs other projects ship, as users bring them (tests/unit/test_translate.py, tests/e2e/test_byo_configs.py).
+# accelerate's examples/config_yaml_templates/fsdp.yaml: FSDP1 keys, no fsdp_version.
+ACCELERATE_FSDP1_TEMPLATE = {
+    "distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": 2,
+    "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                    "fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_cpu_ram_efficient_loading": True,
+                    "fsdp_forward_prefetch": False, "fsdp_offload_params": False,
+                    "fsdp_sharding_strategy": "FULL_SHARD", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+                    "fsdp_sync_module_states": True, "fsdp_use_orig_params": True},
+}
+# axolotl's deepspeed_configs/zero3_bf16.json, verbatim.
+AXOLOTL_ZERO3_BF16 = {
+    "zero_optimization": {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+                          "reduce_bucket_size": "auto", "prefetch_bucket_size": "auto",
+                          "param_persistence_threshold": "auto", "max_live_parameters": 0, "max_reuse_distance": 0,
+                          "gather_16bit_weights_on_model_save": True},
+    "bf16": {"enabled": True}, "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+
+
+def run_cmd(cmd: list[str], timeout: int = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run a command (from the repository root unless `cwd`) with a quiet, offline environment."""
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
     env.pop("HFDIST_HANDED_OVER", None)
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun_json(worker: Path, nproc: int, out: Path, timeout: int) -> dict:
@@ -47,8 +68,10 @@ def accelerate(*args: str) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", *args]
 
 
-def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = "accelerate") -> dict:
-    """Run the main job into `out` and return its hfdist_summary.json; fail the test with the log if it fails.
+def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = "accelerate",
+             cwd: Path = REPO) -> dict:
+    """Run the main job into `out` (from `cwd`) and return its hfdist_summary.json, with the run's stdout and stderr
+    under "_stdout" / "_stderr"; fail the test with the log if it fails.
 
     via="accelerate": `accelerate launch scripts/finetune.py ...` (the README's form, hfdist hands over);
     via="python": `python scripts/finetune.py ...`; config_file: `accelerate launch --config_file F ...`.
@@ -61,12 +84,12 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
                          "--dynamo_backend", "no", *args)
     else:
         cmd = [sys.executable, *args]
-    proc = run_cmd(cmd)
+    proc = run_cmd(cmd, cwd=cwd)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
     summary = json.loads((out / "hfdist_summary.json").read_text())
-    summary["_stdout"] = proc.stdout
+    summary["_stdout"], summary["_stderr"] = proc.stdout, proc.stderr
     return summary
 
 

@@ -1,11 +1,15 @@
 """The `hfdist` command: a small argparse dispatcher, one sub-command (verb) per module of this package.
 
+    hfdist finetune --config fsdp_hybrid.yaml
+    hfdist configs
     hfdist plan --model llama-3.1-70b --gpus-per-node 8 --nodes 4 --gpu-mem-gb 80
-    python -m hfdist.cli plan ...
+    hfdist compare --configs ddp fsdp_full_shard zero3
+    python -m hfdist.cli VERB ...
 
-A verb module defines VERB = (name, help line, description, add-arguments, run); run returns the process exit code.
-Verb modules import only what parsing needs at the top, so `hfdist plan` on a preset never imports torch. Errors
-hfdist raises for bad input print as one paragraph and exit 2.
+A verb module defines VERB = (name, help line, description, add-arguments, run); run returns the process exit code
+(the raw arguments after the verb are in `args.verb_argv`). Verb modules import only what parsing needs at the top,
+so `hfdist plan` on a preset never imports torch. Errors hfdist raises for bad input print as one paragraph and
+exit 2.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from hfdist.errors import HfdistError
 
 __all__ = ["main", "build_parser", "VERB_MODULES"]
 
-VERB_MODULES = ("plan",)
+VERB_MODULES = ("finetune", "configs", "plan", "compare")
 
 
 def _verbs():
@@ -27,10 +31,12 @@ def _verbs():
 
 def build_parser() -> argparse.ArgumentParser:
     """The `hfdist` parser with one sub-parser per verb module."""
-    parser = argparse.ArgumentParser(prog="hfdist", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    parser = argparse.ArgumentParser(prog="hfdist", usage="hfdist <command> [<args>]",
+                                     description="Pick, launch and compare parallelism strategies for Hugging Face "
+                                                 "fine-tunes.")
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="<command>", title="commands")
     for name, help_line, description, add_args, run in _verbs():
-        p = sub.add_parser(name, help=help_line, description=description,
+        p = sub.add_parser(name, prog=f"hfdist {name}", help=help_line, description=description,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         add_args(p)
         p.set_defaults(run=run)
@@ -39,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `hfdist` console script; returns the exit code."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    args.verb_argv = argv[argv.index(args.verb) + 1:]
     try:
         return args.run(args)
     except HfdistError as exc:

@@ -8,15 +8,19 @@ from dataclasses import dataclass
 
 from hfdist.errors import HfdistError
 
-__all__ = ["FinetuneConfig", "ConfigError", "USAGE", "build_parser", "parse_args"]
+__all__ = ["FinetuneConfig", "ConfigError", "USAGE", "add_finetune_arguments", "build_parser", "config_from_namespace",
+           "parse_args"]
 
-USAGE = """Fine-tune a model with a parallelism strategy from the config ladder.
+USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 
-    accelerate launch scripts/finetune.py --config fsdp_hybrid.yaml
+    hfdist finetune --config fsdp_hybrid.yaml
+    accelerate launch scripts/finetune.py --config fsdp_hybrid.yaml          (the same job)
     accelerate launch --config_file accelerate_configs/zero3.yaml scripts/finetune.py --lora
 
 With no --model/--dataset it fine-tunes hfdist's embedded default (a small Llama built from a config, on shipped
-instruction data). Writes the model (or LoRA adapter) and OUTPUT_DIR/hfdist_summary.json.
+instruction data). hfdist starts the processes the rung needs (one per GPU on a GPU machine), checks that the
+strategy asked for is in effect, and writes the model (or LoRA adapter), hfdist_summary.json and the libraries'
+log (logs/) into --output-dir. `hfdist configs` lists the rungs.
 """
 
 
@@ -47,6 +51,9 @@ class FinetuneConfig:
     save_total_limit: int = 2
     resume: bool = False
     num_processes: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    dp_replicate: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
     pp_schedule: str | None = None
@@ -57,64 +64,94 @@ class FinetuneConfig:
     metrics: bool = True
     wandb_project: str | None = None
     compare_id: str | None = None
+    verbose: bool = False
 
 
-def build_parser(description: str = USAGE) -> argparse.ArgumentParser:
-    """The fine-tune command line (scripts/finetune.py and `hfdist finetune` share it)."""
+def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
+    """The fine-tune options (scripts/finetune.py and `hfdist finetune` share them), in accelerate's style: argument
+    groups, each option a sentence with its default."""
     d = FinetuneConfig()
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=d.config,
-                   help="rung name (ddp, zero1, fsdp_full_shard, zero2, fsdp_hybrid, zero3, pp, fsdp_tp, zero2_tp, 3d, "
-                        "zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to an Accelerate "
-                        "YAML, or 'single'. "
-                        "Default: the world `accelerate launch --config_file` started, else one process")
-    p.add_argument("--model", default=d.model, help="HF id, local checkpoint folder, or preset (default llama-small)")
-    p.add_argument("--dataset", default=d.dataset,
-                   help="HF id or local json/jsonl/csv/parquet with instruction/response or text columns "
-                        "(default: the embedded instruction data)")
-    p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
-    p.add_argument("--lora-r", type=int, default=d.lora_r)
-    p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
-    p.add_argument("--max-steps", type=int, default=d.max_steps)
-    p.add_argument("--global-batch-size", type=int, default=d.global_batch_size,
-                   help="sequences per optimizer step over all ranks")
-    p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
-                   help="sequences per rank per forward (default: global / data-parallel ranks)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--learning-rate", "--lr", type=float, default=d.learning_rate)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--output-dir", default=d.output_dir)
-    p.add_argument("--overwrite", action="store_true", help="allow writing into a non-empty --output-dir")
-    p.add_argument("--save-steps", type=int, default=d.save_steps,
-                   help="write a checkpoint every N optimizer steps into OUTPUT_DIR/checkpoint-N (0: none)")
-    p.add_argument("--save-total-limit", type=int, default=d.save_total_limit, help="checkpoints kept (newest)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue the run in --output-dir from its latest complete checkpoint (from scratch if it "
-                        "has none); use it under launchers that restart failed jobs")
-    p.add_argument("--num-processes", type=int, default=d.num_processes,
-                   help="rescale the rung's data-parallel axis to this many processes")
-    p.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme")
-    p.add_argument("--activation-checkpointing", action="store_true")
-    p.add_argument("--pp-schedule", default=d.pp_schedule,
+    g = p.add_argument_group("Strategy", "Which rung of the ladder, on how many processes, with which degrees.")
+    g.add_argument("--config", default=d.config,
+                   help="Rung name (ddp, zero1, fsdp_full_shard, zero2, fsdp_hybrid, zero3, pp, fsdp_tp, zero2_tp, 3d, "
+                        "zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
+                        "YAML (FSDP1 keys are translated), or 'single'. Default: the world `accelerate launch "
+                        "--config_file` started, else one process.")
+    g.add_argument("--num-processes", type=int, default=d.num_processes,
+                   help="Processes to run; the data-parallel axis absorbs the change. Default: one per GPU of this "
+                        "node on a GPU machine, the YAML's num_processes on CPU.")
+    g.add_argument("--tp", type=int, default=d.tp, help="Tensor-parallel degree (overrides the YAML's).")
+    g.add_argument("--pp", type=int, default=d.pp, help="Pipeline stages (overrides the YAML's).")
+    g.add_argument("--dp-replicate", type=int, default=d.dp_replicate,
+                   help="Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).")
+    g.add_argument("--pp-schedule", default=d.pp_schedule,
                    choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
-                   help="pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule)")
-    p.add_argument("--pp-microbatches", type=int, default=d.pp_microbatches,
-                   help="pipeline micro-batches per step; must divide the per-rank batch (default: the YAML's)")
-    p.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb,
-                   help="memory per device to plan against (default: the GPU's own; no check on CPU without it)")
-    p.add_argument("--skip-plan-check", action="store_true",
-                   help="launch even if the memory planner predicts the rung cannot fit")
-    p.add_argument("--no-wandb", dest="wandb", action="store_false",
-                   help="no W&B run (default: one per run, offline unless you are logged in)")
-    p.add_argument("--no-metrics", dest="metrics", action="store_false",
-                   help="leave out hfdist's memory/throughput callbacks (and W&B); to measure their cost")
-    p.add_argument("--wandb-project", default=d.wandb_project, help="W&B project (default hfdist)")
-    p.add_argument("--compare-id", default=d.compare_id, help="W&B group shared by the runs of one comparison")
+                   help="Pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule).")
+    g.add_argument("--pp-microbatches", type=int, default=d.pp_microbatches,
+                   help="Pipeline micro-batches per step; must divide the per-rank batch (default: the YAML's).")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="Recompute each decoder layer in backward instead of keeping its activations.")
+    g.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme.")
+    g = p.add_argument_group("Model and data")
+    g.add_argument("--model", default=d.model,
+                   help="HF id, local checkpoint folder, or preset (llama-tiny, llama-small (default), llama-3.2-1b, "
+                        "llama-3.1-8b, ...).")
+    g.add_argument("--dataset", default=d.dataset,
+                   help="HF id or local json/jsonl/csv/parquet with instruction/response or text columns (default: "
+                        "the embedded instruction data).")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help=f"Tokens per packed sequence (default {d.seq_len}).")
+    g.add_argument("--lora", action="store_true", help="Train LoRA adapters (peft) instead of all weights.")
+    g.add_argument("--lora-r", type=int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r}).")
+    g.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help=f"LoRA alpha (default {d.lora_alpha}).")
+    g = p.add_argument_group("Training")
+    g.add_argument("--max-steps", type=int, default=d.max_steps, help=f"Optimizer steps (default {d.max_steps}).")
+    g.add_argument("--global-batch-size", type=int, default=d.global_batch_size,
+                   help=f"Sequences per optimizer step over all ranks (default {d.global_batch_size}).")
+    g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
+                   help="Sequences per rank per forward (default: global batch / data-parallel ranks).")
+    g.add_argument("--learning-rate", "--lr", type=float, default=d.learning_rate,
+                   help=f"Peak learning rate of the cosine schedule (default {d.learning_rate}).")
+    g.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help=f"Linear warm-up steps (default {d.warmup_steps}, at most a tenth of --max-steps).")
+    g.add_argument("--seed", type=int, default=d.seed, help=f"Seed of the model init and data order (default {d.seed}).")
+    g.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb,
+                   help="Memory per device to plan against (default: the GPU's own; no check on CPU without it).")
+    g.add_argument("--skip-plan-check", action="store_true",
+                   help="Launch even if the memory planner predicts the rung cannot fit.")
+    g = p.add_argument_group("Output and checkpoints")
+    g.add_argument("--output-dir", default=d.output_dir, help=f"Where everything is written (default {d.output_dir}).")
+    g.add_argument("--overwrite", action="store_true", help="Allow writing into a non-empty --output-dir.")
+    g.add_argument("--save-steps", type=int, default=d.save_steps,
+                   help=f"Write OUTPUT_DIR/checkpoint-N every N optimizer steps (0: none; default {d.save_steps}).")
+    g.add_argument("--save-total-limit", type=int, default=d.save_total_limit,
+                   help=f"Checkpoints kept, newest first (default {d.save_total_limit}).")
+    g.add_argument("--resume", action="store_true",
+                   help="Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has "
+                        "none); use it under launchers that restart failed jobs.")
+    g = p.add_argument_group("Metrics and console")
+    g.add_argument("--no-wandb", dest="wandb", action="store_false",
+                   help="No W&B run (default: one per run, offline unless you are logged in).")
+    g.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="Leave out hfdist's memory/throughput callbacks (and W&B), to measure their cost.")
+    g.add_argument("--wandb-project", default=d.wandb_project, help="W&B project (default hfdist).")
+    g.add_argument("--compare-id", default=d.compare_id, help="W&B group shared by the runs of one comparison.")
+    g.add_argument("--verbose", action="store_true",
+                   help="Show the libraries' messages on the screen too (they always go to OUTPUT_DIR/logs/).")
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The fine-tune command line."""
+    p = argparse.ArgumentParser(prog=prog, description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_finetune_arguments(p)
     return p
 
 
-def parse_args(argv: list[str]) -> FinetuneConfig:
+def config_from_namespace(args: argparse.Namespace) -> FinetuneConfig:
+    """Parsed fine-tune options -> FinetuneConfig (other attributes of `args`, such as a CLI verb's, are left out)."""
+    fields = FinetuneConfig.__dataclass_fields__
+    return FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
+
+
+def parse_args(argv: list[str], prog: str | None = None) -> FinetuneConfig:
     """Command line -> FinetuneConfig (the only place arguments are parsed)."""
-    a = build_parser().parse_args(argv)
-    return FinetuneConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})
+    return config_from_namespace(build_parser(prog=prog).parse_args(argv))

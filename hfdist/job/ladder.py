@@ -1,14 +1,15 @@
 """The config ladder: each rung of the decision table as a matched Accelerate YAML (+ DeepSpeed JSON).
 
-The YAML files in accelerate_configs/ are the source of truth for a rung's launch settings (process count,
-distributed type, FSDP options, parallelism sizes); this module parses them into a typed `Rung` and adds what a
-user needs to choose one (scenario, what is sharded, when to pick it).
+The YAML files in hfdist/configs/accelerate_configs/ (with their DeepSpeed JSONs in hfdist/configs/ds_configs/;
+the repository's accelerate_configs/ and ds_configs/ link there) are the source of truth for a rung's launch
+settings (process count, distributed type, FSDP options, parallelism sizes); this module parses them into a typed
+`Rung` and adds what a user needs to choose one (scenario, what is sharded, when to pick it). Users' own YAMLs go
+through the same parser, with other projects' keys translated or refused by name (hfdist.job.translate).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
@@ -17,6 +18,8 @@ from typing import Any
 import yaml
 
 from hfdist.errors import HfdistError
+from hfdist.job.decision_table import RUNG_INFO, RungInfo
+from hfdist.job.translate import read_fsdp_config, refuse_unimplemented
 from hfdist.parallel.dims import DimsError, ParallelDims
 
 __all__ = [
@@ -32,10 +35,12 @@ __all__ = [
     "single_process_rung",
     "ds_mixed_precision",
     "deepspeed_rung",
+    "read_accelerate_yaml",
+    "resolve_deepspeed_json",
 ]
 
-# accelerate_configs/ and ds_configs/ live beside the package in the repository (editable install).
-CONFIG_ROOT = Path(os.environ.get("HFDIST_CONFIG_ROOT", Path(__file__).resolve().parents[2]))
+# The ladder ships inside the package (package data), so an installed hfdist finds it from any directory.
+CONFIG_ROOT = Path(__file__).resolve().parents[1] / "configs"
 
 
 class LadderError(HfdistError, ValueError):
@@ -62,59 +67,14 @@ class StrategyKind(str, Enum):
 
 
 @dataclass(frozen=True)
-class RungInfo:
-    """What a user reads in the ladder table."""
-
-    table_row: int
-    scenario: str
-    sharded: str
-    when: str
-
-
-# Decision-table order (the README's ladder table): rows 1 DDP, 2 FSDP FULL_SHARD / ZeRO-2, 3 HYBRID / ZeRO-3,
-# 4 PP or TP (pipeline stages first, then tensor parallelism), 5 3D, 6 ZeRO-3 + offload. ZeRO-1 sits between rows
-# 1 and 2.
-RUNG_INFO: dict[str, RungInfo] = {
-    "ddp": RungInfo(1, "LoRA fine-tune <= 7B; the model fits on one device", "nothing (full replica per rank)",
-                    "the model, grads and Adam state fit one device; fastest"),
-    "zero1": RungInfo(1, "model + grads fit one device, Adam state does not", "optimizer state",
-                      "a small step past DDP: frees 12 of 16 bytes/param of Adam state"),
-    "fsdp_full_shard": RungInfo(2, "full fine-tune 7B-13B on one node", "params + grads + optimizer state",
-                                "the model states do not fit one device; one node"),
-    "zero2": RungInfo(2, "full fine-tune 7B-13B on one node", "grads + optimizer state",
-                      "weights fit one device but grads + Adam state do not"),
-    "fsdp_hybrid": RungInfo(3, "full fine-tune 30B-70B on several nodes", "params + grads + optimizer state "
-                            "inside a node; replicated across nodes", "multi-node, slow inter-node fabric"),
-    "zero3": RungInfo(3, "full fine-tune 30B-70B", "params + grads + optimizer state",
-                      "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem"),
-    "pp": RungInfo(4, "beyond ~30B: the model's depth spread over GPUs or nodes",
-                   "decoder layers over pp ranks (pipeline stages, 1F1B schedule)",
-                   "stages fit one device each; only point-to-point activations cross links, so pp spans nodes"),
-    "fsdp_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs", "params + grads + optimizer state "
-                        "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
-                        "sharding alone is not enough or its all-gathers dominate; tp inside a node"),
-    "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
-                         "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
-                         "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19"),
-    "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
-                   "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
-                   "the model needs tp inside a node and pp across nodes to fit; dp for the rest"),
-    "zero3_offload_cpu": RungInfo(6, "single-node fine-tune, model exceeds the GPUs' memory",
-                                  "params + grads + optimizer state, offloaded to CPU RAM",
-                                  "not enough GPU memory at any sharding; slow but feasible"),
-    "zero3_offload_nvme": RungInfo(6, "single node, model exceeds GPU and CPU memory",
-                                   "params + optimizer state offloaded to NVMe", "last resort: even CPU RAM is short"),
-}
-
-
-@dataclass(frozen=True)
 class FsdpSettings:
-    """The FSDP2 options hfdist honours from a YAML's fsdp_config."""
+    """The FSDP2 options hfdist honours from a YAML's fsdp_config (FSDP1 keys translated: hfdist.job.translate)."""
 
     layer_cls_to_wrap: str | None = None  # None: the model's decoder layer (hfdist.parallel.fsdp.fsdp_unit_class)
     reshard_after_forward: bool = True
     offload_params: bool = False
     activation_checkpointing: bool = False
+    hybrid: bool = False  # HSDP: shard inside a node, replicate across nodes
 
 
 @dataclass(frozen=True)
@@ -143,6 +103,7 @@ class Rung:
     fsdp: FsdpSettings | None = None
     pipeline: PipelineSettings | None = None
     info: RungInfo | None = None
+    notes: tuple[str, ...] = ()  # what hfdist translated from the config file, printed once by the run
 
     @property
     def owns_sharding(self) -> bool:
@@ -169,30 +130,74 @@ class Rung:
         """hfdist applies FSDP2: every mesh rung, except a pipeline with one data-parallel rank."""
         return self.owns_sharding and not (self.uses_pipeline and self.dims.dp == 1)
 
-    def with_num_processes(self, num_processes: int) -> "Rung":
-        """The same rung on another process count: the data-parallel axis absorbs the change."""
-        if num_processes == self.num_processes:
-            return self
+    def with_num_processes(self, num_processes: int, *, tp: int | None = None, pp: int | None = None,
+                           dp_replicate: int | None = None, node_size: int | None = None) -> "Rung":
+        """The same rung on `num_processes` processes, with the tp / pp / dp_replicate degrees given (None: the
+        rung's own; precedence CLI > YAML). The data-parallel axis absorbs the rest.
+
+        A hybrid (HSDP) rung shards over the ranks of one node: `node_size` // (tp x pp) when the node is known (a
+        GPU node, or a launched world), else its configured dp_shard (the CPU runs' simulated node).
+
+        Raises:
+            LadderError: degrees that do not divide the processes, or that the rung's strategy does not have.
+        """
         d = self.dims
+        tp, pp = tp or d.tp, pp or d.pp
+        self._check_degrees_apply(tp, pp, dp_replicate)
+        model_parallel = tp * pp
+        if num_processes < 1 or num_processes % model_parallel:
+            raise LadderError(f"{self.name} cannot run on {num_processes} processes: its tensor x pipeline degrees tp "
+                              f"x pp = {tp} x {pp} = {model_parallel} must divide the processes. Use a multiple of "
+                              f"{model_parallel} processes, or other --tp / --pp.")
+        dp = num_processes // model_parallel
+        hybrid = self.fsdp is not None and self.fsdp.hybrid
+        if self.kind is StrategyKind.SINGLE:
+            if num_processes != 1:
+                raise LadderError(f"The single rung runs one process, not {num_processes}. Pick a distributed rung "
+                                  "(e.g. --config ddp) to use more.")
+            return self
         if self.kind is StrategyKind.DDP:
-            dims = replace(d, dp_replicate=num_processes)
-        elif self.owns_sharding and d.dp_replicate > 1:
-            if num_processes % d.dp_shard:
-                raise LadderError(
-                    f"--num-processes {num_processes} is not a multiple of {self.name}'s dp_shard={d.dp_shard} "
-                    f"(processes per node). Use a multiple of {d.dp_shard}, or edit parallelism_config in "
-                    f"{self.yaml_path}."
-                )
-            dims = replace(d, dp_replicate=num_processes // d.dp_shard)
-        elif self.owns_sharding or self.uses_deepspeed:
-            model_parallel = d.tp * d.pp
-            if num_processes % model_parallel:
-                raise LadderError(f"--num-processes {num_processes} is not a multiple of {self.name}'s tp x pp = "
-                                  f"{model_parallel}. Use a multiple of {model_parallel}.")
-            dims = replace(d, dp_shard=num_processes // model_parallel)
+            dims = ParallelDims(dp_replicate=num_processes)
+        elif self.uses_deepspeed:
+            dims = ParallelDims(dp_shard=dp, tp=tp)
         else:
-            raise LadderError(f"The {self.name} rung runs one process; --num-processes does not apply to it.")
-        return replace(self, num_processes=num_processes, dims=dims)
+            if dp_replicate is None and hybrid:
+                if node_size is not None and node_size % model_parallel:
+                    raise LadderError(f"{self.name} keeps tp x pp = {model_parallel} ranks inside a node, which does "
+                                      f"not divide the node's {node_size} processes. Use --tp / --pp dividing "
+                                      f"{node_size}.")
+                shard = min(node_size // model_parallel if node_size is not None else d.dp_shard, dp)
+                if dp % shard:
+                    raise LadderError(f"{self.name} shards over {shard} ranks per node (dp_shard) and replicates "
+                                      f"across nodes, so its {dp} data-parallel ranks must be a multiple of {shard}. "
+                                      f"Use a multiple of {shard * model_parallel} processes, or set --dp-replicate.")
+                dp_replicate = dp // shard
+            replicate = dp_replicate or 1
+            if dp % replicate:
+                raise LadderError(f"--dp-replicate {replicate} does not divide {self.name}'s {dp} data-parallel ranks "
+                                  f"({num_processes} processes / tp x pp = {model_parallel}). Use a divisor of {dp}.")
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp)
+        pipeline = (self.pipeline or PipelineSettings()) if dims.pp > 1 else None
+        fsdp = replace(self.fsdp, hybrid=hybrid or dims.dp_replicate > 1) if self.fsdp is not None else None
+        return replace(self, num_processes=num_processes, dims=dims, pipeline=pipeline, fsdp=fsdp)
+
+    def _check_degrees_apply(self, tp: int, pp: int, dp_replicate: int | None) -> None:
+        """Degrees the rung's strategy has no axis for are refused (a silently ignored --tp is a wrong run)."""
+        asked = [f"{flag} {v}" for flag, v, base in (("--tp", tp, self.dims.tp), ("--pp", pp, self.dims.pp))
+                 if v != base] + ([f"--dp-replicate {dp_replicate}"] if dp_replicate is not None else [])
+        if not asked:
+            return
+        what = ", ".join(asked)
+        if self.kind in (StrategyKind.SINGLE, StrategyKind.DDP):
+            raise LadderError(f"{what} cannot apply to {self.name}, which replicates the whole model on every rank. "
+                              "Pick a rung with those axes: fsdp_tp (--tp), pp (--pp), 3d (both), fsdp_hybrid "
+                              "(--dp-replicate).")
+        if self.uses_deepspeed and (pp > 1 or dp_replicate is not None):
+            raise LadderError(f"{what} cannot apply to {self.name}: DeepSpeed's ZeRO has no pipeline stages or "
+                              "replica groups for an HF model here. Use pp / 3d / fsdp_hybrid for those axes.")
+        if self.uses_deepspeed and tp > 1 and self.zero_stage == 3:
+            raise LadderError(f"--tp {tp} cannot apply to {self.name}: DeepSpeed's AutoTP does not compose with ZeRO-3 "
+                              "(DeepSpeed 0.19). Use zero2_tp (ZeRO-2 + AutoTP) or fsdp_tp.")
 
 
 def known_rung_names() -> list[str]:
@@ -222,7 +227,8 @@ def _resolve_yaml(name_or_path: str) -> Path:
     )
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def read_accelerate_yaml(path: Path) -> dict[str, Any]:
+    """An accelerate YAML as a dict; refused unless it is one."""
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
@@ -231,20 +237,6 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise LadderError(f"{path} is not an Accelerate config (no distributed_type). Create one with "
                           "`accelerate config` or copy a file from accelerate_configs/.")
     return data
-
-
-def _fsdp_settings(cfg: dict[str, Any], path: Path) -> FsdpSettings:
-    fsdp = cfg.get("fsdp_config") or {}
-    version = int(fsdp.get("fsdp_version", 1))
-    if version != 2:
-        raise LadderError(f"{path} asks for FSDP version {version}; hfdist applies FSDP2 (fully_shard) only. "
-                          "Set fsdp_config.fsdp_version: 2.")
-    return FsdpSettings(
-        layer_cls_to_wrap=fsdp.get("fsdp_transformer_layer_cls_to_wrap") or None,
-        reshard_after_forward=bool(fsdp.get("fsdp_reshard_after_forward", True)),
-        offload_params=bool(fsdp.get("fsdp_offload_params", False)),
-        activation_checkpointing=bool(fsdp.get("fsdp_activation_checkpointing", False)),
-    )
 
 
 def ds_mixed_precision(ds: dict[str, Any]) -> str:
@@ -266,13 +258,30 @@ def _deepspeed_json_path(cfg: dict[str, Any], path: Path) -> Path:
     if not json_ref:
         raise LadderError(f"{path} uses DeepSpeed without deepspeed_config_file; hfdist keeps the DeepSpeed "
                           "settings in a JSON of ds_configs/. Point deepspeed_config_file at one.")
-    json_path = Path(json_ref)
+    return resolve_deepspeed_json(str(json_ref), path)
+
+
+def resolve_deepspeed_json(json_ref: str, yaml_path: Path | None) -> Path:
+    """Where a YAML's deepspeed_config_file is. A relative path is resolved as accelerate resolves it: from the
+    working directory (accelerate's HfDeepSpeedConfig opens it as given, in every rank). The shipped YAMLs are
+    written relative to the config root (= the repository root through the accelerate_configs/ and ds_configs/
+    links), so theirs resolve from there wherever hfdist is installed.
+
+    Raises:
+        LadderError: the file is not there, naming where it was looked for.
+    """
+    json_path = Path(json_ref).expanduser()
+    shipped = yaml_path is not None and yaml_path.resolve().is_relative_to(CONFIG_ROOT)
     if not json_path.is_absolute():
-        # Relative to the repository (how the shipped YAMLs are written), else to the YAML's folder.
-        json_path = next((p for p in (CONFIG_ROOT / json_ref, path.parent / json_ref) if p.is_file()), json_path)
-    if not json_path.is_file():
-        raise LadderError(f"{path} points at DeepSpeed config {json_ref}, which does not exist. Fix the path.")
-    return json_path
+        json_path = (CONFIG_ROOT if shipped else Path.cwd()) / json_path
+    if json_path.is_file():
+        return json_path.resolve()
+    beside = yaml_path.parent / json_ref if yaml_path is not None else None
+    hint = (f" It does exist next to the YAML ({beside}), but accelerate resolves relative paths from the working "
+            "directory: run from the YAML's folder, or make the path absolute." if beside and beside.is_file() else
+            " Fix the path (relative paths count from the working directory, as accelerate reads them).")
+    raise LadderError(f"{yaml_path or 'The launcher'} points at DeepSpeed config {json_ref}, which is not at "
+                      f"{json_path}.{hint}")
 
 
 def deepspeed_rung(name: str, json_path: Path, num_processes: int, **extra: Any) -> Rung:
@@ -308,7 +317,8 @@ def load_rung(name_or_path: str) -> Rung:
     if name_or_path in ("single", "single.yaml"):
         return single_process_rung()
     path = _resolve_yaml(name_or_path)
-    cfg = _read_yaml(path)
+    cfg = read_accelerate_yaml(path)
+    refuse_unimplemented(cfg, path)
     name = path.stem
     num_processes = int(cfg.get("num_processes", 1))  # accelerate counts all machines' processes
     mixed = str(cfg.get("mixed_precision", "no"))
@@ -323,13 +333,26 @@ def load_rung(name_or_path: str) -> Rung:
             tp = int(pc.get("parallelism_config_tp_size", 1))
             pp = int(pc.get("parallelism_config_pp_size", 1))
             shard = int(pc.get("parallelism_config_dp_shard_size", num_processes // max(replicate * tp * pp, 1)))
+            fsdp = read_fsdp_config(cfg.get("fsdp_config"), path)
+            if fsdp.hybrid and "parallelism_config_dp_replicate_size" not in pc:
+                # FSDP1 HYBRID_SHARD: shard over one machine's processes, replicate across the machines.
+                replicate = int(cfg.get("num_machines", 1) or 1)
+                shard = num_processes // max(replicate * tp * pp, 1)
             dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, pp=pp, tp=tp)
             dims.check_world(num_processes)
             pipeline = PipelineSettings(
                 schedule=str(pc.get("parallelism_config_pp_schedule", PipelineSettings.schedule)),
                 n_microbatches=int(pc.get("parallelism_config_pp_microbatches", PipelineSettings.n_microbatches)),
             ) if pp > 1 else None
-            rung = Rung(kind=StrategyKind.MESH, dims=dims, fsdp=_fsdp_settings(cfg, path), pipeline=pipeline,
+            notes = (fsdp.note,) if fsdp.note else ()
+            if fsdp.ddp:
+                return Rung(kind=StrategyKind.DDP, dims=ParallelDims(dp_replicate=num_processes), notes=notes,
+                            mixed_precision=mixed, **common)
+            settings = FsdpSettings(layer_cls_to_wrap=fsdp.layer_cls_to_wrap, offload_params=fsdp.offload_params,
+                                    reshard_after_forward=fsdp.reshard_after_forward,
+                                    activation_checkpointing=fsdp.activation_checkpointing,
+                                    hybrid=fsdp.hybrid or replicate > 1)
+            rung = Rung(kind=StrategyKind.MESH, dims=dims, fsdp=settings, pipeline=pipeline, notes=notes,
                         mixed_precision=mixed, **common)
         elif dtype == "DEEPSPEED":
             rung = deepspeed_rung(name, _deepspeed_json_path(cfg, path), num_processes, yaml_path=path,

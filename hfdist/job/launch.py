@@ -1,37 +1,36 @@
-"""Make `accelerate launch scripts/finetune.py --config NAME` start the world the named rung needs.
+"""Make `hfdist finetune --config NAME` (or `accelerate launch scripts/finetune.py --config NAME`) start the world
+the named rung needs.
 
-A plain `accelerate launch script.py` (or `python script.py`) starts one process. When the rung needs more, the
-script hands over to `accelerate launch --config_file <rung yaml> script.py ...` with the same arguments and waits
-for it; inside that world it checks that the launcher's settings are the rung's.
+A plain `accelerate launch script.py` (or `python script.py`, or `hfdist finetune`) starts one process. Every rung
+but `single` trains in a launched world (a process group, even of one process), so that process hands over to
+`accelerate launch --config_file <rung yaml> ...` with the same arguments and waits for it; inside that world each
+rank checks that the launcher's settings are the rung's. `single` on a machine with several GPUs restarts itself
+with one GPU visible (transformers would otherwise spread it over all of them with nn.DataParallel).
+
+The hand-over runs accelerate through hfdist.job.quiet_launch, so a failed run ends with hfdist's paragraph, not
+with the launch stack's tracebacks: ranks leave their error paragraphs in a folder the hand-over reads when the
+launch fails, and the hand-over prints each distinct paragraph once, last.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass, replace
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
-import torch
-
-from hfdist.errors import HfdistError
-from hfdist.job.ladder import (
-    CONFIG_ROOT,
-    RUNG_INFO,
-    FsdpSettings,
-    Rung,
-    StrategyKind,
-    deepspeed_rung,
-    known_rung_names,
-    load_rung,
-)
-from hfdist.parallel.dims import ParallelDims
+from hfdist.errors import ERROR_DIR_ENV, HfdistError, collected_errors
+from hfdist.job import console
+from hfdist.job.config import FinetuneConfig
+from hfdist.job.ladder import Rung, StrategyKind
+from hfdist.job.world import Node
 
 __all__ = ["LaunchError", "CpuTranslation", "cpu_translation", "settle_mixed_precision", "accelerate_command",
-           "ensure_world", "rung_from_launcher_env", "HANDED_OVER_ENV"]
+           "single_gpu_env", "ensure_world", "HANDED_OVER_ENV"]
 
 HANDED_OVER_ENV = "HFDIST_HANDED_OVER"
 # accelerate's FSDP switches: hfdist applies FSDP2 itself (launch.py docstring, parallel/fsdp.py), so these are read
@@ -86,20 +85,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_command(rung: Rung, script: str, script_args: list[str], on_gpu: bool) -> list[str]:
-    """The `accelerate launch` command line that starts `script` in the rung's world."""
+def accelerate_command(rung: Rung, entry: Sequence[str], script_args: list[str], on_gpu: bool) -> list[str]:
+    """The launch command that starts `entry` (a script path, or ["-m", module, ...]) in the rung's world:
+    `accelerate launch --config_file <rung yaml> ...` through hfdist.job.quiet_launch."""
     assert rung.yaml_path is not None
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(rung.yaml_path),
-           "--num_processes", str(rung.num_processes), "--main_process_port", str(_free_port())]
-    if rung.num_processes == 1:
-        cmd += ["--num_machines", "1"]
+    # One machine: hfdist starts every process on this node (several nodes: one launcher each, README Multi-node).
+    cmd = [sys.executable, "-m", "hfdist.job.quiet_launch", "--config_file", str(rung.yaml_path),
+           "--num_processes", str(rung.num_processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
     translation = cpu_translation(rung, on_gpu)
     if translation is not None and not rung.uses_deepspeed:  # DeepSpeed takes precision from its JSON only
         cmd += ["--mixed_precision", translation.mixed_precision]
     if rung.ds_config_path is not None:
-        # Absolute, so the YAML's repository-relative path works from any working directory.
+        # Absolute, so the YAML's relative path works from any working directory.
         cmd += ["--deepspeed_config_file", str(rung.ds_config_path)]
-    return cmd + [script, *script_args]
+    return cmd + [*entry, *script_args]
 
 
 def _check_launcher_env(rung: Rung) -> None:
@@ -109,128 +108,76 @@ def _check_launcher_env(rung: Rung) -> None:
         raise LaunchError(
             f"The launcher {'enabled' if use_ds else 'did not enable'} DeepSpeed but --config {rung.name} is a "
             f"{rung.kind.value} rung. The accelerate config used to launch disagrees with --config: run "
-            f"`accelerate launch scripts/finetune.py --config {rung.name}` without another --config_file (or with "
-            f"--config_file {rung.yaml_path})."
+            f"`hfdist finetune --config {rung.name}` (or `accelerate launch scripts/finetune.py --config "
+            f"{rung.name}`) without another --config_file (or with --config_file {rung.yaml_path})."
         )
     for key in [k for k in os.environ if k.startswith(_ACCELERATE_FSDP_ENV_PREFIXES) or k in _ACCELERATE_FSDP_ENV]:
         del os.environ[key]
 
 
-def ensure_world(rung: Rung, script: str, script_args: list[str]) -> int | None:
-    """Start the rung's world if this process is not in it yet.
+def single_gpu_env(env: dict[str, str]) -> dict[str, str]:
+    """`env` with only the first visible GPU left visible (CUDA_VISIBLE_DEVICES keeps its own numbering)."""
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "0").split(",") if d.strip()]
+    return {**env, "CUDA_VISIBLE_DEVICES": visible[0] if visible else "0"}
+
+
+def _hand_over(cmd: list[str], env: dict[str, str], what: str) -> int:
+    """Run the launch command, and when it fails end the screen with the ranks' hfdist paragraphs (or one line
+    saying which rank failed); returns the exit code (2 when the ranks stopped on bad input, as one process does)."""
+    with tempfile.TemporaryDirectory(prefix="hfdist-errors-") as errors:
+        code = subprocess.call(cmd, env={**env, ERROR_DIR_ENV: errors})
+        if code == 0:
+            return 0
+        paragraphs, failures = collected_errors(Path(errors))
+    for text in paragraphs:
+        print(text, file=sys.stderr, flush=True)
+    if paragraphs:
+        return 2
+    failed = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(failures.items())) or f"exit code {code}"
+    print(f"hfdist: {what} failed: {failed}. The failing rank's output is above; library messages are in "
+          f"{env.get(console.LOG_DIR_ENV, 'the output folder')}.", file=sys.stderr, flush=True)
+    return code
+
+
+def ensure_world(rung: Rung, cfg: FinetuneConfig, entry: Sequence[str], script_args: list[str],
+                 node: Node | None = None) -> int | None:
+    """Start the rung's world if this process is not in it yet (module docstring).
+
+    Args:
+        entry: what the hand-over starts in each rank with `script_args`: [path of scripts/finetune.py] or
+            ["-m", "hfdist.cli", "finetune"].
 
     Returns:
         None when this process is a rank of the right world and should train; otherwise the exit code of the
-        `accelerate launch` it handed over to (the caller exits with it).
+        launch it handed over to (the caller exits with it).
 
     Raises:
         LaunchError: a world of the wrong size is already running (naming the sizes and the fix).
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == rung.num_processes:
-        if world > 1 or os.environ.get(HANDED_OVER_ENV):
-            _check_launcher_env(rung)
+    node = Node.detect() if node is None else node
+    if node.launched or os.environ.get(HANDED_OVER_ENV):
+        world = node.world or 1
+        if world != rung.num_processes:
+            raise LaunchError(
+                f"--config {rung.name} needs {rung.num_processes} processes ({rung.dims.describe()}), but this world "
+                f"has {world}. Run it as `hfdist finetune --config {rung.name}` (hfdist starts the right number), "
+                f"or pass --num-processes {world} to rescale the rung to this world.")
+        _check_launcher_env(rung)
+        if int(os.environ.get("RANK", "0")) == 0:
+            for note in rung.notes:
+                print(note, flush=True)
         return None
-    if world == 1 and not os.environ.get(HANDED_OVER_ENV):
-        on_gpu = torch.cuda.is_available()
-        cmd = accelerate_command(rung, script, script_args, on_gpu)
-        print(f"hfdist: starting {rung.num_processes} processes for {rung.name}: accelerate launch --config_file "
-              f"{rung.yaml_path} ...", flush=True)
-        return subprocess.call(cmd, env={**os.environ, HANDED_OVER_ENV: "1"})
-    raise LaunchError(
-        f"--config {rung.name} needs {rung.num_processes} processes ({rung.dims.describe()}), but this world has "
-        f"{world}. Launch it as `accelerate launch scripts/finetune.py --config {rung.name}` (hfdist starts the "
-        f"right number), or pass --num-processes {world} to rescale the rung to this world."
-    )
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "false").lower() == "true"
-
-
-def _shipped_twin(kind: StrategyKind, dims: ParallelDims, ds_config: Path | None = None) -> Rung | None:
-    """The shipped rung a launcher environment describes, rescaled to its world, if there is one."""
-    for name in known_rung_names():
-        rung = load_rung(name)
-        if rung.kind is not kind:
-            continue
-        if kind is StrategyKind.DEEPSPEED:
-            if json.loads(rung.ds_config_path.read_text()) == json.loads(ds_config.read_text()):
-                return rung.with_num_processes(dims.world_size)
-        elif (rung.dims.dp_replicate > 1) == (dims.dp_replicate > 1) and rung.dims.tp == dims.tp:
-            try:
-                twin = rung.with_num_processes(dims.world_size)
-            except ValueError:
-                continue
-            if twin.dims == dims:
-                return twin
-    return None
-
-
-def _deepspeed_rung_from_env(world: int) -> Rung:
-    ref = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "")
-    path = next((p for p in (Path(ref), CONFIG_ROOT / ref) if ref and p.is_file()), None)
-    if path is None:
-        raise LaunchError(
-            f"This world was launched with DeepSpeed but its config file '{ref}' cannot be found from here. Launch "
-            "from the repository root, or pass --config with the rung's YAML."
-        )
-    rung = deepspeed_rung(path.stem, path, world)
-    twin = _shipped_twin(StrategyKind.DEEPSPEED, rung.dims, path)  # the same JSON as a shipped rung: named and checked as it
-    return replace(rung, name=twin.name, yaml_path=twin.yaml_path, info=twin.info) if twin else rung
-
-
-def launcher_config_file() -> Path | None:
-    """The --config_file of the `accelerate launch` that started this rank, from the launcher's command line.
-
-    accelerate starts the ranks from its own process (torch's elastic agent runs inside it), so on Linux the
-    parent's /proc cmdline holds it. None when not found (another launcher, another OS).
-    """
-    try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
-    except OSError:
-        return None
-    for i, arg in enumerate(argv):
-        value = argv[i + 1] if arg == "--config_file" and i + 1 < len(argv) else None
-        if arg.startswith("--config_file="):
-            value = arg.split("=", 1)[1]
-        if value and Path(value).is_file():
-            return Path(value).resolve()
-    return None
-
-
-def rung_from_launcher_env() -> Rung:
-    """The rung of a world started by `accelerate launch --config_file X.yaml` without --config.
-
-    accelerate passes its config to the processes as environment variables only; they are read back here (the
-    shipped rung they match when there is one, so the run is named and checked like it). Pipeline settings have no
-    environment variable, so a pipeline YAML is found through the launcher's command line; when that is not
-    possible a pipeline config cannot be told from its FSDP (x TP) twin, and --config must name it.
-    """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    mixed = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if world == 1:
-        return load_rung("single")
-    yaml_path = launcher_config_file()
-    if yaml_path is not None:
-        rung = load_rung(str(yaml_path))
-        if rung.dims.pp > 1:
-            return replace(rung.with_num_processes(world), mixed_precision=mixed)
-    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
-        return _deepspeed_rung_from_env(world)
-    if _env_flag("ACCELERATE_USE_FSDP"):
-        replicate = int(os.environ.get("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "1"))
-        tp = int(os.environ.get("PARALLELISM_CONFIG_TP_SIZE", "1"))
-        dims = ParallelDims(dp_replicate=replicate, dp_shard=world // (replicate * tp), tp=tp)
-        dims.check_world(world)
-        settings = FsdpSettings(
-            layer_cls_to_wrap=os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or None,
-            reshard_after_forward=_env_flag("FSDP_RESHARD_AFTER_FORWARD") or "FSDP_RESHARD_AFTER_FORWARD" not in os.environ,
-            offload_params=_env_flag("FSDP_OFFLOAD_PARAMS"),
-            activation_checkpointing=_env_flag("FSDP_ACTIVATION_CHECKPOINTING"),
-        )
-        twin = _shipped_twin(StrategyKind.MESH, dims)
-        name = twin.name if twin is not None else "fsdp"
-        return Rung(name=name, kind=StrategyKind.MESH, num_processes=world, dims=dims, mixed_precision=mixed, fsdp=settings,
-                    yaml_path=twin.yaml_path if twin else None, info=RUNG_INFO.get(name))
-    return replace(load_rung("ddp").with_num_processes(world), mixed_precision=mixed)
+    env = {**os.environ, HANDED_OVER_ENV: "1", **console.launch_env(cfg.output_dir, cfg.verbose)}
+    if rung.kind is StrategyKind.SINGLE:
+        if node.gpus <= 1:
+            return None
+        # transformers would wrap a process that sees several GPUs in nn.DataParallel (batch x n_gpu, a loss per
+        # replica): the single rung restarts itself with one GPU visible.
+        print(f"hfdist: single runs on one GPU of {node.gpus}: restarting with CUDA_VISIBLE_DEVICES="
+              f"{single_gpu_env(env)['CUDA_VISIBLE_DEVICES']}", flush=True)
+        return _hand_over([sys.executable, *entry, *script_args], single_gpu_env(env), "the single run")
+    cmd = accelerate_command(rung, entry, script_args, on_gpu=node.gpus > 0)
+    print(f"hfdist: starting {rung.num_processes} process{'es' if rung.num_processes > 1 else ''} for {rung.name} "
+          f"({rung.dims.layout()}): accelerate launch --config_file {rung.yaml_path} ...",
+          flush=True)
+    return _hand_over(cmd, env, rung.name)

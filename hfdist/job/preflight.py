@@ -152,8 +152,13 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
 
 def _check_output_dir(cfg: FinetuneConfig) -> None:
+    from hfdist.job.console import log_dir
+
     out = Path(cfg.output_dir)
-    if out.exists() and any(out.iterdir()) and not (cfg.overwrite or cfg.resume):
+    # hfdist's own library logs (OUTPUT_DIR/logs) do not count: a run that crashed before writing anything else
+    # leaves only them, and they are appended to.
+    held = [p for p in out.iterdir() if p != log_dir(out)] if out.is_dir() else []
+    if held and not (cfg.overwrite or cfg.resume):
         raise ConfigError(f"--output-dir {out} already holds files (a previous run?). Nothing was changed. Pass "
                           "--resume to continue that run from its latest checkpoint, a new --output-dir, or "
                           "--overwrite to replace its contents.")
@@ -161,7 +166,7 @@ def _check_output_dir(cfg: FinetuneConfig) -> None:
 
 def check_model_fits_rung(config, rung: Rung) -> None:
     """Model-specific checks of a rung, before any process or surgery: a registered architecture for hfdist's TP
-    and PP (hfdist.models.registry), tp dividing its sizes.
+    and PP (hfdist.models.registry), tp dividing its sizes, the FSDP layer class a config names.
 
     Raises:
         ConfigError / TPError: naming the architecture or the sizes, and what would work.
@@ -179,6 +184,30 @@ def check_model_fits_rung(config, rung: Rung) -> None:
         from hfdist.parallel.tensor_check import validate_tp
 
         validate_tp(config, rung.dims.tp)
+    if rung.fsdp is not None and rung.fsdp.layer_cls_to_wrap:
+        _check_layer_class(config, rung.fsdp.layer_cls_to_wrap)
+
+
+def _check_layer_class(config, name: str) -> None:
+    """A config's fsdp_transformer_layer_cls_to_wrap must name a module class of the model: checked on a skeleton
+    built on the meta device (no memory), so a wrong name fails here rather than in every rank."""
+    from transformers import AutoModelForCausalLM
+
+    from hfdist.parallel.fsdp import find_layers
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    find_layers(model, name)
+
+
+def _check_gpu_settings(rung: Rung) -> None:
+    """YAML settings hfdist does not implement on a GPU (hfdist.job.translate.refuse_on_gpu)."""
+    if rung.yaml_path is None or not torch.cuda.is_available():
+        return
+    from hfdist.job.ladder import read_accelerate_yaml
+    from hfdist.job.translate import refuse_on_gpu
+
+    refuse_on_gpu(read_accelerate_yaml(rung.yaml_path), rung.owns_sharding, rung.yaml_path)
 
 
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
@@ -187,6 +216,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     from hfdist.train.resume import resume_point
 
     _check_output_dir(cfg)
+    _check_gpu_settings(rung)
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
     check_model_fits_rung(config, rung)

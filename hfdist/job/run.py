@@ -8,24 +8,19 @@ activation checkpointing -> pipeline stages -> FSDP2); DDP and DeepSpeed are app
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from hfdist.job import console
 from hfdist.job.config import ConfigError, FinetuneConfig
-from hfdist.job.ladder import Rung, StrategyKind, load_rung
-from hfdist.job.launch import (
-    HANDED_OVER_ENV,
-    cpu_translation,
-    ensure_world,
-    rung_from_launcher_env,
-    settle_mixed_precision,
-)
-from hfdist.job.preflight import batch_layout, preflight, with_pipeline_overrides
+from hfdist.job.ladder import Rung, StrategyKind
+from hfdist.job.launch import HANDED_OVER_ENV, cpu_translation, ensure_world, settle_mixed_precision
+from hfdist.job.preflight import batch_layout, preflight
 from hfdist.job.summary import check_blocks, first_blocks, write_summary
+from hfdist.job.world import resolve_rung
 from hfdist.train.resume import checkpoint_identity, resume_point
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
@@ -46,12 +41,11 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
 
     deepspeed = None
     if rung.ds_config_path is not None:
-        deepspeed = json.loads(rung.ds_config_path.read_text())
-        if cfg.nvme_path:
-            for key in ("offload_param", "offload_optimizer"):
-                section = deepspeed.get("zero_optimization", {}).get(key)
-                if section and section.get("device") == "nvme":
-                    section["nvme_path"] = cfg.nvme_path
+        from hfdist.job.translate import deepspeed_config_for_run
+
+        deepspeed, note = deepspeed_config_for_run(rung.ds_config_path, mixed, tp=rung.dims.tp, nvme_path=cfg.nvme_path)
+        if note and _is_rank0():
+            print(note, flush=True)
     return TrainingArguments(
         output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
         max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
@@ -59,7 +53,7 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
-        report_to="none", bf16=mixed == "bf16", use_cpu=not on_gpu, deepspeed=deepspeed,
+        report_to="none", bf16=mixed == "bf16", fp16=mixed == "fp16", use_cpu=not on_gpu, deepspeed=deepspeed,
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
         # Mesh rungs get it from hfdist.parallel.parallelize (the Trainer cannot reach layers inside stages).
         activation_checkpointing=cfg.activation_checkpointing and not rung.owns_sharding,
@@ -144,9 +138,11 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
                 "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
+    # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
+    # hide the degrees that ran.
     sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
                      project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
-                     group=cfg.compare_id, job_type=rung.kind.value, config={**strategy, **asdict(cfg)})
+                     group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
     callbacks = [losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]
@@ -158,25 +154,26 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token)
 
 
-def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
-    """Run one fine-tune (handing over to `accelerate launch` first when the rung needs more processes).
+def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> int:
+    """Run one fine-tune (handing over to `accelerate launch` first when the rung needs its own world).
+
+    Args:
+        entry: what a hand-over starts in each rank, followed by `script_args` (hfdist.job.launch.ensure_world).
 
     Returns:
         The process exit code.
     """
     # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
-    rung = load_rung(cfg.config) if cfg.config else rung_from_launcher_env()
-    if cfg.num_processes:
-        rung = rung.with_num_processes(cfg.num_processes)
-    rung = with_pipeline_overrides(rung, cfg)
+    rung = resolve_rung(cfg)
     micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
     if not os.environ.get(HANDED_OVER_ENV):
         # Before hand-over, or on every rank of a world another launcher started (nothing is written before these
         # checks end: the process group forms after them, and only then are files written).
         preflight(cfg, rung, micro)
-    handed_over = ensure_world(rung, script, script_args)
+    handed_over = ensure_world(rung, cfg, entry, script_args)
     if handed_over is not None:
         return handed_over
+    console.start(console.log_path(cfg.output_dir, f"rank-{os.environ.get('RANK', '0')}"), cfg.verbose)
 
     run = _set_up(cfg, rung, micro, grad_accum)
     run.sink.start()  # W&B's start-up (seconds) stays out of the measured training loop

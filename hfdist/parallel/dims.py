@@ -59,6 +59,11 @@ class ParallelDims:
             f"= {self.world_size} processes"
         )
 
+    def layout(self) -> str:
+        """The degrees above 1, e.g. "dp_replicate=2 x dp_shard=4" ("1 rank" when none is)."""
+        parts = [f"{n}={v}" for n, v in self.to_dict().items() if v > 1]
+        return " x ".join(parts) if parts else "1 rank"
+
     def check_world(self, world_size: int) -> None:
         """Raise DimsError unless these degrees multiply to `world_size`."""
         if world_size != self.world_size:

@@ -175,8 +175,7 @@ class Plan:
 
 
 def _describe_dims(d: ParallelDims) -> str:
-    parts = [f"{n}={v}" for n, v in d.to_dict().items() if v > 1]
-    return " x ".join(parts) if parts else "1 rank"
+    return d.layout()
 
 
 def plan_order(rungs: Iterable[Rung]) -> list[Rung]:

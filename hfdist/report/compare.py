@@ -1,10 +1,12 @@
 """Run rungs of the ladder on the same model, data, sequence length and global batch; write the comparison matrix.
 
-    python scripts/compare.py                       # every shipped rung, embedded default, results/<hardware>/
-    python scripts/compare.py --configs ddp fsdp_full_shard zero3 --lora --max-steps 30
+    hfdist compare                                  # every shipped rung, embedded default, results/<hardware>/
+    hfdist compare --configs ddp fsdp_full_shard zero3 --lora --max-steps 30
+    python scripts/compare.py ...                   # the same, from a clone
 
-Each rung runs through scripts/finetune.py (its own world, its own W&B run in one group); the matrix is built from
-the runs' hfdist_summary.json files only (hfdist.report.matrix): results/<hardware>/matrix.md, matrix.csv,
+Each rung runs as `hfdist finetune` (`python -m hfdist.cli finetune`: its own world, its own W&B run in one group),
+so this works wherever hfdist is installed; paths count from the working directory. The matrix is built from the
+runs' hfdist_summary.json files only (hfdist.report.matrix): results/<hardware>/matrix.md, matrix.csv,
 memory.png, throughput.png, plus a W&B table.
 """
 
@@ -12,46 +14,51 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+__all__ = ["add_arguments", "build_parser", "run_comparison"]
 
-__all__ = ["build_parser", "run_comparison"]
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The comparison's options (`hfdist compare` and scripts/compare.py share them)."""
+    from hfdist.job.ladder import known_rung_names
+
+    g = p.add_argument_group("Rungs and workload", "Every rung runs the same model, data and global batch.")
+    g.add_argument("--configs", nargs="+", default=known_rung_names(),
+                   help="Rungs to run, in this order (default: every shipped rung).")
+    g.add_argument("--model", default="llama-small", help="HF id, local folder or preset (default llama-small).")
+    g.add_argument("--lora", action="store_true", help="Train LoRA adapters instead of all weights.")
+    g.add_argument("--max-steps", type=int, default=20, help="Optimizer steps per rung (default 20).")
+    g.add_argument("--global-batch-size", type=int, default=16, help="Sequences per step over all ranks (default 16).")
+    g.add_argument("--seq-len", type=int, default=128, help="Tokens per sequence (default 128).")
+    g = p.add_argument_group("Output")
+    g.add_argument("--out", type=Path, default=None, help="Matrix folder (default results/<hardware>).")
+    g.add_argument("--runs-dir", type=Path, default=None, help="Where the runs write (default outputs/compare/<id>).")
+    g.add_argument("--compare-id", default=None, help="W&B group of the runs (default: a new id).")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The comparison's command line."""
-    from hfdist.job.ladder import known_rung_names
-
+    """The comparison's command line (scripts/compare.py)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", nargs="+", default=known_rung_names(), help="rungs to run (default: all shipped)")
-    p.add_argument("--model", default="llama-small")
-    p.add_argument("--lora", action="store_true")
-    p.add_argument("--max-steps", type=int, default=20)
-    p.add_argument("--global-batch-size", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--out", type=Path, default=None, help="matrix folder (default results/<hardware>)")
-    p.add_argument("--runs-dir", type=Path, default=None, help="where the runs write (default outputs/compare/<id>)")
-    p.add_argument("--compare-id", default=None, help="W&B group of the runs (default: a new id)")
+    add_arguments(p)
     return p
 
 
-def run_comparison(argv: list[str]) -> int:
-    """Run the comparison described by `argv` (see build_parser); returns the exit code."""
-    args = build_parser().parse_args(argv)
+def run_comparison(args: argparse.Namespace, command: str) -> int:
+    """Run the comparison `args` describe (see add_arguments); `command` is how it was invoked, recorded with the
+    matrix. Returns the exit code."""
     from hfdist.callbacks.wandb_sink import WandbSink, sync_instructions
     from hfdist.errors import run_with_clear_errors
     from hfdist.report.matrix import COLUMNS, hardware_name, load_rows, write_matrix
 
     compare_id = args.compare_id or f"compare-{uuid.uuid4().hex[:8]}"
     hardware = hardware_name()
-    out = args.out or REPO / "results" / hardware
-    runs_dir = args.runs_dir or REPO / "outputs" / "compare" / compare_id
+    out = args.out or Path("results") / hardware
+    runs_dir = args.runs_dir or Path("outputs") / "compare" / compare_id
     shared = ["--model", args.model, "--max-steps", str(args.max_steps), "--global-batch-size",
               str(args.global_batch_size), "--seq-len", str(args.seq_len), "--compare-id", compare_id]
     if args.lora:
@@ -60,10 +67,10 @@ def run_comparison(argv: list[str]) -> int:
     def job() -> int:
         summaries = []
         for i, name in enumerate(args.configs, 1):
-            cmd = [sys.executable, str(REPO / "scripts" / "finetune.py"), "--config", name, *shared,
+            cmd = [sys.executable, "-m", "hfdist.cli", "finetune", "--config", name, *shared,
                    "--output-dir", str(runs_dir / name)]
             start = time.perf_counter()
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+            proc = subprocess.run(cmd, capture_output=True, text=True)
             took = time.perf_counter() - start
             status = "ok" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
             print(f"[{i}/{len(args.configs)}] {name}: {status} in {took:.0f}s", flush=True)
@@ -72,7 +79,6 @@ def run_comparison(argv: list[str]) -> int:
                 return proc.returncode
             summaries.append(runs_dir / name / "hfdist_summary.json")
         rows = load_rows(summaries)
-        command = "python scripts/compare.py " + shlex.join(argv)
         notes = [f"Measured by `{command.strip()}` (compare id {compare_id}) on {hardware}.",
                  f"Model {args.model}{' + LoRA' if args.lora else ''}, global batch {args.global_batch_size} x "
                  f"{args.seq_len} tokens, {args.max_steps} steps; tokens/s per device excludes the first step.",

@@ -7,6 +7,7 @@ import json
 import pytest
 import yaml
 
+from hfdist.errors import HfdistError
 from hfdist.job.ladder import CONFIG_ROOT, RUNG_INFO, LadderError, known_rung_names, load_rung
 from hfdist.parallel.dims import DimsError, ParallelDims
 
@@ -56,7 +57,7 @@ def test_rescaling_keeps_the_shard_axis_of_hybrid():
     assert load_rung("fsdp_hybrid").with_num_processes(8).dims == ParallelDims(dp_replicate=4, dp_shard=2)
     assert load_rung("fsdp_full_shard").with_num_processes(8).dims == ParallelDims(dp_shard=8)
     assert load_rung("ddp").with_num_processes(3).dims == ParallelDims(dp_replicate=3)
-    with pytest.raises(LadderError, match="not a multiple of"):
+    with pytest.raises(LadderError, match="must be a multiple of 2"):
         load_rung("fsdp_hybrid").with_num_processes(5)
 
 
@@ -72,10 +73,10 @@ def test_bad_yaml_and_fsdp1_are_refused(tmp_path):
     bad.write_text("num_processes: 2\n")
     with pytest.raises(LadderError, match="not an Accelerate config"):
         load_rung(str(bad))
-    v1 = tmp_path / "v1.yaml"
-    v1.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 1\n")
-    with pytest.raises(LadderError, match="FSDP2"):
-        load_rung(str(v1))
+    v3 = tmp_path / "v3.yaml"
+    v3.write_text("distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 3\n")
+    with pytest.raises(HfdistError, match="fsdp_version: 2"):
+        load_rung(str(v3))
     mismatch = tmp_path / "mm.yaml"
     mismatch.write_text("distributed_type: FSDP\nnum_processes: 3\nfsdp_config: {fsdp_version: 2}\n"
                         "parallelism_config: {parallelism_config_dp_replicate_size: 2, "

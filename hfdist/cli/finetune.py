@@ -1,0 +1,53 @@
+"""`hfdist finetune`: the fine-tuning job, exactly as `accelerate launch scripts/finetune.py ...` runs it.
+
+hfdist starts the rung's processes itself (through `accelerate launch --config_file <rung yaml>`), so this works
+from any directory once hfdist is installed; the ranks it starts run `python -m hfdist.cli finetune ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from hfdist.job.config import USAGE, add_finetune_arguments
+
+__all__ = ["VERB", "run_finetune", "exit_after_run"]
+
+# What a hand-over starts in each rank (hfdist.job.launch.ensure_world): this verb again.
+MODULE_ENTRY = ["-m", "hfdist.cli", "finetune"]
+
+
+def run_finetune(argv: list[str], entry: list[str]) -> int:
+    """Parse the fine-tune options in `argv` and run the job; `entry` is what a hand-over starts in each rank."""
+    from hfdist.errors import run_with_clear_errors
+    from hfdist.job.config import parse_args
+
+    cfg = parse_args(argv, prog="hfdist finetune" if entry == MODULE_ENTRY else None)
+    from hfdist.job.run import finetune
+
+    return run_with_clear_errors(lambda: finetune(cfg, entry, argv))
+
+
+def exit_after_run(code: int) -> None:
+    """Leave the process with `code`. A rank of a multi-process run is complete at this point (summary, model and
+    W&B written, process group destroyed), but gloo's threads can still abort the interpreter's teardown
+    ("terminate called without an active exception", SIGABRT) and turn a finished run into a failed one: such a
+    rank leaves without that teardown."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from hfdist.job import console
+
+        console.finish()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+def run(args: argparse.Namespace) -> int:
+    exit_after_run(run_finetune(args.verb_argv, MODULE_ENTRY))
+    return 0  # not reached
+
+
+VERB = ("finetune", "fine-tune a model with a rung of the ladder (the job scripts/finetune.py runs)", USAGE,
+        add_finetune_arguments, run)

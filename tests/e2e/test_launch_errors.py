@@ -1,0 +1,45 @@
+"""Errors through hfdist's own launch: bad degrees are one paragraph before any process starts, and a failure in the
+ranks ends the screen with hfdist's paragraph, not with the launch stack's tracebacks."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from helpers import FINETUNE, TINY_ARGS, run_cmd
+
+HFDIST = [sys.executable, "-m", "hfdist.cli"]
+
+
+@pytest.mark.parametrize("args, said", [
+    (("--config", "fsdp_tp", "--tp", "3"), "tp x pp = 3 x 1 = 3 must divide the processes"),
+    # tp=4 divides the 4 processes but not llama-tiny's 2 key/value heads
+    (("--config", "fsdp_tp", "--tp", "4"), "does not divide num_key_value_heads=2"),
+    (("--config", "ddp", "--tp", "2"), "replicates the whole model on every rank"),
+])
+def test_bad_degrees_are_refused_before_any_process(tmp_path, args, said):
+    proc = run_cmd([*HFDIST, "finetune", *TINY_ARGS, *args, "--output-dir", str(tmp_path / "o")], timeout=300)
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "starting" not in proc.stdout  # no process was started
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("entry", [[*HFDIST, "finetune"], [sys.executable, str(FINETUNE)]],
+                         ids=["hfdist finetune", "scripts/finetune.py"])
+def test_a_failure_in_the_ranks_ends_with_the_hfdist_paragraph(tmp_path, entry):
+    """Both ranks stop on a dataset without usable columns (found after the hand-over, in the ranks)."""
+    data = tmp_path / "qa.jsonl"
+    data.write_text("\n".join(json.dumps({"question_text": "q", "label": 1}) for _ in range(8)))
+    proc = run_cmd([*entry, *TINY_ARGS, "--config", "fsdp_full_shard", "--dataset", str(data),
+                    "--output-dir", str(tmp_path / "o")], timeout=600)
+    assert proc.returncode == 2, proc.stderr
+    last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
+    assert last.startswith("hfdist: error (ranks 0-1): The dataset has columns ['label', 'question_text']")
+    screen = proc.stdout + proc.stderr
+    for noise in ("Traceback", "ChildFailedError", "CalledProcessError", "torch.distributed.elastic"):
+        assert noise not in screen, noise
+    assert screen.count("The dataset has columns") == 1  # once, not once per rank
+    assert not (tmp_path / "o").exists()  # stopped before the run wrote anything: no folder, not even its logs
