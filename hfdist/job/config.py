@@ -35,9 +35,11 @@ class FinetuneConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     max_steps: int = 120
+    num_epochs: float | None = None
     global_batch_size: int = 16
     micro_batch_size: int | None = None
     seq_len: int = 128
+    long_documents: str = "split"
     learning_rate: float = 1e-3
     warmup_steps: int = 10
     seed: int = 0
@@ -70,17 +72,26 @@ def build_parser(description: str = USAGE) -> argparse.ArgumentParser:
                         "Default: the world `accelerate launch --config_file` started, else one process")
     p.add_argument("--model", default=d.model, help="HF id, local checkpoint folder, or preset (default llama-small)")
     p.add_argument("--dataset", default=d.dataset,
-                   help="HF id or local json/jsonl/csv/parquet with instruction/response or text columns "
-                        "(default: the embedded instruction data)")
+                   help="HF id, saved dataset folder, or local json/jsonl/csv/parquet with messages, conversations "
+                        "(ShareGPT), prompt/completion, instruction/input/output, instruction/response, "
+                        "question/answer or text columns (default: the embedded conversations)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters (peft) instead of all weights")
     p.add_argument("--lora-r", type=int, default=d.lora_r)
     p.add_argument("--lora-alpha", type=int, default=d.lora_alpha)
-    p.add_argument("--max-steps", type=int, default=d.max_steps)
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--max-steps", type=int, default=None,
+                        help=f"optimizer steps to train (default {d.max_steps}, unless --num-epochs is given)")
+    length.add_argument("--num-epochs", type=_positive_float, default=d.num_epochs,
+                        help="train this many passes over the packed dataset instead of --max-steps (may be "
+                             "fractional); the Trainer reshuffles every epoch")
     p.add_argument("--global-batch-size", type=int, default=d.global_batch_size,
                    help="sequences per optimizer step over all ranks")
     p.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
                    help="sequences per rank per forward (default: global / data-parallel ranks)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
+    p.add_argument("--seq-len", type=int, default=d.seq_len, help="tokens per packed block")
+    p.add_argument("--long-documents", choices=["split", "error"], default=d.long_documents,
+                   help="a document longer than --seq-len: split it (conversations between exchanges, each piece "
+                        "restating the system turn; a single over-long answer truncated) or refuse the dataset")
     p.add_argument("--learning-rate", "--lr", type=float, default=d.learning_rate)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
     p.add_argument("--seed", type=int, default=d.seed)
@@ -114,7 +125,17 @@ def build_parser(description: str = USAGE) -> argparse.ArgumentParser:
     return p
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def parse_args(argv: list[str]) -> FinetuneConfig:
-    """Command line -> FinetuneConfig (the only place arguments are parsed)."""
+    """Command line -> FinetuneConfig (the only place arguments are parsed). argparse refuses --max-steps together
+    with --num-epochs (exit 2); without either, training runs the default --max-steps."""
     a = build_parser().parse_args(argv)
+    if a.max_steps is None:
+        a.max_steps = FinetuneConfig.max_steps
     return FinetuneConfig(**{k.replace("-", "_"): v for k, v in vars(a).items()})

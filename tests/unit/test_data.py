@@ -28,21 +28,21 @@ def _write(tmp_path, rows, name="data.jsonl"):
 def test_shipped_data_is_what_the_generator_makes():
     shipped = [json.loads(line) for line in DATA_FILE.read_text().splitlines()]
     assert shipped == generate_conversations()
-    roles = {tuple(m["role"] for m in c["messages"][:2]) for c in shipped}
-    assert roles == {("system", "user")} and max(len(c["messages"]) for c in shipped) == 7
+    assert {c["messages"][0]["role"] for c in shipped} == {"system", "user"}  # the system turn is optional
+    assert {sum(m["role"] == "assistant" for m in c["messages"]) for c in shipped} == {1, 2, 3}
 
 
 def test_default_dataset_packs_documents_whole_with_restarting_positions(tok):
     packed, report = prepare_with_report(load_raw_dataset(None), tok, 128)
     assert packed.column_names == ["input_ids", "labels", "position_ids"] and len(packed) == report.blocks > 500
-    assert report.documents == report.rows == 2000 and report.split_rows == report.truncated == 0
+    assert report.documents == report.rows and report.split_rows == report.truncated == 0
     positions = np.asarray(packed["position_ids"])
     labels = np.asarray(packed["labels"])
     assert positions.shape == (len(packed), 128) and (positions[:, 0] == 0).all()
     starts = (positions[:, :-1] == 0) & (positions[:, 1:] == 1)
     assert starts.sum() == report.documents and starts.sum(axis=1).max() >= 2  # several conversations per block
     assert (labels[np.nonzero(positions == 0)] == -100).all()  # no document's first token, no padding has a label
-    assert report.padding_tokens == padding_per_row(positions).sum() and 0 < report.padding_fraction < 0.2
+    assert report.padding_tokens == padding_per_row(positions).sum() and 0 < report.padding_fraction < 0.05
     assert np.asarray(packed["input_ids"]).max() < len(tok)
 
 
@@ -164,3 +164,15 @@ def test_too_few_blocks_for_the_global_batch_are_refused():
     check_enough_blocks(16, 16, 64)
     with pytest.raises(DataError, match="packs into 9 blocks of 64 tokens, fewer than the --global-batch-size of 16"):
         check_enough_blocks(9, 16, 64)
+
+
+def test_training_length_is_steps_or_epochs_not_both(capsys):
+    from hfdist.job.config import parse_args
+
+    assert parse_args([]).max_steps == 120 and parse_args([]).num_epochs is None
+    assert parse_args(["--num-epochs", "1.5"]).num_epochs == 1.5
+    for argv, message in ((["--num-epochs", "1", "--max-steps", "3"], "not allowed with argument"),
+                          (["--num-epochs", "0"], "must be positive")):
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
