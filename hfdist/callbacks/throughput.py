@@ -35,7 +35,7 @@ class ThroughputCallback(TrainerCallback):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is not None:
             self._pending_samples += ids.shape[0]
-        if mask is not None:
+        if mask is not None and mask.dim() == 2:  # a padding mask; a packed batch's 4-D block mask counts all
             self._pending_tokens = self._pending_tokens + mask.sum()
         elif ids is not None:
             self._pending_tokens = self._pending_tokens + ids.numel()
