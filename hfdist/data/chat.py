@@ -74,7 +74,8 @@ def conversation_segments(tokenizer, conversation: Conversation, row: int) -> li
         if message["role"] != "assistant" or i < conversation.trained_from:
             continue
         start = _cut(full, _render(tokenizer, messages[:i], True, row), row, f"up to turn {i}")
-        end = _cut(full, _render(tokenizer, messages[:i + 1], False, row), row, f"through turn {i}")
+        through = full if i + 1 == len(messages) else _render(tokenizer, messages[:i + 1], False, row)
+        end = _cut(full, through, row, f"through turn {i}")
         end = start + len(full[start:end].rstrip())  # the template's separator after the turn is prompt again
         if start < cursor or end <= start:
             raise DataError(f"Row {row} of the dataset: the chat template puts assistant turn {i} where hfdist "
