@@ -1,7 +1,7 @@
 """The embedded default data: synthetic conversations and a BPE tokenizer trained on their text.
 
 Nothing can be downloaded at run time, so hfdist ships its own small chat dataset (hfdist/assets/) made by this
-module: `messages` rows of a system turn and one to three user/assistant exchanges, the format most instruction
+module: `messages` rows of an optional system turn and one to three user/assistant exchanges, the format most instruction
 datasets and every chat template use, so a default run exercises the whole data path (chat template, loss on every
 assistant turn, packing that keeps conversations apart). The tasks are deterministic functions of the question
 (reverse, add, sort, capitals, ...), so a small Llama learns them quickly and the loss visibly falls. Regenerate
@@ -77,14 +77,15 @@ SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly and exactly.",
 
 def generate_conversations(n_examples: int = 4000, seed: int = 1234) -> list[dict[str, list[dict[str, str]]]]:
     """The `n_examples` instruction/response pairs of `generate_examples`, in order, grouped into conversations of
-    one to three exchanges, each opened by a system turn; identical for the same seed."""
+    one to three exchanges, half of them opened by a system turn; identical for the same seed."""
     examples = generate_examples(n_examples, seed)
     rng = random.Random(seed + 1)
     conversations, i = [], 0
     while i < len(examples):
         exchanges = examples[i:i + rng.randint(1, 3)]
         i += len(exchanges)
-        messages = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}]
+        system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.5 else None
+        messages = [{"role": "system", "content": system}] if system else []
         for e in exchanges:
             messages += [{"role": "user", "content": e["instruction"]}, {"role": "assistant", "content": e["response"]}]
         conversations.append({"messages": messages})
