@@ -197,7 +197,7 @@ def detect_format(column_names: Sequence[str]) -> Format:
         if all(c in column_names for c in fmt.columns):
             return fmt
     raise DataError(
-        f"The dataset has columns {sorted(column_names)}, but hfdist reads one of: "
-        f"{'; '.join(' + '.join(f.columns) for f in FORMATS)} (the first match wins; a 'system' column adds a "
-        "system turn to the pair formats). Rename the columns (datasets' rename_column) or pass another dataset."
+        f"The dataset has columns {sorted(column_names)}, but hfdist reads one of these column sets: "
+        f"{', '.join(f.name for f in FORMATS)} (the first match wins; a 'system' column adds a system turn to the "
+        "pair formats). Rename the columns (datasets' rename_column) or pass another dataset."
     )

@@ -148,7 +148,7 @@ def test_empty_dataset_after_filtering(tmp_path, tok):
 def test_unknown_columns_name_the_formats():
     from hfdist.data.formats import detect_format
 
-    with pytest.raises(DataError, match="question_text.*messages.*instruction \\+ input \\+ output"):
+    with pytest.raises(DataError, match="question_text.*messages, conversations, .*instruction/input/output"):
         detect_format(["question_text", "label"])
     assert detect_format(["instruction", "input", "output", "text"]).name == "instruction/input/output"
 
