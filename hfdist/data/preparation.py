@@ -100,10 +100,13 @@ def _pack(docs, seq_len: int, pad_id: int):
     """The packed Dataset, cached next to the documents' cache file when they have one."""
     import datasets
     import pyarrow as pa
+    from datasets.arrow_writer import ArrowWriter
+    from datasets.fingerprint import Hasher
 
     cache = None
     if docs.cache_files:
-        key = datasets.fingerprint.Hasher.hash((docs._fingerprint, seq_len, pad_id, _PACKING_VERSION))
+        # The documents' fingerprint is what datasets itself keys their cache by (data, function, tokenizer).
+        key = Hasher.hash((docs._fingerprint, seq_len, pad_id, _PACKING_VERSION))
         cache = Path(docs.cache_files[0]["filename"]).parent / f"hfdist-packed-{key}.arrow"
         if cache.is_file():
             return datasets.Dataset.from_file(str(cache))
@@ -118,7 +121,7 @@ def _pack(docs, seq_len: int, pad_id: int):
     if cache is None:
         return datasets.Dataset(table)
     tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    with datasets.arrow_writer.ArrowWriter(path=str(tmp)) as writer:
+    with ArrowWriter(path=str(tmp)) as writer:
         writer.write_table(table)
         writer.finalize()
     os.replace(tmp, cache)  # atomic: ranks and runs that read the cache never see half a file
@@ -138,7 +141,8 @@ def prepare_with_report(dataset, tokenizer, seq_len: int, *, long_documents: str
     if seq_len < 2:
         raise DataError(f"--seq-len {seq_len} leaves no room for a document: use at least 2 (typically 512+).")
     defaulted = ensure_chat_template(tokenizer)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # Padding is masked from loss and attention, so its id only has to be a valid one.
+    pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
     format_name, docs = _documents(dataset, tokenizer, seq_len, long_documents, num_proc)
     notes = docs.data.column("note").to_numpy()
     rows = docs.data.column("row").to_numpy()
