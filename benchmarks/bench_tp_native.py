@@ -63,16 +63,18 @@ def prepare(args: argparse.Namespace, workdir: Path) -> tuple[Path, Path, int]:
     and the vocabulary size."""
     import torch
 
-    from hfdist.data.load import load_raw_dataset, load_tokenizer, tokenize_and_pack
+    from hfdist.data import collate, load_raw_dataset, load_tokenizer
+    from hfdist.data import prepare as prepare_data
     from hfdist.models.build import build_model
 
     tok = load_tokenizer(None, is_preset=True)
-    packed = tokenize_and_pack(load_raw_dataset(None), tok, args.seq_len).with_format("torch")
+    packed = prepare_data(load_raw_dataset(None), tok, args.seq_len)
     needed = args.steps * args.global_batch
     if len(packed) < needed:
         raise SystemExit(f"The default data packs into {len(packed)} blocks of {args.seq_len} tokens; "
                          f"{args.steps} steps x {args.global_batch} sequences need {needed}.")
-    batches = [packed[i * args.global_batch:(i + 1) * args.global_batch] for i in range(args.steps)]
+    batches = [collate([packed[i] for i in range(step * args.global_batch, (step + 1) * args.global_batch)])
+               for step in range(args.steps)]
     batches_path = workdir / "batches.pt"
     torch.save(batches, batches_path)
     model_dir = workdir / "model"

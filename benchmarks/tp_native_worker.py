@@ -152,7 +152,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         else:
             seconds.append(time.perf_counter() - start)
             # Every TP rank runs its model on the whole global batch: all of its tokens pass through each rank.
-            tokens.append(int(batch["attention_mask"].sum()))
+            tokens.append(batch["input_ids"].numel())  # positions computed (packed rows' padding included)
     record.update({
         "losses": losses, "step_seconds": seconds, "step_tokens": tokens, "tokens_per_s": sum(tokens) / sum(seconds),
         # The median step resists the other jobs sharing this machine's cores better than the total does.

@@ -94,14 +94,13 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
 
 
 def check_batch(summary: dict):
-    """The packed blocks a run scored after training (summary["check_batch_loss"]), as a model input batch."""
-    from transformers import default_data_collator
-
-    from hfdist.data.load import load_raw_dataset, load_tokenizer, tokenize_and_pack
+    """The packed blocks a run scored after training (summary["check_batch_loss"]), as a model input batch (sdpa's
+    block mask: the attention a reloaded model runs on CPU)."""
+    from hfdist.data import collate, load_raw_dataset, load_tokenizer, prepare
 
     tok = load_tokenizer(None, is_preset=True)
-    ds = tokenize_and_pack(load_raw_dataset(None), tok, summary["strategy"]["seq_len"])
-    return default_data_collator([ds[i] for i in range(summary["check_blocks"])])
+    ds = prepare(load_raw_dataset(None), tok, summary["strategy"]["seq_len"])
+    return collate([ds[i] for i in range(summary["check_blocks"])])
 
 
 def finished_offline_run(root, timeout: float = 60.0):

@@ -1,5 +1,42 @@
-"""Data for fine-tuning: load a dataset and tokenizer, tokenize, pack.
+"""Data for fine-tuning: any common format -> documents with assistant-only labels -> packed blocks that keep
+documents apart -> the model's keyword arguments.
 
-    load.py     tokenizer, raw dataset (embedded default, local file or folder, hub id), format detection, packing
-    default.py  the embedded default: synthetic instruction data and the tokenizer trained on it
+    from hfdist.data import prepare, collate
+    packed = prepare(dataset, tokenizer, seq_len=2048)   # datasets.Dataset: input_ids, labels, position_ids
+    batch = collate([packed[i] for i in range(8)])       # model(**batch): block-diagonal causal attention
+
+Modules, one job each:
+    formats.py   column detection; rows -> Conversation / PromptCompletion / Text, validated
+    chat.py      chat templates (the tokenizer's, or hfdist's default) and the assistant spans in a rendering
+    encode.py    samples -> tokenized, labelled documents; long ones split, truncated or refused
+    packing.py   best-fit-decreasing placement of documents into fixed-length blocks with position ids
+    collation.py packed rows -> model kwargs (4-D mask for sdpa/eager, varlen arguments for flash-attention)
+    preparation.py  the pipeline above as `prepare` (parallel, cached) and its one-line report
+    load.py      a model's tokenizer; a dataset from the embedded default, a file/folder or the hub
+    default.py   the embedded default: synthetic conversations and the tokenizer trained on them
 """
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["DataError", "prepare", "prepare_with_report", "collate", "collator_for", "load_tokenizer",
+           "load_raw_dataset"]
+
+# Imported on first use: hfdist.models.presets reads hfdist.data.default without paying for torch or datasets.
+_EXPORTS = {"DataError": "errors", "prepare": "preparation", "prepare_with_report": "preparation", "collate": "collation",
+            "collator_for": "collation", "load_tokenizer": "load", "load_raw_dataset": "load"}
+
+if TYPE_CHECKING:
+    from hfdist.data.collation import collate, collator_for
+    from hfdist.data.errors import DataError
+    from hfdist.data.load import load_raw_dataset, load_tokenizer
+    from hfdist.data.preparation import prepare, prepare_with_report
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hfdist.data' has no attribute '{name}'")
+    import importlib
+
+    return getattr(importlib.import_module(f"hfdist.data.{_EXPORTS[name]}"), name)

@@ -1,8 +1,11 @@
-"""The embedded default data: synthetic instruction/response pairs and a BPE tokenizer trained on them.
+"""The embedded default data: synthetic conversations and a BPE tokenizer trained on their text.
 
-Nothing can be downloaded at run time, so hfdist ships its own small instruction set (hfdist/assets/) made by
-this module. The tasks are deterministic functions of the prompt (reverse, add, sort, capitals, ...), so a small
-Llama learns them quickly and the loss visibly falls. Regenerate with `python scripts/make_default_assets.py`.
+Nothing can be downloaded at run time, so hfdist ships its own small chat dataset (hfdist/assets/) made by this
+module: `messages` rows of an optional system turn and one to three user/assistant exchanges, the format most instruction
+datasets and every chat template use, so a default run exercises the whole data path (chat template, loss on every
+assistant turn, packing that keeps conversations apart). The tasks are deterministic functions of the question
+(reverse, add, sort, capitals, ...), so a small Llama learns them quickly and the loss visibly falls. Regenerate
+with `python scripts/make_default_assets.py`.
 """
 
 from __future__ import annotations
@@ -11,10 +14,11 @@ import json
 import random
 from pathlib import Path
 
-__all__ = ["ASSETS_DIR", "DATA_FILE", "TOKENIZER_DIR", "EMBEDDED_VOCAB_SIZE", "generate_examples", "train_tokenizer", "write_assets"]
+__all__ = ["ASSETS_DIR", "DATA_FILE", "TOKENIZER_DIR", "EMBEDDED_VOCAB_SIZE", "SYSTEM_PROMPTS", "generate_examples",
+           "generate_conversations", "train_tokenizer", "write_assets"]
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
-DATA_FILE = ASSETS_DIR / "instructions.jsonl"
+DATA_FILE = ASSETS_DIR / "conversations.jsonl"
 TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
 # The shipped tokenizer's vocabulary, which the presets take unless they fix their own.
 EMBEDDED_VOCAB_SIZE = 1024
@@ -68,8 +72,28 @@ def generate_examples(n: int = 4000, seed: int = 1234) -> list[dict[str, str]]:
     return [_example(rng) for _ in range(n)]
 
 
-def train_tokenizer(examples: list[dict[str, str]], vocab_size: int = EMBEDDED_VOCAB_SIZE):
-    """A byte-level BPE tokenizer (HF fast tokenizer) trained on the examples' text."""
+SYSTEM_PROMPTS = ("You are a helpful assistant.", "Answer briefly and exactly.", "Follow each instruction precisely.")
+
+
+def generate_conversations(n_examples: int = 4000, seed: int = 1234) -> list[dict[str, list[dict[str, str]]]]:
+    """The `n_examples` instruction/response pairs of `generate_examples`, in order, grouped into conversations of
+    one to three exchanges, half of them opened by a system turn; identical for the same seed."""
+    examples = generate_examples(n_examples, seed)
+    rng = random.Random(seed + 1)
+    conversations, i = [], 0
+    while i < len(examples):
+        exchanges = examples[i:i + rng.randint(1, 3)]
+        i += len(exchanges)
+        system = rng.choice(SYSTEM_PROMPTS) if rng.random() < 0.5 else None
+        messages = [{"role": "system", "content": system}] if system else []
+        for e in exchanges:
+            messages += [{"role": "user", "content": e["instruction"]}, {"role": "assistant", "content": e["response"]}]
+        conversations.append({"messages": messages})
+    return conversations
+
+
+def train_tokenizer(texts: list[str], vocab_size: int = EMBEDDED_VOCAB_SIZE):
+    """A byte-level BPE tokenizer (HF fast tokenizer) trained on `texts`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -79,7 +103,6 @@ def train_tokenizer(examples: list[dict[str, str]], vocab_size: int = EMBEDDED_V
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    texts = [f"{e['instruction']}\n{e['response']}" for e in examples]
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                    unk_token="<unk>")
@@ -87,10 +110,19 @@ def train_tokenizer(examples: list[dict[str, str]], vocab_size: int = EMBEDDED_V
 
 def write_assets(directory: Path = ASSETS_DIR, n: int = 4000, seed: int = 1234,
                  vocab_size: int = EMBEDDED_VOCAB_SIZE) -> None:
-    """(Re)write the shipped JSONL and tokenizer into `directory`."""
-    examples = generate_examples(n, seed)
+    """(Re)write the shipped conversations (JSONL) and the tokenizer into `directory`.
+
+    The tokenizer is trained on the conversations as hfdist's default chat template renders them (the template a
+    tokenizer without one gets), so the role headers are a few tokens each; it ships without a template itself.
+    """
+    from hfdist.data.chat import DEFAULT_CHAT_TEMPLATE
+
+    conversations = generate_conversations(n, seed)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / DATA_FILE.name, "w") as f:
-        for e in examples:
-            f.write(json.dumps(e) + "\n")
-    train_tokenizer(examples, vocab_size).save_pretrained(directory / TOKENIZER_DIR.name)
+        for conversation in conversations:
+            f.write(json.dumps(conversation) + "\n")
+    renderer = train_tokenizer([m["content"] for c in conversations for m in c["messages"]], vocab_size)
+    renderer.chat_template = DEFAULT_CHAT_TEMPLATE
+    rendered = [renderer.apply_chat_template(c["messages"], tokenize=False) for c in conversations]
+    train_tokenizer(rendered, vocab_size).save_pretrained(directory / TOKENIZER_DIR.name)

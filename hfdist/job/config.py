@@ -39,9 +39,11 @@ class FinetuneConfig:
     lora_r: int = 16
     lora_alpha: int = 32
     max_steps: int = 120
+    num_epochs: float | None = None
     global_batch_size: int = 16
     micro_batch_size: int | None = None
     seq_len: int = 128
+    long_documents: str = "split"
     learning_rate: float = 1e-3
     warmup_steps: int = 10
     seed: int = 0
@@ -97,14 +99,24 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help="HF id, local checkpoint folder, or preset (llama-tiny, llama-small (default), llama-3.2-1b, "
                         "llama-3.1-8b, ...).")
     g.add_argument("--dataset", default=d.dataset,
-                   help="HF id or local json/jsonl/csv/parquet with instruction/response or text columns (default: "
-                        "the embedded instruction data).")
-    g.add_argument("--seq-len", type=int, default=d.seq_len, help=f"Tokens per packed sequence (default {d.seq_len}).")
+                   help="HF id, saved dataset folder, or local json/jsonl/csv/parquet with messages, conversations "
+                        "(ShareGPT), prompt/completion, instruction/input/output, instruction/response, "
+                        "question/answer or text columns (default: the embedded conversations).")
+    g.add_argument("--seq-len", type=int, default=d.seq_len, help=f"Tokens per packed block (default {d.seq_len}).")
+    g.add_argument("--long-documents", choices=["split", "error"], default=d.long_documents,
+                   help="A document longer than --seq-len: split it (conversations between exchanges, each piece "
+                        "restating the system turn; a single over-long answer truncated) or refuse the dataset "
+                        f"(default {d.long_documents}).")
     g.add_argument("--lora", action="store_true", help="Train LoRA adapters (peft) instead of all weights.")
     g.add_argument("--lora-r", type=int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r}).")
     g.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help=f"LoRA alpha (default {d.lora_alpha}).")
     g = p.add_argument_group("Training")
-    g.add_argument("--max-steps", type=int, default=d.max_steps, help=f"Optimizer steps (default {d.max_steps}).")
+    length = g.add_mutually_exclusive_group()
+    length.add_argument("--max-steps", type=int, default=None,
+                        help=f"Optimizer steps (default {d.max_steps}, unless --num-epochs is given).")
+    length.add_argument("--num-epochs", type=_positive_float, default=d.num_epochs,
+                        help="Passes over the packed dataset instead of --max-steps (may be fractional); the Trainer "
+                             "reshuffles every epoch.")
     g.add_argument("--global-batch-size", type=int, default=d.global_batch_size,
                    help=f"Sequences per optimizer step over all ranks (default {d.global_batch_size}).")
     g.add_argument("--micro-batch-size", type=int, default=d.micro_batch_size,
@@ -146,10 +158,22 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     return p
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
 def config_from_namespace(args: argparse.Namespace) -> FinetuneConfig:
-    """Parsed fine-tune options -> FinetuneConfig (other attributes of `args`, such as a CLI verb's, are left out)."""
+    """Parsed fine-tune options -> FinetuneConfig (other attributes of `args`, such as a CLI verb's, are left out).
+    argparse refuses --max-steps together with --num-epochs (exit 2); without either, training runs the default
+    --max-steps."""
     fields = FinetuneConfig.__dataclass_fields__
-    return FinetuneConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    values = {k: v for k, v in vars(args).items() if k in fields}
+    if values.get("max_steps") is None:
+        values["max_steps"] = FinetuneConfig.max_steps
+    return FinetuneConfig(**values)
 
 
 def parse_args(argv: list[str], prog: str | None = None) -> FinetuneConfig:

@@ -48,8 +48,10 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
             print(note, flush=True)
     return TrainingArguments(
         output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
-        max_steps=cfg.max_steps, learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
-        warmup_steps=min(cfg.warmup_steps, cfg.max_steps // 10), weight_decay=0.0, max_grad_norm=1.0,
+        max_steps=cfg.max_steps if cfg.num_epochs is None else -1, num_train_epochs=cfg.num_epochs or 1.0,
+        learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
+        warmup_steps=cfg.warmup_steps if cfg.num_epochs else min(cfg.warmup_steps, cfg.max_steps // 10),
+        weight_decay=0.0, max_grad_norm=1.0,
         seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
@@ -83,6 +85,21 @@ def _build_model(cfg: FinetuneConfig, tokenizer):
     return model
 
 
+def _prepare_data(cfg: FinetuneConfig, tokenizer, args):
+    """Packed rows on every rank (rank 0 tokenizes and packs first, the others read its cache), refused when they
+    cannot fill one global batch."""
+    from hfdist.data import load_raw_dataset, prepare_with_report
+    from hfdist.data.preparation import check_enough_blocks
+
+    with args.main_process_first(desc="dataset"):
+        dataset, report = prepare_with_report(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len,
+                                              long_documents=cfg.long_documents)
+    if _is_rank0():
+        print(report.line(), flush=True)
+    check_enough_blocks(len(dataset), cfg.global_batch_size, cfg.seq_len)
+    return dataset
+
+
 @dataclass
 class Run:
     """What one rank holds once the strategy is applied: the Trainer and the callbacks that measure it."""
@@ -98,7 +115,6 @@ class Run:
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run:
     """Tokenizer, data, model, strategy and Trainer with hfdist's callbacks, on this rank."""
-    from transformers import default_data_collator
     from transformers.trainer_callback import ProgressCallback
 
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
@@ -106,7 +122,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     from hfdist.callbacks.progress import MetricsProgressCallback
     from hfdist.callbacks.wandb_logs import WandbLogsCallback
     from hfdist.callbacks.wandb_sink import WandbSink
-    from hfdist.data.load import load_raw_dataset, load_tokenizer, tokenize_and_pack
+    from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
     from hfdist.models.presets import is_preset
     from hfdist.train.trainer import HfdistTrainer
@@ -120,9 +136,9 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     # Built before TrainingArguments exist: a DeepSpeed config in them makes transformers build under
     # deepspeed.zero.Init, which the shipped ZeRO-3 YAMLs turn off (zero3_init_flag: false).
     model = _build_model(cfg, tokenizer)
+    collator = collator_for(model.config, cfg.seq_len)  # the model's attention implementation decides the mask
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
-    with args.main_process_first(desc="dataset"):  # rank 0 tokenizes first; the others reuse its cache
-        dataset = tokenize_and_pack(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len)
+    dataset = _prepare_data(cfg, tokenizer, args)
     if rung.owns_sharding:
         from hfdist.parallel.parallelize import parallelize
 
@@ -146,7 +162,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
     callbacks = [losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]
-    trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
+    trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                             checkpoint_identity=checkpoint_identity(cfg, rung))
     trainer.remove_callback(ProgressCallback)
@@ -181,7 +197,8 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     if resume_from is not None and _is_rank0():
         print(f"hfdist: resuming from {resume_from}", flush=True)
     train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-    check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset))))
+    check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
+                                                     run.trainer.data_collator))
     run.trainer.save_model(cfg.output_dir)
 
     if _is_rank0():

@@ -7,7 +7,7 @@ import json
 import os
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from hfdist.job.config import FinetuneConfig
 from hfdist.job.ladder import Rung
@@ -28,11 +28,9 @@ def check_blocks(rung: Rung, available: int) -> int:
     return min(-(-CHECK_BLOCKS // n) * n, available)
 
 
-def first_blocks(dataset, n: int) -> dict[str, Any]:
-    """The first `n` packed blocks of `dataset` as one model-input batch."""
-    from transformers import default_data_collator
-
-    return default_data_collator([dataset[i] for i in range(n)])
+def first_blocks(dataset, n: int, collate: Callable[[list], dict[str, Any]]) -> dict[str, Any]:
+    """The first `n` packed blocks of `dataset` as one model-input batch (made by `collate`, as in training)."""
+    return collate([dataset[i] for i in range(n)])
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:

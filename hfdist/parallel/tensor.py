@@ -278,7 +278,8 @@ def tp_causal_lm_loss(
 
     Args:
         model: the model given to `apply_tp` (causal LM or PeftModel), possibly also FSDP-wrapped.
-        batch: `input_ids`, optional `labels` (default: input_ids), `attention_mask`, `position_ids`.
+        batch: `input_ids`, optional `labels` (default: input_ids), and any other model inputs
+            (`attention_mask`, `position_ids`, ...; hfdist.data.collate's output as it is).
         num_items_in_batch: global count of target tokens (hfdist.models.loss.count_loss_tokens summed over gradient-accumulation
             steps and data-parallel ranks). None: this batch's own count, i.e. a plain mean. When it is the
             global count and data-parallel gradients are averaged (FSDP2's default), scale the loss by the
@@ -289,9 +290,10 @@ def tp_causal_lm_loss(
     """
     labels = batch.get("labels", batch["input_ids"])
     # The model's own forward (not model.model + lm_head) so FSDP2's root hooks run; without labels it returns
-    # the logits as lm_head made them and skips HF's loss.
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                   position_ids=batch.get("position_ids"), use_cache=False).logits
+    # the logits as lm_head made them and skips HF's loss. Every other key goes along: a packed batch's attention
+    # inputs (4-D mask, or flash-attention's varlen arguments) keep its documents apart under TP as well.
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = model(**inputs, use_cache=False).logits
     if isinstance(logits, DTensor) and not _loss_parallel_active():
         raise TPError("lm_head returns vocab-sharded logits: call tp_causal_lm_loss and loss.backward() inside "
                       "torch.distributed.tensor.parallel.loss_parallel().")

@@ -38,7 +38,7 @@ def resume_point(cfg: FinetuneConfig, rung: Rung) -> Path | None:
         return None
     check_resumable(latest, checkpoint_identity(cfg, rung))
     step = json.loads((latest / MARKER).read_text())["step"]
-    if step >= cfg.max_steps:
+    if cfg.num_epochs is None and step >= cfg.max_steps:  # with epochs the length is known after packing
         raise ConfigError(f"{latest} is already at step {step}, and --max-steps is {cfg.max_steps}: nothing is left "
                           "to train, so nothing was changed. Pass a larger --max-steps to train further from it, or "
                           "a new --output-dir for a new run.")

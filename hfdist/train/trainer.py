@@ -82,13 +82,14 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         Collective: every rank calls it with the same batch. Under PP the last stage's loss is broadcast to the
         pipeline's other ranks.
         """
-        batch = {k: v.to(self.args.device) for k, v in batch.items()}
+        batch = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         model = self.model_wrapped
         model.eval()
         with self.loss_context():
             if self.rung.uses_pipeline:
                 runner = model.runner
-                box = [runner.evaluate(batch["input_ids"], batch["labels"], batch.get("attention_mask"))]
+                box = [runner.evaluate(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
+                                       batch.get("position_ids"))]
                 dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
                 return float(box[0])
             loss = self.causal_lm_loss(model, batch)

@@ -53,8 +53,10 @@ class CausalLMStage(nn.Module):
     forward(x, attention_mask=None, position_ids=None): x is input_ids (B, S) on the first stage and hidden
     states (B, S, H) elsewhere; the output is hidden states, or fp32-able logits (B, S, V) on the last stage.
     Every stage rebuilds the attention masks (full or sliding per layer, as the registry says) from the 2-D
-    attention_mask and the rotary embeddings from the position ids (arange(S) by default, as the HF model does),
-    so only the hidden states cross stage boundaries.
+    attention_mask, or takes a 4-D one (packed documents, hfdist.data.collate) as given, and the rotary
+    embeddings from the position ids (arange(S) by default, as the HF model does), so only the hidden states cross
+    stage boundaries. Under flash-attention the packed documents' varlen arguments are rebuilt from the
+    micro-batch's position ids (the batch's own describe all micro-batches and cannot be split with them).
 
     Attributes:
         layers: ModuleDict of this stage's decoder layers keyed by their global index (as strings).
@@ -115,12 +117,23 @@ class CausalLMStage(nn.Module):
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         masks = {kind: builders[kind](**kwargs) for kind in {self.mask_kinds[i] for i in self.layer_range}}
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
+        documents = self._varlen_documents(attention_mask, position_ids, hidden.shape[0])
         for index, layer in self.layers.items():
             hidden = layer(hidden, attention_mask=masks[self.mask_kinds[int(index)]],
-                           position_embeddings=position_embeddings, position_ids=position_ids)
+                           position_embeddings=position_embeddings, position_ids=position_ids, **documents)
         if self.lm_head is not None:
             hidden = self.lm_head(self.norm(hidden))
         return hidden
+
+
+    def _varlen_documents(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, batch: int) -> dict:
+        """flash-attention's varlen arguments from the position ids (each row's documents; a row without packing
+        is one document), or {} for mask-based attention."""
+        from hfdist.data.collation import uses_varlen, varlen_kwargs
+
+        if attention_mask is not None or not uses_varlen(getattr(self.config, "_attn_implementation", None) or ""):
+            return {}
+        return varlen_kwargs(position_ids.expand(batch, -1))
 
 
 def build_stage_module(model: nn.Module, stage_index: int, num_stages: int, layer_range: range) -> CausalLMStage:
