@@ -49,6 +49,7 @@ class FinetuneConfig:
     num_processes: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
+    mixed_precision: str = "auto"
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
     gpu_mem_gb: float | None = None
@@ -96,6 +97,9 @@ def build_parser(description: str = USAGE) -> argparse.ArgumentParser:
                    help="rescale the rung's data-parallel axis to this many processes")
     p.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme")
     p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
+                   help="bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; "
+                        "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU")
     p.add_argument("--pp-schedule", default=d.pp_schedule,
                    choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
                    help="pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule)")

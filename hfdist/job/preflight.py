@@ -130,8 +130,10 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
         return  # the planner counts registered architectures; others run unplanned on the data-parallel rungs
     planned = rung if rung.kind is not StrategyKind.SINGLE else load_rung("ddp").with_num_processes(1)
     others = [load_rung(n) for n in known_rung_names() if n != planned.name]
+    from hfdist.job.launch import effective_mixed_precision
+
     on_gpu = torch.cuda.is_available()
-    dtype = "bf16" if (rung.mixed_precision == "bf16" and on_gpu) else "fp32"
+    dtype = "bf16" if effective_mixed_precision(rung, on_gpu, cfg.mixed_precision) == "bf16" else "fp32"
     # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
     plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
     plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["held_tensor", "innermost_optimizer", "rank_state_bytes", "peak_memory_bytes", "current_memory_bytes",
-           "reset_peak_memory", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes"]
+           "reset_peak_memory", "start_peak_window", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes"]
 
 
 def held_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -133,6 +133,23 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak window (CUDA only: a process's peak RSS cannot be reset)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+
+def start_peak_window(device: torch.device) -> int:
+    """Restart the peak (CUDA's peak stats; on Linux the process's VmHWM, through /proc/self/clear_refs) and return
+    the memory in use now, so that `peak_memory_bytes` later minus this is what a phase (loading, saving) added.
+
+    Where the peak RSS cannot be restarted (not Linux), it stays the process's peak since it started.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # "reset the peak resident set size to the current value" (Linux >= 4.0)
+        except OSError:
+            pass
+    return current_memory_bytes(device)
 
 
 def cuda_memory_stats(device: torch.device) -> dict[str, int]:
