@@ -185,6 +185,7 @@ def check_model_fits_rung(config, rung: Rung) -> None:
 
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
+    from hfdist.models.build import check_checkpoint_weights
     from hfdist.models.presets import load_config
     from hfdist.train.resume import resume_point
 
@@ -194,4 +195,5 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     check_model_fits_rung(config, rung)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
+    check_checkpoint_weights(cfg.model)
     plan_check(cfg, rung, micro)

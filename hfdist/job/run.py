@@ -238,13 +238,16 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
 
 
 def _save_measured(run: Run, output_dir: str) -> dict[str, int]:
-    """Save the trained model; what the save held on this rank (memory before it, and its peak)."""
-    from hfdist.metrics.memory import peak_memory_bytes, start_peak_window
+    """Save the trained model; what the save cost this rank: memory before it and at its peak (as the allocator or
+    the OS sees it), and the peak bytes of the tensors the save itself created (the gathered full tensors)."""
+    from hfdist.metrics.memory import LiveTensorBytes, peak_memory_bytes, start_peak_window
 
     device = run.trainer.args.device
     before = start_peak_window(device)
-    run.trainer.save_model(output_dir)
-    return {"save_baseline_memory_bytes": before, "save_peak_memory_bytes": peak_memory_bytes(device)}
+    with LiveTensorBytes() as created:
+        run.trainer.save_model(output_dir)
+    return {"save_baseline_memory_bytes": before, "save_peak_memory_bytes": peak_memory_bytes(device),
+            "save_tensor_peak_bytes": created.peak}
 
 
 def _leave_process_group() -> None:

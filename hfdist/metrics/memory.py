@@ -195,7 +195,8 @@ class LiveTensorBytes(TorchDispatchMode):
     CPU has no allocator statistics, so this counts storages directly. A storage counts from the op that creates it
     (an output whose storage is none of the op's inputs', so views and in-place ops add nothing) until it is freed.
     Tensors that exist before the mode is entered are not counted: parameters, gradients that backward accumulates
-    in place, buffers allocated earlier.
+    in place, buffers allocated earlier. Tensor subclasses that wrap others (DTensor, functional collectives'
+    AsyncCollectiveTensor) own no memory: the plain tensors their ops create are what is counted.
     """
 
     def __init__(self) -> None:
@@ -211,8 +212,8 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):
+                continue  # not a tensor, or a subclass wrapping tensors counted on their own
             storage = t.untyped_storage()
             if id(storage) in inputs or storage in self._tracked:
                 continue

@@ -18,7 +18,8 @@ from torch import nn
 
 from hfdist.models.presets import PRESETS, load_config
 
-__all__ = ["meta_model", "checkpoint_folder", "inject_lora", "materialize", "build_model", "zero3_model"]
+__all__ = ["meta_model", "check_checkpoint_weights", "checkpoint_folder", "inject_lora", "materialize", "build_model",
+           "zero3_model"]
 
 
 def meta_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -32,6 +33,26 @@ def meta_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dty
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.tie_weights()  # post_init skips the tie while the parameters are being created on meta
     return model
+
+
+def check_checkpoint_weights(spec: str | None) -> None:
+    """A local checkpoint folder must hold its weights as safetensors (what every rank reads its slices from).
+
+    Raises:
+        ModelSpecError: a folder without *.safetensors, naming what it has and the one-time conversion.
+    """
+    from hfdist.models.presets import ModelSpecError
+
+    if spec is None or spec in PRESETS or not Path(spec).is_dir() or any(Path(spec).glob("*.safetensors")):
+        return
+    found = sorted(p.name for p in Path(spec).iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5"))
+    raise ModelSpecError(
+        f"--model {spec} is a checkpoint folder without safetensors weights ({'it holds ' + ', '.join(found) if found else 'no weight files at all'}). "
+        "hfdist loads *.safetensors only: every rank reads just the slices of each tensor it keeps, which a pickled "
+        "checkpoint cannot offer. Convert it once, e.g. python -c \"from transformers import AutoModelForCausalLM as "
+        f"M; M.from_pretrained('{spec}').save_pretrained('{spec}-safetensors')\", and pass that folder; or pass a "
+        "preset."
+    )
 
 
 def checkpoint_folder(spec: str | None) -> Path | None:
@@ -62,7 +83,13 @@ def materialize(module: nn.Module, device: torch.device) -> None:
     buffers were built with. FSDP2 and DTensor parameters allocate only their local shards."""
     built = {(id(m), name): b for m in module.modules() for name, b in m._buffers.items()
              if b is not None and not b.is_meta}
-    module.to_empty(device=device)
+    # Swapping keeps each Parameter object (assigning new ones per module would untie a tied lm_head).
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        module.to_empty(device=device)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
     with torch.no_grad():
         for m in module.modules():
             for name, b in m._buffers.items():

@@ -2,11 +2,13 @@
 
 The same routine serves every rung: a rank's tensors may be plain (DDP: the full model), DTensor shards (FSDP2,
 TP, 3D), a pipeline stage's only, or DeepSpeed ZeRO partitions. For each tensor of the checkpoint, in the order
-`save_pretrained` writes them, the ranks holding a piece of it assemble the full fp32 tensor (`full_tensor()` on
-its mesh; DeepSpeed's `safe_get_full_fp32_param`, i.e. its fp32 master, never the bf16 copy), the first of them
-sends it to rank 0 unless it is rank 0, and rank 0 appends it to the safetensors shard it is writing and frees
-it. So no rank holds more than one full tensor beyond its own state, the written weights are fp32 on every rung
-(the master weights, exactly what was trained), and the output is what `save_pretrained` writes:
+`save_pretrained` writes them, rank 0 allocates the full fp32 tensor, receives each distinct slice of it from the
+lowest rank holding that slice (point to point; where the slice lies in the full tensor is what
+torch.distributed.checkpoint computes for DTensor shards), appends it to the safetensors shard it is writing and
+frees it. ZeRO parameters are assembled by DeepSpeed's `safe_get_full_fp32_param` (its fp32 master, never the bf16
+copy), one at a time. So rank 0 holds one full tensor beyond its own state and the other ranks nothing (ZeRO:
+one, transiently), the written weights are fp32 on every rung (the master weights, exactly what was trained), and
+the output is what `save_pretrained` writes:
 model.safetensors (or model-0000i-of-0000N.safetensors + model.safetensors.index.json above `max_shard_bytes`),
 config.json and generation_config.json; or adapter_model.safetensors and adapter_config.json for a LoRA adapter,
 which `PeftModel.from_pretrained` loads.
@@ -14,7 +16,8 @@ which `PeftModel.from_pretrained` loads.
 Why not torch.distributed.checkpoint's HuggingFaceStorageWriter with consolidation: it serialises each rank's
 part of every output file in memory (safetensors' `save` returns the whole file as bytes), writes a sharded copy
 that rank 0 re-reads to consolidate (twice the disk traffic, a shared filesystem even for one output file), and
-it cannot read ZeRO partitions, which need this per-tensor gather anyway.
+it cannot read ZeRO partitions, which need a per-tensor gather anyway. Nor DTensor.full_tensor(): it all-gathers,
+so every rank of the mesh would hold the full tensor, not only the writer.
 """
 
 from __future__ import annotations
@@ -157,44 +160,54 @@ def local_tensors(modules: list[tuple[nn.Module, object]]) -> dict[str, torch.Te
     return out
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The full fp32 values of this rank's piece (collective over the ranks holding the other pieces)."""
+def _is_zero(tensor: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO parameter (partitioned, or linked to fp32 master partitions)."""
+    return hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping")
+
+
+def _zero_full(tensor: torch.Tensor) -> torch.Tensor:
+    """A ZeRO parameter's full fp32 values from DeepSpeed's master partitions (collective over all ranks)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(tensor)
+    if full is not None:
+        return full
+    with deepspeed.zero.GatheredParameters([tensor]):  # outside the optimizer (frozen): its own values
+        return tensor.detach().float().clone()
+
+
+def _local_piece(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(offsets in the full tensor, sizes, values) of the slice this rank holds: a DTensor's local shard where
+    torch.distributed.checkpoint places it (FSDP2, TP and strided FSDP x TP alike), else the whole tensor."""
     from torch.distributed.tensor import DTensor
 
-    if hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"):
-        from deepspeed.utils import safe_get_full_fp32_param
-
-        full = safe_get_full_fp32_param(tensor)
-        if full is not None:
-            return full
-        import deepspeed  # a parameter outside the optimizer (frozen): its own values, gathered
-
-        with deepspeed.zero.GatheredParameters([tensor]):
-            return tensor.detach().float().clone()
     if isinstance(tensor, DTensor):
-        return tensor.detach().full_tensor().float()
-    return tensor.detach().float()
+        (chunk,) = tensor.__create_chunk_list__()
+        return tuple(chunk.offsets), tuple(chunk.sizes), tensor.to_local()
+    return (0,) * tensor.dim(), tuple(tensor.shape), tensor
 
 
-def _holders(entries: list[ExportEntry], local: Mapping[str, torch.Tensor]) -> dict[str, list[int]]:
-    """Key -> the ranks holding a piece of it (a pipeline stage's ranks, or all): every rank learns them once."""
-    mine = [e.key for e in entries if e.name in local]
-    if not dist.is_initialized():
-        return dict.fromkeys(mine, [0])
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    holders: dict[str, list[int]] = {}
-    for rank, keys in enumerate(every):
-        for key in keys:
-            holders.setdefault(key, []).append(rank)
-    return holders
-
-
-def _is_replicated_plain(tensor: torch.Tensor) -> bool:
-    """A full copy on every holder (DDP): its first holder sends it, the others need not gather."""
-    from torch.distributed.tensor import DTensor
-
-    return not (isinstance(tensor, DTensor) or hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping"))
+def _senders(entries: list[ExportEntry], local: Mapping[str, torch.Tensor]) -> dict[str, list | None]:
+    """Key -> [(offsets, sizes, rank)] covering the tensor once (each distinct slice from the lowest rank holding
+    it: replicas, TP-replicated norms and DDP copies are sent once), or None for a ZeRO parameter. Every rank
+    computes the same answer from one all_gather_object of what each holds."""
+    mine = {e.key: None if _is_zero(local[e.name]) else _local_piece(local[e.name])[:2]
+            for e in entries if e.name in local}
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    senders: dict[str, list | None] = {}
+    for rank, pieces in enumerate(everyone):
+        for key, piece in pieces.items():
+            if piece is None:
+                senders[key] = None
+                continue
+            known = senders.setdefault(key, [])
+            if all(n > 0 for n in piece[1]) and piece not in [(o, z) for o, z, _ in known]:
+                known.append((*piece, rank))
+    return senders
 
 
 @torch.no_grad()
@@ -202,7 +215,9 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
                        adapter_only: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
     """Write the model (or its LoRA adapter) into `folder` as a HF checkpoint, streaming one tensor at a time.
 
-    Collective: every rank calls it. Rank 0 writes every file; the others send it the full tensors they assemble.
+    Collective: every rank calls it. Rank 0 assembles each full tensor from the slices the ranks hold (sent to it
+    point to point; the other ranks hold nothing beyond their own state) and appends it to the file it writes.
+    ZeRO parameters come from DeepSpeed's collective fp32 gather instead, one at a time.
 
     Args:
         skeleton: the full model's structure (a meta-device copy is enough; a PeftModel for an adapter): its
@@ -213,7 +228,7 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
     folder = Path(folder)
     rank = dist.get_rank() if dist.is_initialized() else 0
     entries = checkpoint_entries(skeleton, adapter_only)
-    holders = _holders(entries, local)
+    senders = _senders(entries, local)
     writer = None
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
@@ -221,19 +236,11 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
                                          "adapter_model.safetensors" if adapter_only else "model.safetensors",
                                          max_shard_bytes)
     for entry in entries:
-        ranks = holders[entry.key]
-        leader = ranks[0]
-        full = None
-        if rank in ranks:
-            tensor = local[entry.name]
-            if rank == leader or not _is_replicated_plain(tensor):
-                full = _full(tensor)
-        if leader != 0 and rank == leader:
-            dist.send(full.contiguous(), dst=0)
-        if rank == 0:
-            if leader != 0:
-                full = torch.empty(entry.shape, dtype=SAVED_DTYPE, device=_comm_device())
-                dist.recv(full, src=leader)
+        if senders[entry.key] is None:  # ZeRO: every rank takes part in DeepSpeed's gather
+            full = _zero_full(local[entry.name])
+        else:
+            full = _assemble(entry, senders[entry.key], local, rank)
+        if writer is not None:
             writer.write(entry.key, full)
         del full
     if writer is not None:
@@ -241,9 +248,33 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
         _write_configs(folder, skeleton, adapter_only)
 
 
+def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor], rank: int) -> torch.Tensor | None:
+    """On rank 0 the full fp32 tensor of `entry`, filled from its own slice and the others' (received straight
+    into place when the slice is contiguous); on the other ranks None, after sending their slice if asked."""
+    full = torch.empty(entry.shape, dtype=SAVED_DTYPE, device=_comm_device()) if rank == 0 else None
+    for offsets, sizes, sender in pieces:
+        if rank == sender:
+            values = _local_piece(local[entry.name])[2].detach().to(SAVED_DTYPE)
+            if rank == 0:
+                full[_slices(offsets, sizes)].copy_(values)
+            else:
+                dist.send(values.contiguous(), dst=0)
+        elif rank == 0:
+            view = full[_slices(offsets, sizes)]
+            target = view if view.is_contiguous() else torch.empty(sizes, dtype=SAVED_DTYPE, device=full.device)
+            dist.recv(target, src=sender)
+            if target is not view:
+                view.copy_(target)
+    return full
+
+
+def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
 def _comm_device() -> torch.device:
     """Where point-to-point buffers live: the GPU under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
+    if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

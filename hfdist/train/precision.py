@@ -81,25 +81,37 @@ def check_precision(rung: Rung, mixed_precision: str, accelerator, wrapped: nn.M
         )
 
 
+def _dtype_of(output) -> torch.dtype:
+    return getattr(output, "_local_tensor", output).dtype
+
+
 class PrecisionProbe:
-    """Records the dtypes one rank computes in: a decoder projection's output (its first call) and the loss."""
+    """Records the dtypes one rank computes in: a decoder projection's output and, under pipeline parallelism, the
+    hidden states a stage hands to the next (each at its first call), and the loss."""
 
     def __init__(self) -> None:
         self.compute_dtype: torch.dtype | None = None
+        self.activation_dtype: torch.dtype | None = None
         self.loss_dtype: torch.dtype | None = None
-        self._hook = None
+        self._hooks: list = []
 
     def attach(self, model: nn.Module) -> None:
-        """Watch the first Linear inside a decoder layer of `model` (or of this rank's first pipeline stage)."""
+        """Watch the first Linear inside a decoder layer of `model` (or of this rank's first pipeline stage), and
+        the output of each pipeline stage but the last."""
         layer_linear = next((m for name, m in model.named_modules()
                              if isinstance(m, nn.Linear) and ".layers." in f".{name}" and "lora_" not in name), None)
         if layer_linear is not None:
-            self._hook = layer_linear.register_forward_hook(self._seen)
+            self._hooks.append(layer_linear.register_forward_hook(self._computed))
+        runner = getattr(model, "runner", None)
+        for stage in runner.stages if runner is not None else ():
+            if not stage.is_last:
+                self._hooks.append(stage.register_forward_hook(self._handed_on))
 
-    def _seen(self, module, args, output) -> None:
-        local = getattr(output, "_local_tensor", output)
-        self.compute_dtype = local.dtype
-        self._hook.remove()
+    def _computed(self, module, args, output) -> None:
+        self.compute_dtype = self.compute_dtype or _dtype_of(output)
+
+    def _handed_on(self, module, args, output) -> None:
+        self.activation_dtype = self.activation_dtype or _dtype_of(output)
 
     def note_loss(self, loss: torch.Tensor | None) -> None:
         """The loss as computed (before any scaling for logging)."""
@@ -107,12 +119,16 @@ class PrecisionProbe:
             self.loss_dtype = loss.dtype
 
     def record(self, rung: Rung, wrapped: nn.Module, model: nn.Module) -> dict[str, str | None]:
-        """{"compute_dtype", "loss_dtype", "reduce_dtype", "param_dtype"} as dtype names (None: not on this rank)."""
+        """{"compute_dtype", "loss_dtype", "activation_dtype" (between pipeline stages), "reduce_dtype",
+        "param_dtype"} as dtype names (None: not on this rank)."""
         def name(dtype):
             return str(dtype).removeprefix("torch.") if dtype is not None else None
 
         trainable = next((p for p in model.parameters() if p.requires_grad), None)
         param = getattr(trainable, "_local_tensor", trainable)
+        for hook in self._hooks:
+            hook.remove()
         return {"compute_dtype": name(self.compute_dtype), "loss_dtype": name(self.loss_dtype),
+                "activation_dtype": name(self.activation_dtype),
                 "reduce_dtype": name(reduce_dtype(rung, wrapped, model)),
                 "param_dtype": name(param.dtype if param is not None else None)}
