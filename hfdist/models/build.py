@@ -100,9 +100,11 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 def build_model(spec: str | None, vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype | None = None,
                 device: torch.device | str = "cpu") -> nn.Module:
     """The whole model with its weights in this process (fp32 unless `dtype`): a checkpoint's, or a preset's seeded
-    init, the same values every distributed layout starts from."""
+    init, the same values every distributed layout starts from. Torch's global generator is seeded with `seed` too,
+    so what a caller draws next (peft's own adapter init, say) is the same in every process."""
     from hfdist.models.load import load_weights, weight_plan
 
+    torch.manual_seed(seed)
     model = meta_model(spec, vocab_size, dtype or torch.float32)
     plan = weight_plan(model, checkpoint_folder(spec), seed)
     materialize(model, torch.device(device))

@@ -153,12 +153,11 @@ class SafetensorsSliceReader(HuggingFaceStorageReader):
 
 def load_weights(tensors: Mapping[str, torch.Tensor], plan: WeightPlan) -> None:
     """Fill this rank's `tensors` (full-model name -> plain tensor or DTensor, allocated on the rank's device) from
-    `plan`'s sources. Collective: every rank calls it, each with the tensors it holds (a pipeline stage's only).
+    `plan`'s sources. Not a collective: each rank plans and reads its own slices (a DTensor's local shard says
+    where it lies), so it runs the same with or without a process group, on any subset of ranks.
     """
-    import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    no_dist = not (dist.is_available() and dist.is_initialized())  # one process: the reference run, tests
     from_checkpoint: dict[str, torch.Tensor] = {}
     seeded: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
@@ -169,13 +168,12 @@ def load_weights(tensors: Mapping[str, torch.Tensor], plan: WeightPlan) -> None:
         # Tied parameters are one object on a rank (TP and FSDP keep the tie): the same key twice is that object.
         assert target.get(source.key, tensor) is tensor, f"{name}: two distinct tensors load {source.key}"
         target[source.key] = tensor
-    # Both loads are collectives: whether each runs is decided from the plan, the same on every rank.
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # DCP warns that no_dist means "one process": here it means "no coordination"
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        if plan.checkpoint is not None:
-            dcp.load(from_checkpoint, storage_reader=SafetensorsSliceReader(str(plan.checkpoint)), no_dist=no_dist)
-        if plan.seeded:
-            dcp.load(seeded, storage_reader=SeededInitReader(plan.seeded, plan.seed), no_dist=no_dist)
+        if from_checkpoint:
+            dcp.load(from_checkpoint, storage_reader=SafetensorsSliceReader(str(plan.checkpoint)), no_dist=True)
+        if seeded:
+            dcp.load(seeded, storage_reader=SeededInitReader(plan.seeded, plan.seed), no_dist=True)
 
 
 def _full_tensor(source: TensorSource, plan: WeightPlan, files: dict[str, Path]) -> torch.Tensor:
