@@ -69,7 +69,8 @@ def write_summary(cfg: FinetuneConfig, run: Run, train_runtime: float | None, ch
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
     }
     run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
-                          for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
+                          for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+                                    "load_peak_memory_bytes")
                           if any(k in r for r in ranks)})
     run_dir = run.sink.run_dir  # gone once the run is finished
     run.sink.finish()
