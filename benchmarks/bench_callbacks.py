@@ -1,31 +1,101 @@
-"""What hfdist's callbacks cost: the same run with and without them, alternated, median seconds per step.
+"""What hfdist's callbacks cost a training step, measured two ways.
 
     python benchmarks/bench_callbacks.py            # writes results/<hardware>/callback_overhead.{json,md}
 
-Both runs are single-process fine-tunes of the embedded default (W&B offline on the run with callbacks); the time is the Trainer's own train_runtime
-(the training loop only) divided by the steps. The runs alternate so drift in machine load hits both alike.
+1. A/B: single-process fine-tunes of the embedded default with DistributedMetricsCallback and the W&B sink (offline)
+   fed by the Trainer's logs, and with `--no-metrics` (the loss record and the same progress bar only), alternated
+   so drift in machine load hits both alike; the Trainer's own train_runtime (the training loop only) per step.
+   On a shared machine the spread between repeats is larger than the cost.
+2. Inside: the runs with callbacks time everything that runs on the callbacks' behalf inside the training loop (their
+   events and the hooks they put on the model and optimizer) and divide by train_runtime. Both clocks slow down
+   together under load, so this fraction holds on a busy machine too.
+The load average is recorded before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from measure import REPO, results_dir
+from measure import REPO, recorded, results_dir
+
+FINETUNE = REPO / "scripts" / "finetune.py"
+# What runs in the training loop on the callbacks' behalf: their events and the hooks they register.
+TIMED = {
+    "hfdist.callbacks.distributed_metrics.DistributedMetricsCallback":
+        ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end"),
+    "hfdist.callbacks.throughput.ThroughputMeter": ("_count",),
+    "hfdist.callbacks.memory.MemoryMeter": ("_end_of_backward", "_before_step", "_after_step"),
+    "hfdist.callbacks.wandb_logs.WandbLogsCallback": ("on_log",),
+    "hfdist.callbacks.progress.MetricsProgressCallback": ("on_log",),
+}
+CALLBACK_TIME_FILE = "callback_seconds.json"
 
 
-def _seconds_per_step(metrics: bool, steps: int, workdir: Path, i: int) -> float:
-    out = workdir / f"{'with' if metrics else 'without'}-{i}"
-    cmd = [sys.executable, str(REPO / "scripts" / "finetune.py"), "--max-steps", str(steps), "--output-dir",
-           str(out)] + ([] if metrics else ["--no-metrics"])
+def _train_timed(finetune_args: list[str], out: Path) -> None:
+    """Run the fine-tune in this process with every TIMED method adding its wall time to one clock."""
+    from hfdist.job.config import parse_args
+    from hfdist.job.run import finetune
+    from hfdist.metrics.bubble import timed
+
+    clock = [0.0]
+    for target, names in TIMED.items():
+        module, name = target.rsplit(".", 1)
+        cls = getattr(importlib.import_module(module), name)
+        for method in names:
+            setattr(cls, method, timed(getattr(cls, method), clock))
+    finetune(parse_args(finetune_args), str(FINETUNE), finetune_args)
+    (out / CALLBACK_TIME_FILE).write_text(json.dumps({"callback_seconds": clock[0]}))
+
+
+def _run(with_callbacks: bool, steps: int, workdir: Path, i: int) -> dict[str, float]:
+    out = workdir / f"{'with' if with_callbacks else 'without'}-{i}"
+    finetune_args = ["--max-steps", str(steps), "--output-dir", str(out)]
+    if with_callbacks:
+        cmd = [sys.executable, __file__, "--inside", *finetune_args]
+    else:
+        cmd = [sys.executable, str(FINETUNE), *finetune_args, "--no-metrics"]
     subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
     summary = json.loads((out / "hfdist_summary.json").read_text())
-    return summary["train_runtime"] / len(summary["losses"])
+    result = {"seconds_per_step": summary["train_runtime"] / len(summary["losses"])}
+    if with_callbacks:
+        callback = json.loads((out / CALLBACK_TIME_FILE).read_text())["callback_seconds"]
+        result["callback_fraction"] = callback / summary["train_runtime"]
+    return result
+
+
+def _loads(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
+def _write(out: Path, result: dict, steps: int, repeats: int) -> None:
+    base, cost = result["median_without"], result["median_with"]
+    without, with_cb, inside = (result[k] for k in ("seconds_per_step_without", "seconds_per_step_with",
+                                                    "callback_fraction"))
+    load = result["load_average"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "callback_overhead.json").write_text(json.dumps(result, indent=2))
+    (out / "callback_overhead.md").write_text(
+        f"# Cost of hfdist's callbacks ({out.name})\n\n`{result['command']}`: single-process fine-tune of the "
+        f"embedded default, {steps} steps, {repeats} alternating repeats, Trainer train_runtime / steps.\n\n"
+        f"| | median s/step | runs |\n|---|---|---|\n"
+        f"| without callbacks (`--no-metrics`) | {base:.4f} | {', '.join(f'{x:.4f}' for x in without)} |\n"
+        f"| with DistributedMetricsCallback + W&B sink (offline) | {cost:.4f} | "
+        f"{', '.join(f'{x:.4f}' for x in with_cb)} |\n\n"
+        f"A/B overhead: {100 * result['overhead_fraction']:+.2f}% of step time (spread between repeats of one "
+        f"setting: {100 * (max(without) - min(without)) / base:.1f}%).\n\n"
+        f"Time inside the callbacks and their hooks, measured in the runs with them: "
+        f"**{100 * result['median_callback_fraction']:.2f}%** of train_runtime (median; runs: "
+        f"{', '.join(f'{100 * x:.2f}%' for x in inside)}).\n\n"
+        f"Load average (1/5/15 min) on {result['cpu_count']} cores: {_loads(load['before'])} before, "
+        f"{_loads(load['after'])} after.\n")
 
 
 def main() -> int:
@@ -33,31 +103,36 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--inside", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)  # one timed run (internal)
     args = p.parse_args()
+    if args.inside is not None:
+        _train_timed(args.inside, Path(args.inside[args.inside.index("--output-dir") + 1]))
+        return 0
     out = results_dir(args.out)
-    with_cb, without_cb = [], []
+    load_before = os.getloadavg()
+    runs: dict[bool, list[dict]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
-            without_cb.append(_seconds_per_step(False, args.steps, Path(tmp), i))
-            with_cb.append(_seconds_per_step(True, args.steps, Path(tmp), i))
-            print(f"repeat {i + 1}/{args.repeats}: without {without_cb[-1]:.4f} s/step, with {with_cb[-1]:.4f}")
-    base, cost = statistics.median(without_cb), statistics.median(with_cb)
-    result = {"command": f"python benchmarks/bench_callbacks.py --steps {args.steps} --repeats {args.repeats}",
-              "model": "llama-small (embedded default)", "steps": args.steps,
-              "seconds_per_step_without": without_cb, "seconds_per_step_with": with_cb,
-              "median_without": base, "median_with": cost, "overhead_fraction": cost / base - 1}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "callback_overhead.json").write_text(json.dumps(result, indent=2))
-    (out / "callback_overhead.md").write_text(
-        f"# Cost of hfdist's callbacks ({out.name})\n\n`{result['command']}`: single-process fine-tune of the "
-        f"embedded default, {args.steps} steps, {args.repeats} alternating repeats, Trainer train_runtime / steps.\n\n"
-        f"| | median s/step | runs |\n|---|---|---|\n"
-        f"| without callbacks | {base:.4f} | {', '.join(f'{x:.4f}' for x in without_cb)} |\n"
-        f"| with memory + throughput + rank-gather + W&B (offline) callbacks | {cost:.4f} | "
-        f"{', '.join(f'{x:.4f}' for x in with_cb)} |\n\n"
-        f"Overhead: **{100 * result['overhead_fraction']:+.2f}%** of step time "
-        f"(noise between repeats of one setting: {100 * (max(without_cb) - min(without_cb)) / base:.1f}%).\n")
-    print(f"overhead {100 * result['overhead_fraction']:+.2f}% -> {out / 'callback_overhead.md'}")
+            for with_callbacks in (False, True):
+                runs[with_callbacks].append(_run(with_callbacks, args.steps, Path(tmp), i))
+            print(f"repeat {i + 1}/{args.repeats}: without {runs[False][-1]['seconds_per_step']:.4f} s/step, "
+                  f"with {runs[True][-1]['seconds_per_step']:.4f}, inside the callbacks "
+                  f"{100 * runs[True][-1]['callback_fraction']:.2f}%")
+    without = [r["seconds_per_step"] for r in runs[False]]
+    with_cb = [r["seconds_per_step"] for r in runs[True]]
+    inside = [r["callback_fraction"] for r in runs[True]]
+    command = [sys.executable, str(Path(__file__).resolve()), "--steps", str(args.steps), "--repeats",
+               str(args.repeats)]
+    result = {"command": recorded(command), "model": "llama-small (embedded default)", "steps": args.steps,
+              "cpu_count": os.cpu_count(), "load_average": {"before": list(load_before),
+                                                             "after": list(os.getloadavg())},
+              "seconds_per_step_without": without, "seconds_per_step_with": with_cb, "callback_fraction": inside,
+              "median_without": statistics.median(without), "median_with": statistics.median(with_cb),
+              "median_callback_fraction": statistics.median(inside)}
+    result["overhead_fraction"] = result["median_with"] / result["median_without"] - 1
+    _write(out, result, args.steps, args.repeats)
+    print(f"A/B {100 * result['overhead_fraction']:+.2f}%, inside the callbacks "
+          f"{100 * result['median_callback_fraction']:.2f}% -> {out / 'callback_overhead.md'}")
     return 0
 
 

@@ -1,9 +1,13 @@
-"""MemoryCallback: per-rank bytes of params, grads and optimizer state, and peak memory, in any HF Trainer."""
+"""MemoryMeter: per-rank bytes of params, grads and optimizer state, and peak memory, per logging window.
+
+Windows cover training only: the meter starts at the first step's setup (the model load and the optimizer's
+creation are before it: their peak is kept apart as `setup_peak_memory_bytes`) and its last window closes when
+training ends, before anything a script does afterwards (an evaluation, saving the model).
+"""
 
 from __future__ import annotations
 
 import torch
-from transformers import TrainerCallback
 
 from hfdist.metrics.memory import (
     cuda_memory_stats,
@@ -13,10 +17,16 @@ from hfdist.metrics.memory import (
     reset_peak_memory,
 )
 
-__all__ = ["MemoryCallback"]
+__all__ = ["MemoryMeter", "PEAK_KEYS", "COUNT_KEYS"]
+
+# Peaks of a window (max over windows for the run); CUDA only except peak_memory_bytes (process peak RSS on CPU).
+PEAK_KEYS = ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes")
+# The CUDA allocator's counters: cumulative over the process (reset_peak_memory_stats leaves them), so a window
+# reports what was added since the previous one and the run what was added since training began.
+COUNT_KEYS = ("alloc_retries", "ooms")
 
 
-class MemoryCallback(TrainerCallback):
+class MemoryMeter:
     """Measures what this rank holds, at the moments each quantity peaks.
 
     Gradients peak at one of two moments, measured both: at the end of backward (a post-accumulate hook on the
@@ -27,16 +37,18 @@ class MemoryCallback(TrainerCallback):
     """
 
     def __init__(self) -> None:
-        self.state_bytes: dict[str, int] = {}
-        self.peak_grad_bytes = 0
         self._model: torch.nn.Module | None = None
-        self._hooks: list = []
         self._device = torch.device("cpu")
-        self._run_peaks: dict[str, int] = {}
+        self._hooks: list = []
+        self._state_bytes: dict[str, int] = {}
+        self._window_grad_bytes = 0
+        self._run: dict[str, int] = {}
+        self._counts_at_start: dict[str, int] = {}
+        self._counts_seen: dict[str, int] = {}
 
-    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        self._model = model
-        self._device = args.device
+    def start(self, model: torch.nn.Module, optimizer, device: torch.device) -> None:
+        """Hook the model and optimizer and open the first window (the peak so far becomes the setup peak)."""
+        self._model, self._device = model, device
         inner = innermost_optimizer(optimizer)
         if inner is not None:
             self._hooks = [inner.register_step_pre_hook(self._before_step),
@@ -44,38 +56,49 @@ class MemoryCallback(TrainerCallback):
         first_trainable = next((p for p in model.parameters() if p.requires_grad), None)
         if first_trainable is not None:
             self._hooks.append(first_trainable.register_post_accumulate_grad_hook(self._end_of_backward))
-        reset_peak_memory(self._device)
+        self._run = {"setup_peak_memory_bytes": peak_memory_bytes(device)}
+        counts = cuda_memory_stats(device)
+        self._counts_at_start = self._counts_seen = {k: counts[k] for k in COUNT_KEYS if k in counts}
+        reset_peak_memory(device)
 
     def _end_of_backward(self, param) -> None:
-        self.peak_grad_bytes = max(self.peak_grad_bytes, rank_state_bytes(self._model)["grad_bytes"])
+        self._window_grad_bytes = max(self._window_grad_bytes, rank_state_bytes(self._model)["grad_bytes"])
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         grads = rank_state_bytes(self._model, optimizer)["grad_bytes"]
-        self.peak_grad_bytes = max(self.peak_grad_bytes, grads)
+        self._window_grad_bytes = max(self._window_grad_bytes, grads)
 
     def _after_step(self, optimizer, args, kwargs) -> None:
-        self.state_bytes = rank_state_bytes(self._model, optimizer)
-
-    def on_train_end(self, args, state, control, **kwargs):
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._state_bytes = rank_state_bytes(self._model, optimizer)
 
     def take_window(self) -> dict[str, int]:
-        """This window's figures (CUDA peaks since the previous call, then reset); the run's peaks keep the max."""
-        out = {k: v for k, v in self.state_bytes.items() if k != "grad_bytes"}
-        out["grad_bytes"] = self.peak_grad_bytes
+        """This window's figures: the state bytes after its last step, its peak gradient bytes, its memory peaks
+        (then reset) and the allocator's retries and OOMs in it."""
+        out = {k: v for k, v in self._state_bytes.items() if k != "grad_bytes"}
+        out["grad_bytes"] = self._window_grad_bytes
         out["peak_memory_bytes"] = peak_memory_bytes(self._device)
-        out.update(cuda_memory_stats(self._device))
-        for key in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "peak_active_bytes"):
+        stats = cuda_memory_stats(self._device)
+        out.update({k: v for k, v in stats.items() if k in PEAK_KEYS})
+        for key in COUNT_KEYS:
+            if key in stats:
+                out[key] = stats[key] - self._counts_seen.get(key, 0)
+        self._counts_seen = {k: stats[k] for k in COUNT_KEYS if k in stats}
+        for key in (*PEAK_KEYS, "grad_bytes"):
             if key in out:
-                self._run_peaks[key] = max(self._run_peaks.get(key, 0), out[key])
+                self._run[key] = max(self._run.get(key, 0), out[key])
+        self._window_grad_bytes = 0
         reset_peak_memory(self._device)
         return out
 
-    def record(self) -> dict[str, int]:
-        """This rank's figures for the whole run: params, peak grads, optimizer state, master copies, peak memory
-        (+ CUDA stats), the peaks being the max over all windows."""
-        out = self.take_window()
-        out.update(self._run_peaks)
+    def finish(self) -> dict[str, int]:
+        """Close the last window and unhook; returns this rank's figures for the whole of training: the state
+        bytes, the peaks over all windows, the setup peak, and the retries and OOMs since training began."""
+        last = self.take_window()
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        out = {**last, **self._run}
+        for key in COUNT_KEYS:
+            if key in self._counts_seen:
+                out[key] = self._counts_seen[key] - self._counts_at_start.get(key, 0)
         return out

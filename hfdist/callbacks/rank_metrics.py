@@ -1,79 +1,85 @@
-"""RankMetricsCallback: every rank's memory and throughput reach the logging rank, and W&B, each logging step.
+"""Every rank's figures on every rank in one collective, and the `rank{r}/...` + min/max/mean series made of them.
 
-One all_gather of a fixed-length float64 vector per logging step (no pickling, one collective) carries each rank's
-window figures; the logging rank turns them into `rank{r}/...` series plus min/max/mean and logs them with the loss.
+One `all_gather_single` of a fixed-length float64 vector per call (no pickling): the keys are fixed in advance,
+so every rank sends the same layout; a figure a rank lacks (CUDA stats on CPU, MFU without a peak) travels as NaN
+and is left out of that rank's record.
 """
 
 from __future__ import annotations
 
 import math
+from numbers import Real
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from transformers import TrainerCallback
 
-from hfdist.callbacks.memory import MemoryCallback
-from hfdist.callbacks.throughput import ThroughputCallback
-from hfdist.callbacks.wandb_sink import WandbSink, aggregate_ranks
-from hfdist.metrics.flops import mfu, tflops_per_device
+__all__ = ["TOKEN_KEYS", "gather_records", "aggregate_ranks", "slowest_rank"]
 
-__all__ = ["RankMetricsCallback", "METRIC_KEYS"]
-
-METRIC_KEYS = ("step_seconds", "tokens", "tokens_per_second", "samples_per_second", "tflops_per_device", "mfu", "peak_memory_bytes",
-               "param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes", "peak_allocated_bytes",
-               "peak_reserved_bytes", "peak_active_bytes", "alloc_retries", "ooms")
+# Counts that add up over ranks; under TP/PP every rank of a replica counts the same tokens (divide by tp·pp).
+TOKEN_KEYS = frozenset({"tokens", "tokens_per_second", "samples_per_second"})
 
 
-def _gather_vectors(values: list[float], device: torch.device) -> list[list[float]]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return [values]
-    vec = torch.tensor(values, dtype=torch.float64, device=device)
-    out = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=device)  # gloo wants 1-D
-    dist.all_gather_into_tensor(out, vec)
-    return out.view(dist.get_world_size(), len(values)).cpu().tolist()
+def _collective_device(device: torch.device) -> torch.device:
+    """Where the vector goes: CPU for gloo (and any group with a gloo CPU backend), the rank's device otherwise
+    (NCCL only moves device tensors)."""
+    backend = str(dist.get_backend())
+    return torch.device("cpu") if device.type == "cpu" or "gloo" in backend or backend == "fake" else device
 
 
-class RankMetricsCallback(TrainerCallback):
-    """Per-rank memory + throughput to the logging rank and W&B, once per logging step.
+def gather_records(record: Mapping[str, float], keys: Sequence[str], device: torch.device,
+                   distributed: bool = True) -> list[dict[str, Any]]:
+    """Every rank's `record` (restricted to `keys`), in rank order, each with its "rank"; collective.
 
-    Args:
-        memory, throughput: the callbacks that measure (registered with the same Trainer).
-        sink: where the logging rank writes (a WandbSink; inactive on other ranks).
-        flops_per_token: training FLOPs per token of the model (hfdist.metrics.flops).
-        peak_flops: the device's peak FLOP/s for MFU, or None to leave MFU out.
-        logging_rank: the rank that logs (a rank of the last stage under PP).
-        ranks_per_replica: tp x pp: the ranks that process the same tokens together, so a rank's share of the
-            work is its token rate over this number.
+    Without a process group, or with `distributed` False: [record] as rank 0's.
     """
+    values = [float(record.get(k, math.nan)) for k in keys]
+    if distributed and dist.is_available() and dist.is_initialized():
+        where = _collective_device(device)
+        mine = torch.tensor(values, dtype=torch.float64, device=where)
+        everyone = torch.empty(dist.get_world_size() * len(values), dtype=torch.float64, device=where)
+        dist.all_gather_single(everyone, mine)  # concatenated form: gloo takes 1-D output only
+        rows = everyone.view(dist.get_world_size(), len(values)).cpu().tolist()
+    else:
+        rows = [values]
+    return [{"rank": rank, **{k: _plain(v) for k, v in zip(keys, row) if not math.isnan(v)}}
+            for rank, row in enumerate(rows)]
 
-    def __init__(self, memory: MemoryCallback, throughput: ThroughputCallback, sink: WandbSink,
-                 flops_per_token: float, peak_flops: float | None, logging_rank: int = 0,
-                 ranks_per_replica: int = 1) -> None:
-        self.memory, self.throughput, self.sink = memory, throughput, sink
-        self.flops_per_token, self.peak_flops, self.logging_rank = flops_per_token, peak_flops, logging_rank
-        self.ranks_per_replica = ranks_per_replica
 
-    def rates(self, tokens_per_second: float) -> dict[str, float]:
-        """TFLOP/s per device and MFU (when a peak is known) from the token rate a rank saw."""
-        per_device = tokens_per_second / self.ranks_per_replica
-        out = {"tflops_per_device": tflops_per_device(per_device, self.flops_per_token)}
-        if self.peak_flops:
-            out["mfu"] = mfu(per_device, self.flops_per_token, self.peak_flops)
-        return out
+def _plain(value: float) -> float | int:
+    """Counts (bytes, tokens, steps) back to ints after their trip as float64 (exact below 2**53)."""
+    return int(value) if value.is_integer() and abs(value) < 2**53 else value
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "loss" not in logs:
-            return
-        window = self.throughput.take_window()
-        record = {**self.memory.take_window(), **window, **self.rates(window["tokens_per_second"])}
-        device = args.device if dist.is_initialized() and dist.get_backend() == "nccl" else torch.device("cpu")
-        rows = _gather_vectors([float(record.get(k, math.nan)) for k in METRIC_KEYS], device)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        if rank != self.logging_rank:
-            return
-        records = [{"rank": r, **{k: v for k, v in zip(METRIC_KEYS, row) if not math.isnan(v)}}
-                   for r, row in enumerate(rows)]
-        metrics = {**aggregate_ranks(records), "loss": logs["loss"]}
-        if "learning_rate" in logs:
-            metrics["learning_rate"] = logs["learning_rate"]
-        self.sink.log(metrics, step=state.global_step)
+
+def aggregate_ranks(records: Sequence[Mapping[str, Any]], *, sum_keys: Iterable[str] = TOKEN_KEYS
+                    ) -> dict[str, float]:
+    """Per-rank records -> `rank{r}/key` series plus `key/min`, `key/max`, `key/mean` (and `key/sum` for sum_keys).
+
+    Each record is one rank's dict; its "rank" entry names the rank, else its position does. Non-numeric values are
+    left out; a key missing on some ranks (CUDA stats, stage-specific figures) is aggregated over the ranks that
+    have it.
+    """
+    sum_keys = frozenset(sum_keys)
+    indexed = sorted(enumerate(records), key=lambda item: item[1].get("rank", item[0]))
+    out: dict[str, float] = {}
+    series: dict[str, list[float]] = {}
+    for position, record in indexed:
+        rank = record.get("rank", position)
+        for key, value in record.items():
+            if key == "rank" or isinstance(value, bool) or not isinstance(value, Real):
+                continue
+            out[f"rank{rank}/{key}"] = value
+            series.setdefault(key, []).append(value)
+    for key, values in series.items():
+        out[f"{key}/min"] = min(values)
+        out[f"{key}/max"] = max(values)
+        out[f"{key}/mean"] = sum(values) / len(values)
+        if key in sum_keys:
+            out[f"{key}/sum"] = sum(values)
+    return out
+
+
+def slowest_rank(records: Sequence[Mapping[str, Any]]) -> int | None:
+    """The rank with the lowest tokens/s (the first such rank on a tie), or None when no record has a rate."""
+    rated = [r for r in records if "tokens_per_second" in r]
+    return min(rated, key=lambda r: (r["tokens_per_second"], r["rank"]))["rank"] if rated else None

@@ -1,5 +1,9 @@
 """WandbSink: one W&B run per strategy run, written by the logging rank only, that can never stop training.
 
+It logs what the Trainer logs (hfdist.callbacks.wandb_logs feeds it each `on_log`, the dict every report_to
+integration gets); when the Trainer already reports to W&B itself, the sink opens no second run: it leaves the
+per-step logging to the Trainer's and puts its summary values and tables into that run.
+
 W&B is a view of the run, not its record (the local JSON summary is): every W&B call is guarded, the first
 failure (no package, bad key, unreachable server, full disk) prints one warning and turns the sink off, and
 training goes on. Runs are offline unless the user is logged in or sets WANDB_MODE, so a job on a machine
@@ -11,45 +15,14 @@ from __future__ import annotations
 import netrc
 import os
 import sys
-from numbers import Real
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
 
-__all__ = ["TOKEN_KEYS", "WandbSink", "aggregate_ranks", "resolve_wandb_mode", "sync_instructions"]
+__all__ = ["WandbSink", "resolve_wandb_mode", "sync_instructions"]
 
-# Counts that add up over ranks; under TP/PP every rank of a replica counts the same tokens (divide by tp·pp).
-TOKEN_KEYS = frozenset({"tokens", "tokens_per_second", "samples_per_second"})
 _DEFAULT_PROJECT = "hfdist"
 _DEFAULT_BASE_URL = "https://api.wandb.ai"
-
-
-def aggregate_ranks(records: Sequence[Mapping[str, Any]], *, sum_keys: Iterable[str] = TOKEN_KEYS
-                    ) -> dict[str, float]:
-    """Per-rank records -> `rank{r}/key` series plus `key/min`, `key/max`, `key/mean` (and `key/sum` for sum_keys).
-
-    Each record is one rank's dict (as `MemoryCallback.record()` / `ThroughputCallback.record()` give); its
-    "rank" entry names the rank, else its position does. Non-numeric values are left out; a key missing on some
-    ranks (CUDA stats, stage-specific figures) is aggregated over the ranks that have it.
-    """
-    sum_keys = frozenset(sum_keys)
-    indexed = sorted(enumerate(records), key=lambda item: item[1].get("rank", item[0]))
-    out: dict[str, float] = {}
-    series: dict[str, list[float]] = {}
-    for position, record in indexed:
-        rank = record.get("rank", position)
-        for key, value in record.items():
-            if key == "rank" or isinstance(value, bool) or not isinstance(value, Real):
-                continue
-            out[f"rank{rank}/{key}"] = value
-            series.setdefault(key, []).append(value)
-    for key, values in series.items():
-        out[f"{key}/min"] = min(values)
-        out[f"{key}/max"] = max(values)
-        out[f"{key}/mean"] = sum(values) / len(values)
-        if key in sum_keys:
-            out[f"{key}/sum"] = sum(values)
-    return out
 
 
 def _netrc_has_key(env: Mapping[str, str]) -> bool:
@@ -113,6 +86,7 @@ class WandbSink:
         self._init_timeout = init_timeout
         self._run: Any = None
         self._closed = not active
+        self.borrowed = False  # the run is the Trainer's own (report_to="wandb"), not one this sink opened
 
     @property
     def project(self) -> str:
@@ -145,9 +119,24 @@ class WandbSink:
         import wandb
 
         self._output_dir.mkdir(parents=True, exist_ok=True)
-        # create_new: several sinks in one process (tests, an in-process comparison) must not share a run
+        # create_new: several sinks in one process (tests, an in-process comparison) must not share a run.
+        # silent: no banner and no run history on the console; hfdist's closing lines say where the run is.
         return wandb.init(dir=str(self._output_dir), reinit="create_new",
-                          settings=wandb.Settings(init_timeout=self._init_timeout), **self._init_kwargs)
+                          settings=wandb.Settings(init_timeout=self._init_timeout, silent=True), **self._init_kwargs)
+
+    @staticmethod
+    def _current_run() -> Any:
+        import wandb
+
+        if wandb.run is None:
+            raise RuntimeError("the Trainer reports to W&B but has no open run")
+        return wandb.run
+
+    def borrow_current_run(self) -> None:
+        """Use the run the Trainer's own W&B integration opened instead of opening one: `log` does nothing (the
+        Trainer logs the same logs), summary values and tables go into that run, `finish` leaves it open."""
+        if not self._closed and self._run is None:
+            self.borrowed = True
 
     def _start_online_or_offline(self) -> Any:
         try:
@@ -168,7 +157,7 @@ class WandbSink:
         if self._closed:
             return None
         if self._run is None:
-            self._run = self._call("init", self._start_online_or_offline)
+            self._run = self._call("init", self._current_run if self.borrowed else self._start_online_or_offline)
         return None if self._closed else self._run
 
     def start(self) -> bool:
@@ -176,8 +165,8 @@ class WandbSink:
         return self._ensure_run() is not None
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        """Log one step's metrics (already gathered: `rank{r}/...` series and their aggregates)."""
-        run = self._ensure_run()
+        """Log one step's metrics (the Trainer's logs: loss, `rank{r}/...` series and their aggregates, ...)."""
+        run = None if self.borrowed else self._ensure_run()
         if run is not None:
             self._call("log", run.log, dict(metrics), step=step)
 
@@ -203,7 +192,7 @@ class WandbSink:
         """Close the run (flushes it to disk offline, uploads online); later calls do nothing."""
         run, self._run = self._run, None
         self._closed = True
-        if run is not None:
+        if run is not None and not self.borrowed:
             self._call("finish", run.finish, exit_code=exit_code)
 
 

@@ -25,16 +25,13 @@ from hfdist.job.launch import (
     settle_mixed_precision,
 )
 from hfdist.job.preflight import batch_layout, preflight, with_pipeline_overrides
-from hfdist.job.summary import check_blocks, first_blocks, gather_ranks, write_summary
+from hfdist.job.summary import check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.train.resume import checkpoint_identity, resume_point
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
+    from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
-    from hfdist.callbacks.memory import MemoryCallback
-    from hfdist.callbacks.rank_metrics import RankMetricsCallback
-    from hfdist.callbacks.throughput import ThroughputCallback
     from hfdist.callbacks.wandb_sink import WandbSink
-    from hfdist.metrics.peaks import PeakFlops
     from hfdist.train.trainer import HfdistTrainer
 
 __all__ = ["FinetuneConfig", "ConfigError", "finetune"]
@@ -130,12 +127,9 @@ class Run:
     dataset: Any
     strategy: dict[str, Any]
     losses: LossRecorder
-    memory: MemoryCallback
-    throughput: ThroughputCallback
-    metrics: RankMetricsCallback
+    metrics: DistributedMetricsCallback
     sink: WandbSink
     flops_per_token: float
-    peak: PeakFlops | None
     load: dict[str, float]
 
 
@@ -144,15 +138,13 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     from transformers import default_data_collator
     from transformers.trainer_callback import ProgressCallback
 
+    from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
-    from hfdist.callbacks.memory import MemoryCallback
-    from hfdist.callbacks.progress import QuietProgressCallback
-    from hfdist.callbacks.rank_metrics import RankMetricsCallback
-    from hfdist.callbacks.throughput import ThroughputCallback
+    from hfdist.callbacks.progress import MetricsProgressCallback
+    from hfdist.callbacks.wandb_logs import WandbLogsCallback
     from hfdist.callbacks.wandb_sink import WandbSink
     from hfdist.data.load import load_raw_dataset, load_tokenizer, tokenize_and_pack
     from hfdist.metrics.flops import model_flops_per_token
-    from hfdist.metrics.peaks import device_peak_flops
     from hfdist.models.presets import is_preset
     from hfdist.train.trainer import HfdistTrainer
 
@@ -178,23 +170,21 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
                 "device": "cuda" if on_gpu else "cpu"}
-    losses, memory, throughput = LossRecorder(), MemoryCallback(), ThroughputCallback()
+    # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
+    losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
                      project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
                      group=cfg.compare_id, job_type=rung.kind.value, config={**strategy, **asdict(cfg)})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
-    peak = device_peak_flops(args.device, torch.bfloat16 if mixed == "bf16" else torch.float32)
-    metrics = RankMetricsCallback(memory, throughput, sink, flops_per_token, peak.flops if peak else None,
-                                  ranks_per_replica=rung.dims.tp * rung.dims.pp)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
-    callbacks = [losses, memory, throughput, metrics] if cfg.metrics else [losses]
+    callbacks = [losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=default_data_collator,
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                             checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
                             skeleton=skeleton)
     trainer.remove_callback(ProgressCallback)
-    trainer.add_callback(QuietProgressCallback())
-    return Run(trainer, dataset, strategy, losses, memory, throughput, metrics, sink, flops_per_token, peak, load)
+    trainer.add_callback(MetricsProgressCallback())
+    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
 
 
 def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
@@ -226,11 +216,9 @@ def finetune(cfg: FinetuneConfig, script: str, script_args: list[str]) -> int:
     check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset))))
     saved = _save_measured(run, cfg.output_dir)
 
-    own = {**run.memory.record(), **run.throughput.record()} if cfg.metrics else {}
-    rates = run.metrics.rates(own["tokens_per_second"]) if cfg.metrics else {}
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
-    ranks = gather_ranks({"rank": int(os.environ.get("RANK", "0")), **own, **rates, **run.load, **saved,
-                          "precision": precision})
+    ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
+                                                  "precision": precision})
     if _is_rank0():
         write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
     _leave_process_group()

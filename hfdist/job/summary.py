@@ -15,7 +15,7 @@ from hfdist.job.ladder import Rung
 if TYPE_CHECKING:
     from hfdist.job.run import Run
 
-__all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "check_blocks", "first_blocks", "gather_ranks", "write_summary"]
+__all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "check_blocks", "first_blocks", "with_rank_records", "write_summary"]
 
 SUMMARY_NAME = "hfdist_summary.json"
 CHECK_BLOCKS = 4  # packed blocks every rank scores after training; the saved model must reproduce that loss
@@ -35,15 +35,17 @@ def first_blocks(dataset, n: int) -> dict[str, Any]:
     return default_data_collator([dataset[i] for i in range(n)])
 
 
-def gather_ranks(record: dict) -> list[dict]:
-    """Every rank's record, on every rank (one all_gather_object); [record] without a process group."""
+def with_rank_records(ranks: list[dict], record: dict) -> list[dict]:
+    """`ranks` (the metrics callback's per-rank figures; none under --no-metrics) with every rank's `record` (its
+    load and save costs and precision, not all numbers) merged in by rank. Collective: one all_gather_object."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return [record]
-    records: list = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
-    return records
+    records = [record]
+    if dist.is_available() and dist.is_initialized():
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
+    figures = {r["rank"]: r for r in ranks}
+    return [{**figures.get(r["rank"], {}), **r} for r in records]
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:
@@ -54,7 +56,7 @@ def _write_json_atomically(path: Path, data: dict) -> None:
 
 def write_summary(cfg: FinetuneConfig, run: Run, train_runtime: float | None, check_loss: float,
                    ranks: list[dict], resume_from: Path | None) -> None:
-    """Rank 0: close the W&B run with the peaks and write OUTPUT_DIR/hfdist_summary.json."""
+    """Rank 0: close the W&B run with the peaks, write OUTPUT_DIR/hfdist_summary.json and print the closing table."""
     summary = {
         "strategy": run.strategy,
         "config": asdict(cfg),
@@ -65,7 +67,7 @@ def write_summary(cfg: FinetuneConfig, run: Run, train_runtime: float | None, ch
         "check_blocks": check_blocks(run.trainer.rung, len(run.dataset)),
         "train_runtime": train_runtime,
         "flops_per_token": run.flops_per_token,
-        "peak_flops": {"flops": run.peak.flops, "source": run.peak.source} if run.peak else None,
+        "peak_flops": {"flops": run.metrics.peak.flops, "source": run.metrics.peak.source} if run.metrics.peak else None,
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
     }
     run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
@@ -79,6 +81,10 @@ def write_summary(cfg: FinetuneConfig, run: Run, train_runtime: float | None, ch
     _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
     losses = run.losses.losses
     print(f"hfdist: {run.strategy['name']} done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
-          f"steps; model and {SUMMARY_NAME} in {cfg.output_dir}", flush=True)
+          f"steps", flush=True)
+    outputs = {"model": cfg.output_dir, "summary": str(Path(cfg.output_dir) / SUMMARY_NAME)}
+    if run_dir:
+        outputs["W&B run"] = str(run_dir)
+    print(run.metrics.closing_table(outputs), flush=True)
 
 

@@ -17,6 +17,7 @@ MFU = achieved model FLOP/s per device / dense peak FLOP/s of the device (no 2:4
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ import torch
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 
-__all__ = ["LORA_TARGETS", "matmul_params", "flops_per_token", "model_flops_per_token", "mfu", "tflops_per_device"]
+__all__ = ["LORA_TARGETS", "TokenFlops", "matmul_params", "flops_per_token", "model_token_flops",
+           "model_flops_per_token", "batch_lengths", "mfu", "tflops_per_device"]
 
 
 def _shape(config: Any) -> ModelShape:
@@ -97,18 +99,87 @@ def _model_lora_params(model: torch.nn.Module) -> int:
     return total
 
 
-def model_flops_per_token(model: torch.nn.Module, seq_len: int, *, include_attention: bool = True) -> float:
-    """flops_per_token for a built (possibly peft-wrapped, sharded or DDP/DeepSpeed-wrapped) HF model.
+@dataclass(frozen=True)
+class TokenFlops:
+    """A model's training FLOPs split by what they scale with (conventions in the module docstring).
+
+    Attributes:
+        matmul: FLOPs every token costs alike: (4 + 2·trainable fraction)·N_matmul + 6·N_lora.
+        attention: 12·L·H·Q, the attention FLOPs of one token per position of its sequence: a sequence of T tokens
+            costs attention·T² (full attention, not causal-halved).
+    """
+
+    matmul: float
+    attention: float
+
+    def per_token(self, seq_len: int) -> float:
+        """FLOPs per token of sequences `seq_len` long (flops_per_token's figure)."""
+        return self.matmul + self.attention * seq_len
+
+    def of_batch(self, tokens: float, sum_squared_lengths: float) -> float:
+        """FLOPs of batches holding `tokens` real tokens in sequences whose squared lengths sum to the second
+        argument (batch_lengths gives both)."""
+        return self.matmul * tokens + self.attention * sum_squared_lengths
+
+
+def model_token_flops(model: torch.nn.Module) -> TokenFlops:
+    """TokenFlops of a built (possibly peft-wrapped, sharded or DDP/DeepSpeed-wrapped) HF model.
 
     Shapes come from `model.config`; LoRA adapters are counted from peft's layers, and a peft model's base is
     taken as frozen (an lm_head in peft's `modules_to_save` would make the count low by 2·N_lm_head per token).
+
+    Raises:
+        hfdist.models.registry.UnsupportedModelError: an architecture the registry does not describe.
     """
     inner = _unwrap(model)
     lora_params = _model_lora_params(inner)
     config = inner.config
-    attention = _attention_flops(_shape(config), seq_len) if include_attention else 0.0
     frozen_base = lora_params > 0 or hasattr(inner, "peft_config")
-    return _combine(matmul_params(config), lora_params, 0.0 if frozen_base else 1.0, attention)
+    return TokenFlops(matmul=_combine(matmul_params(config), lora_params, 0.0 if frozen_base else 1.0, 0.0),
+                      attention=_attention_flops(_shape(config), 1))
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int, *, include_attention: bool = True) -> float:
+    """flops_per_token for a built model (see model_token_flops) and sequences `seq_len` long."""
+    counts = model_token_flops(model)
+    return counts.per_token(seq_len) if include_attention else counts.matmul
+
+
+def _row_positions(input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                   position_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(positions of each token inside its sequence, 0/1 mask of real tokens) as (B, S) tensors, or Nones."""
+    mask = attention_mask.long() if attention_mask is not None and attention_mask.dim() == 2 else None
+    if position_ids is not None and position_ids.dim() == 2:
+        shape = mask.shape if mask is not None else input_ids.shape[:2] if input_ids is not None else position_ids.shape
+        return position_ids.expand(shape), mask
+    if mask is not None:
+        return mask.cumsum(dim=1) - 1, mask
+    return None, None
+
+
+def batch_lengths(input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                  position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor | int, torch.Tensor | int]:
+    """(real tokens, sum over sequences of length²) of one model input batch, for TokenFlops.of_batch.
+
+    `input_ids` may be any (batch, seq, ...) tensor of the batch (inputs_embeds when there are no ids).
+
+    Sequences are what the attention spans: documents packed into a row with `position_ids` restarting at 0
+    (padding-free batches), else each row's real tokens (a 2-D attention_mask, left or right padding), else whole
+    rows. A 4-D mask is not read (its blocks would need the mask's own layout): rows or position_ids count.
+    The sum of squares comes without a device sync: a sequence of T tokens at positions 0..T-1 has
+    Σ(2·pos + 1) = T², so it is one masked sum over tokens. Results are tensors on the batch's device when computed
+    from tensors (read them later, once per logging window), ints otherwise.
+    """
+    positions, mask = _row_positions(input_ids, attention_mask, position_ids)
+    if positions is not None:
+        odd = 2 * positions + 1
+        if mask is None:
+            return positions.numel(), odd.sum()
+        return mask.sum(), (odd * mask).sum()
+    if input_ids is None:
+        return 0, 0
+    rows, seq = input_ids.shape[0], input_ids.shape[1]
+    return rows * seq, rows * seq * seq
 
 
 def tflops_per_device(tokens_per_second_per_device: float, flops_per_token: float) -> float:

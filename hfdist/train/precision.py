@@ -18,7 +18,7 @@ from torch import nn
 
 from hfdist.job.ladder import Rung
 
-__all__ = ["check_precision", "PrecisionProbe", "reduce_dtype"]
+__all__ = ["check_precision", "PrecisionProbe", "reduce_dtype", "fsdp_compute_dtype"]
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -30,6 +30,12 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
 def _fsdp_policy(module: nn.Module):
     # FSDP2 keeps the policy in its module state; torch 2.13 has no public getter for it.
     return module._get_fsdp_state()._mp_policy
+
+
+def fsdp_compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype FSDP2's policy computes `model`'s units in (None: no FSDP2 unit, or no cast)."""
+    fsdp = _fsdp_modules(model)
+    return _fsdp_policy(fsdp[0]).param_dtype if fsdp else None
 
 
 def reduce_dtype(rung: Rung, wrapped: nn.Module, model: nn.Module) -> torch.dtype | None:

@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from hfdist.callbacks.wandb_sink import WandbSink, aggregate_ranks, resolve_wandb_mode, sync_instructions
+from hfdist.callbacks.rank_metrics import aggregate_ranks
+from hfdist.callbacks.wandb_sink import WandbSink, resolve_wandb_mode, sync_instructions
 from hfdist.report.wandb_offline import WandbFileError, find_offline_runs, read_offline_run, read_records
 
 from helpers import finished_offline_run
