@@ -44,6 +44,11 @@ def _compute_dtype(args, model: torch.nn.Module | None) -> str:
     """The dtype the matmuls run in, for the peak to divide by: the Trainer's mixed precision, else the weights'."""
     if args.bf16 or args.fp16:
         return "bf16" if args.bf16 else "fp16"
+    if model is not None:  # hfdist's mesh rungs cast through FSDP2's policy, not the Trainer's autocast
+        from hfdist.train.precision import fsdp_compute_dtype
+
+        if (policy := fsdp_compute_dtype(model)) in _LOW_PRECISION:
+            return _LOW_PRECISION[policy]
     first = next((p for p in model.parameters() if p.is_floating_point()), None) if model is not None else None
     if first is not None and first.dtype in _LOW_PRECISION:
         return _LOW_PRECISION[first.dtype]

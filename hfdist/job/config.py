@@ -58,6 +58,7 @@ class FinetuneConfig:
     dp_replicate: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
+    mixed_precision: str = "auto"
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
     gpu_mem_gb: float | None = None
@@ -86,6 +87,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=int, default=d.pp, help="Pipeline stages (overrides the YAML's).")
     g.add_argument("--dp-replicate", type=int, default=d.dp_replicate,
                    help="Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).")
+    g.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
+                   help="bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; "
+                        "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU.")
     g.add_argument("--pp-schedule", default=d.pp_schedule,
                    choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
                    help="Pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule).")

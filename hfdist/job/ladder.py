@@ -249,11 +249,9 @@ def ds_mixed_precision(ds: dict[str, Any]) -> str:
 
 
 def _deepspeed_json_path(cfg: dict[str, Any], path: Path) -> Path:
+    # zero3_init_flag reaches the ranks through accelerate (ACCELERATE_DEEPSPEED_ZERO3_INIT): true builds a ZeRO-3
+    # model under deepspeed.zero.Init, partitioned as it is created; false builds it whole on every rank first.
     ds = cfg.get("deepspeed_config") or {}
-    if ds.get("zero3_init_flag"):
-        raise LadderError(f"{path} sets zero3_init_flag: true. hfdist builds the model before DeepSpeed starts (every "
-                          "rank holds the full model once before ZeRO partitions it), so deepspeed.zero.Init would "
-                          "not apply. Set zero3_init_flag: false.")
     json_ref = ds.get("deepspeed_config_file")
     if not json_ref:
         raise LadderError(f"{path} uses DeepSpeed without deepspeed_config_file; hfdist keeps the DeepSpeed "

@@ -130,8 +130,10 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
         return  # the planner counts registered architectures; others run unplanned on the data-parallel rungs
     planned = rung if rung.kind is not StrategyKind.SINGLE else load_rung("ddp").with_num_processes(1)
     others = [load_rung(n) for n in known_rung_names() if n != planned.name]
+    from hfdist.job.launch import effective_mixed_precision
+
     on_gpu = torch.cuda.is_available()
-    dtype = "bf16" if (rung.mixed_precision == "bf16" and on_gpu) else "fp32"
+    dtype = "bf16" if effective_mixed_precision(rung, on_gpu, cfg.mixed_precision) == "bf16" else "fp32"
     # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
     plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
     plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
@@ -212,6 +214,7 @@ def _check_gpu_settings(rung: Rung) -> None:
 
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
+    from hfdist.models.build import check_checkpoint_weights
     from hfdist.models.presets import load_config
     from hfdist.train.resume import resume_point
 
@@ -222,4 +225,5 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     check_model_fits_rung(config, rung)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
+    check_checkpoint_weights(cfg.model)
     plan_check(cfg, rung, micro)

@@ -19,7 +19,7 @@ from hfdist.job.config import ConfigError, FinetuneConfig
 from hfdist.job.ladder import Rung, StrategyKind
 from hfdist.job.launch import HANDED_OVER_ENV, cpu_translation, ensure_world, settle_mixed_precision
 from hfdist.job.preflight import batch_layout, preflight
-from hfdist.job.summary import check_blocks, first_blocks, write_summary
+from hfdist.job.summary import check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.job.world import resolve_rung
 from hfdist.train.resume import checkpoint_identity, resume_point
 
@@ -55,7 +55,10 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
-        report_to="none", bf16=mixed == "bf16", fp16=mixed == "fp16", use_cpu=not on_gpu, deepspeed=deepspeed,
+        # Mesh rungs compute in bf16 through FSDP2's policy (hfdist.parallel.parallelize), never also autocast; fp16
+        # reaches only DDP and DeepSpeed (hfdist.job.translate refuses it on the mesh rungs).
+        report_to="none", bf16=mixed == "bf16" and not rung.owns_sharding, fp16=mixed == "fp16", use_cpu=not on_gpu,
+        deepspeed=deepspeed,
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
         # Mesh rungs get it from hfdist.parallel.parallelize (the Trainer cannot reach layers inside stages).
         activation_checkpointing=cfg.activation_checkpointing and not rung.owns_sharding,
@@ -64,25 +67,54 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
     )
 
 
-def _build_model(cfg: FinetuneConfig, tokenizer):
-    from hfdist.models.build import build_model
+def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype):
+    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len."""
+    from hfdist.models.build import inject_lora, meta_model
 
-    model = build_model(cfg.model, vocab_size=len(tokenizer), seed=cfg.seed)
+    model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
                           f"--seq-len <= {limit}.")
-    if cfg.lora:
-        from peft import LoraConfig, get_peft_model
+    return inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
 
-        from hfdist.models.registry import LORA_TARGETS
 
-        torch.manual_seed(cfg.seed)  # identical adapter init on every rank: FSDP/ZeRO-3 shard what each rank has
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                          target_modules=list(LORA_TARGETS))
-        model = get_peft_model(model, lora)
-    return model
+def _training_dtype(rung: Rung, mixed: str) -> torch.dtype:
+    """The dtype the model's own weights are held in: fp32 (the master weights) on every rung but DeepSpeed
+    under bf16, which trains a bf16 model against fp32 partitions of its own."""
+    return torch.bfloat16 if rung.uses_deepspeed and mixed == "bf16" else torch.float32
+
+
+def _build_model(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed: str):
+    """This rank's model for its rung, weights loaded, from `model` (on the meta device): mesh rungs shard it and
+    materialise their shards (hfdist.parallel.parallelize), ZeRO-3 builds under deepspeed.zero.Init, DDP /
+    ZeRO-1/2 / single materialise it whole (hfdist.models.build). Returns (model, what loading it cost)."""
+    import time
+
+    from hfdist.metrics.memory import peak_memory_bytes, start_peak_window
+    from hfdist.models.build import checkpoint_folder, inject_lora, materialize, zero3_model
+    from hfdist.models.load import load_gathered, load_weights, weight_plan
+
+    baseline = start_peak_window(args.device)
+    start = time.perf_counter()
+    plan = weight_plan(model, checkpoint_folder(cfg.model), cfg.seed)
+    if rung.owns_sharding:
+        from hfdist.parallel.parallelize import parallelize
+
+        model = parallelize(model, rung, device=args.device, mixed_precision=mixed,
+                            activation_checkpointing=cfg.activation_checkpointing, weights=plan)
+    elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
+        model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed))
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model = inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
+        load_gathered(model, plan)
+    else:
+        materialize(model, args.device)
+        load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
+    cost = {"baseline_memory_bytes": baseline, "load_peak_memory_bytes": peak_memory_bytes(args.device),
+            "load_seconds": time.perf_counter() - start}
+    return model, cost
 
 
 def _prepare_data(cfg: FinetuneConfig, tokenizer, args):
@@ -111,6 +143,7 @@ class Run:
     metrics: DistributedMetricsCallback
     sink: WandbSink
     flops_per_token: float
+    load: dict[str, float]
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run:
@@ -128,22 +161,19 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     from hfdist.train.trainer import HfdistTrainer
 
     on_gpu = torch.cuda.is_available()
-    mixed = settle_mixed_precision(rung, on_gpu)
-    translation = cpu_translation(rung, on_gpu)
+    mixed = settle_mixed_precision(rung, on_gpu, cfg.mixed_precision)
+    translation = cpu_translation(rung, on_gpu, cfg.mixed_precision)
     if translation is not None and rung.kind is not StrategyKind.SINGLE and _is_rank0():
         print(translation.line(rung), flush=True)
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
-    # Built before TrainingArguments exist: a DeepSpeed config in them makes transformers build under
-    # deepspeed.zero.Init, which the shipped ZeRO-3 YAMLs turn off (zero3_init_flag: false).
-    model = _build_model(cfg, tokenizer)
+    # Meta-device structures first (free), before TrainingArguments exist: a ZeRO-3 config in them makes
+    # transformers build every model under deepspeed.zero.Init. `skeleton` stays on meta: what the save writes.
+    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed))
+    skeleton = _meta_model(cfg, tokenizer, torch.float32)
     collator = collator_for(model.config, cfg.seq_len)  # the model's attention implementation decides the mask
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
     dataset = _prepare_data(cfg, tokenizer, args)
-    if rung.owns_sharding:
-        from hfdist.parallel.parallelize import parallelize
-
-        model = parallelize(model, rung, on_gpu=on_gpu, mixed_precision=mixed,
-                            activation_checkpointing=cfg.activation_checkpointing)
+    model, load = _build_model(cfg, rung, tokenizer, model, args, mixed)
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
     strategy = {"name": rung.name, "world_size": rung.num_processes, "nodes": nodes, **rung.dims.to_dict(),
@@ -164,10 +194,11 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     callbacks = [losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
-                            checkpoint_identity=checkpoint_identity(cfg, rung))
+                            checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
+                            skeleton=skeleton)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
-    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token)
+    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
 
 
 def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> int:
@@ -199,13 +230,28 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
                                                      run.trainer.data_collator))
-    run.trainer.save_model(cfg.output_dir)
+    saved = _save_measured(run, cfg.output_dir)
 
+    precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
+    ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
+                                                  "precision": precision})
     if _is_rank0():
-        write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, run.metrics.ranks,
-                      resume_from)
+        write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
     _leave_process_group()
     return 0
+
+
+def _save_measured(run: Run, output_dir: str) -> dict[str, int]:
+    """Save the trained model; what the save cost this rank: memory before it and at its peak (as the allocator or
+    the OS sees it), and the peak bytes of the tensors the save itself created (the gathered full tensors)."""
+    from hfdist.metrics.memory import LiveTensorBytes, peak_memory_bytes, start_peak_window
+
+    device = run.trainer.args.device
+    before = start_peak_window(device)
+    with LiveTensorBytes() as created:
+        run.trainer.save_model(output_dir)
+    return {"save_baseline_memory_bytes": before, "save_peak_memory_bytes": peak_memory_bytes(device),
+            "save_tensor_peak_bytes": created.peak}
 
 
 def _leave_process_group() -> None:

@@ -15,7 +15,7 @@ from hfdist.job.ladder import Rung
 if TYPE_CHECKING:
     from hfdist.job.run import Run
 
-__all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "check_blocks", "first_blocks", "write_summary"]
+__all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "check_blocks", "first_blocks", "with_rank_records", "write_summary"]
 
 SUMMARY_NAME = "hfdist_summary.json"
 CHECK_BLOCKS = 4  # packed blocks every rank scores after training; the saved model must reproduce that loss
@@ -31,6 +31,19 @@ def check_blocks(rung: Rung, available: int) -> int:
 def first_blocks(dataset, n: int, collate: Callable[[list], dict[str, Any]]) -> dict[str, Any]:
     """The first `n` packed blocks of `dataset` as one model-input batch (made by `collate`, as in training)."""
     return collate([dataset[i] for i in range(n)])
+
+
+def with_rank_records(ranks: list[dict], record: dict) -> list[dict]:
+    """`ranks` (the metrics callback's per-rank figures; none under --no-metrics) with every rank's `record` (its
+    load and save costs and precision, not all numbers) merged in by rank. Collective: one all_gather_object."""
+    import torch.distributed as dist
+
+    records = [record]
+    if dist.is_available() and dist.is_initialized():
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, record)
+    figures = {r["rank"]: r for r in ranks}
+    return [{**figures.get(r["rank"], {}), **r} for r in records]
 
 
 def _write_json_atomically(path: Path, data: dict) -> None:
@@ -56,7 +69,8 @@ def write_summary(cfg: FinetuneConfig, run: Run, train_runtime: float | None, ch
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
     }
     run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
-                          for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes")
+                          for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
+                                    "load_peak_memory_bytes")
                           if any(k in r for r in ranks)})
     run_dir = run.sink.run_dir  # gone once the run is finished
     run.sink.finish()

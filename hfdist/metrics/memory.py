@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["held_tensor", "innermost_optimizer", "rank_state_bytes", "peak_memory_bytes", "current_memory_bytes",
-           "reset_peak_memory", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes"]
+           "reset_peak_memory", "start_peak_window", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes"]
 
 
 def held_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -135,6 +135,23 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
+def start_peak_window(device: torch.device) -> int:
+    """Restart the peak (CUDA's peak stats; on Linux the process's VmHWM, through /proc/self/clear_refs) and return
+    the memory in use now, so that `peak_memory_bytes` later minus this is what a phase (loading, saving) added.
+
+    Where the peak RSS cannot be restarted (not Linux), it stays the process's peak since it started.
+    """
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # "reset the peak resident set size to the current value" (Linux >= 4.0)
+        except OSError:
+            pass
+    return current_memory_bytes(device)
+
+
 def cuda_memory_stats(device: torch.device) -> dict[str, int]:
     """Peak allocated/reserved/active bytes, allocation retries and OOMs since the last reset (CUDA only)."""
     if device.type != "cuda":
@@ -178,7 +195,8 @@ class LiveTensorBytes(TorchDispatchMode):
     CPU has no allocator statistics, so this counts storages directly. A storage counts from the op that creates it
     (an output whose storage is none of the op's inputs', so views and in-place ops add nothing) until it is freed.
     Tensors that exist before the mode is entered are not counted: parameters, gradients that backward accumulates
-    in place, buffers allocated earlier.
+    in place, buffers allocated earlier. Tensor subclasses that wrap others (DTensor, functional collectives'
+    AsyncCollectiveTensor) own no memory: the plain tensors their ops create are what is counted.
     """
 
     def __init__(self) -> None:
@@ -194,8 +212,8 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
-            if not isinstance(t, torch.Tensor):
-                continue
+            if type(t) not in (torch.Tensor, torch.nn.Parameter):
+                continue  # not a tensor, or a subclass wrapping tensors counted on their own
             storage = t.untyped_storage()
             if id(storage) in inputs or storage in self._tracked:
                 continue

@@ -41,6 +41,11 @@ PRESETS: dict[str, Preset] = {
     "llama-small": Preset("llama", dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                                         tie_word_embeddings=False)),
+    # 153 M parameters: big enough that loading and saving memory (per rank, against the model's bytes) is measured
+    # above the noise of a process, small enough to train a few steps on a CPU.
+    "llama-medium": Preset("llama", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=12,
+                                         num_attention_heads=16, num_key_value_heads=8, max_position_embeddings=1024,
+                                         tie_word_embeddings=False)),
     "llama-3.2-1b": Preset("llama", dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                                          max_position_embeddings=131072, tie_word_embeddings=True, rms_norm_eps=1e-5,

@@ -80,7 +80,8 @@ def apply_fsdp(
         mesh: DeviceMesh of the data-parallel axes: 1-D (dp_shard) for FULL_SHARD, 2-D (dp_replicate, dp_shard)
             for HYBRID_SHARD, where fully_shard replicates over the first axis and shards over the second.
         layer_cls_name: class name of the unit to wrap; default `fsdp_unit_class(model)` (the decoder layer).
-        param_dtype: compute dtype of the all-gathered params (bf16 on GPU); gradients are reduced in fp32.
+        param_dtype: compute dtype of the all-gathered params (bf16 under --mixed-precision bf16, on CPU too; the
+            sharded params stay fp32); gradients are then reduced in fp32. None: compute in the params' dtype.
         offload_params: keep sharded params and optimizer state in CPU RAM (GPU only).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard

@@ -89,8 +89,10 @@ def _check_pipeline(rung: Rung, model: nn.Module) -> None:
     total = sum(len(r) for r in runner.layer_ranges)
     if local >= total:
         _fail(rung, f"this rank holds {local} of the model's {total} decoder layers: the model was not split")
+    from torch.distributed.fsdp import FSDPModule
+
     for stage in runner.stages:
-        if rung.dims.dp > 1:
+        if rung.dims.dp > 1 or isinstance(stage, FSDPModule):  # dp = 1 too under bf16: FSDP2 is the precision
             _check_fsdp(rung, stage)
         elif rung.dims.tp > 1:
             for name, p in stage.named_parameters():

@@ -26,21 +26,26 @@ Sharding per rung (N = ranks a replica is sharded over):
   first stage also the embedding, the last the final norm and lm_head; stages split as
   hfdist.parallel.pipeline.plan.split_stages does) with the projections, embedding and lm_head divided by tp.
 
-LoRA: the base weights are frozen (weights only, in the training dtype); the adapters on the targeted linears
-(q, k, v, o, gate, up, down; r = 16) are the trainables and carry the full accounting above.
+LoRA: the base weights are frozen (weights only) and held as hfdist holds them: fp32 (4 B) on DDP, FSDP2, TP and
+PP, where bf16 is only the compute dtype (FSDP2 gathers bf16 copies per unit, counted under buffers), and bf16
+(2 B) only under DeepSpeed's bf16, which casts the whole model; the adapters on the targeted linears (q, k, v, o,
+gate, up, down; r = 16) are the trainables and carry the full accounting above.
 
-Activations: hfdist.models.shape's per-layer formula (for DDP its autocast variant: hfdist runs DDP in bf16 as
-autocast over fp32 weights); data parallelism does not split them; a 1F1B pipeline stage s holds pp - s
-micro-batches in flight (at least pp micro-batches assumed), so the first stage holds a whole model's worth
-of layer activations for one micro-batch.
+Activations: hfdist.models.shape's per-layer formula (for DDP and the single process its autocast variant: hfdist
+runs them in bf16 as autocast over fp32 weights, so the residual stream stays fp32; the mesh rungs, a pipeline with
+one data-parallel rank included, compute in bf16 through FSDP2's policy); data parallelism does not split them; a
+1F1B pipeline stage s holds pp - s micro-batches in flight (at least pp micro-batches assumed), so the first stage
+holds a whole model's worth of layer activations for one micro-batch.
 
 Buffers: 1 GiB of CUDA context + cuBLAS/NCCL workspace on every rung; DDP's gradient buckets (a second copy
 of the trainable grads: gradient_as_bucket_view is off by default); DeepSpeed's reduce buckets
 (reduce_bucket_size from the rung's JSON, "auto" = hidden^2 as the HF Trainer fills it; doubled by
 overlap_comm in ZeRO-1/2); gathered parameters of sharded-weight rungs: FSDP2 as hfdist applies it keeps the
 root unit (embedding, final norm, lm_head) unsharded for the whole step plus two decoder layers (current and
-prefetched) and one layer's unsharded grads; ZeRO-3 gathers module by module (largest module's params + grads,
-DeepSpeed's own 4 x largest-layer term, plus the prefetch bucket). Allocator fragmentation is not modelled.
+prefetched) and one layer's unsharded grads (a pipeline stage: all its units, for the whole step; a pipeline with
+one data-parallel rank has FSDP2, and so gathered copies, only under bf16); ZeRO-3 gathers module by module
+(largest module's params + grads, DeepSpeed's own 4 x largest-layer term, plus the prefetch bucket). Allocator
+fragmentation is not modelled.
 
 "Fits" means total <= the GPU memory given (1 GB = 1e9 bytes, so an "80 GB" H100 with 85.1e9 bytes is planned
 conservatively).
@@ -224,7 +229,9 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     shard_opt = n if (fsdp or zero >= 1) else 1
     grads_sharded, weights_sharded = fsdp or zero >= 2, fsdp or zero >= 3
 
-    weights = (trainable + frozen) * pb.weight / (n if weights_sharded else 1)
+    # A LoRA run's frozen base is held in fp32 but under DeepSpeed's bf16, which casts the whole model.
+    frozen_weight = pb.weight if rung.uses_deepspeed else 4
+    weights = (trainable * pb.weight + frozen * frozen_weight) / (n if weights_sharded else 1)
     if weights_sharded:  # grads reduce-scattered per layer: only the accumulation-dtype shard persists
         grads = trainable * (pb.grad_fp32 or pb.grad) / n
     elif grads_sharded:
@@ -258,7 +265,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     if last:
         activations += shape.head_activation_bytes(tokens, elem, tp)
 
-    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, pb, layers, layer, embed + head,
+    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, embed + head,
                                                 trainable / max(params, 1))
     if rung.kind is StrategyKind.DDP and dims.dp_replicate > 1:
         buffers += trainable * pb.grad  # the reducer's flat buckets: a second copy of the grads
@@ -267,10 +274,12 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded)))
 
 
-def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, pb: _PerParam, layers: int,
+def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, pb: _PerParam, layers: int,
                     layer: float, root: float, trainable_share: float) -> float:
     """Unsharded parameters (and their grads) that exist while a sharded-weight rung computes."""
     unit_grad = pb.grad * trainable_share
+    if rung.owns_sharding and dims.pp > 1 and dims.dp == 1 and w.dtype == "fp32":
+        return 0.0  # a pipeline with one data-parallel rank gets FSDP2 only for bf16 (hfdist.parallel.parallelize)
     if rung.owns_sharding:
         # Under PP, torch's schedules keep a stage's FSDP units unsharded through all micro-batches and
         # reduce-scatter once at the end of the step (pipelining/stage.py), as without resharding after forward.

@@ -78,8 +78,10 @@ class Plan:
         else:
             states = ("bf16 mixed precision, Adam 20 B/param (DeepSpeed's accounting): 2 weight + 2 grad + 4 fp32 "
                       "grad + 4 fp32 master + 8 Adam")
+        frozen = "4 B (fp32; DeepSpeed: 2 B)" if w.dtype == "bf16" else "4 B"
         train = (f"LoRA r={w.lora_r} on {','.join(t.removesuffix('_proj') for t in w.lora_targets)}: frozen base "
-                 f"weights only, adapters ({self.trainable_params:,} params) carry grads + optimizer"
+                 f"weights only, at {frozen}/param as hfdist holds them; adapters ({self.trainable_params:,} params) "
+                 "carry grads + optimizer"
                  if w.lora else f"full fine-tune ({self.trainable_params:,} trainable params)")
         ckpt = "with" if w.activation_checkpointing else "without"
         return [

@@ -4,13 +4,13 @@ DDP and DeepSpeed ZeRO go through the Trainer and accelerate unchanged. For FSDP
 itself; the Trainer then must neither wrap it in DDP nor move it, and must gather the shards to save. Under PP the
 Trainer's model is a PipelineModel (hfdist.parallel.pipeline.model) whose forward runs a whole schedule step, so
 the training step, gradient clipping and saving go through its runner. Before the first step the strategy in effect
-is verified (hfdist.parallel.verify).
+is verified (hfdist.parallel.verify), and its precision (hfdist.train.precision). Every rung but DeepSpeed AutoTP saves
+through hfdist.train.export: fp32, one tensor at a time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from transformers import Trainer
 from hfdist.job.ladder import Rung
 from hfdist.parallel.verify import verify_strategy
 from hfdist.train.checkpointing import CheckpointingMixin
+from hfdist.train.precision import PrecisionProbe, check_precision
 
 __all__ = ["HfdistTrainer", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
 
@@ -44,14 +45,19 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         rung: the strategy asked for.
         lora: whether the model carries LoRA adapters (verified too).
         checkpoint_identity: what a checkpoint records about the run, to refuse resuming another setup's.
+        mixed_precision: "bf16" or "no", as the run trains (checked before the first step).
+        skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
     """
 
     def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
-                 **kwargs) -> None:
+                 mixed_precision: str = "no", skeleton: torch.nn.Module | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.rung = rung
         self.lora = lora
         self.checkpoint_identity = checkpoint_identity or {}
+        self.mixed_precision = mixed_precision
+        self.precision = PrecisionProbe()
+        self.skeleton = skeleton
         if rung.owns_sharding:
             # The Trainer's own switch for "the model already owns its placement and gradient reduction": with it,
             # accelerate prepares autocast only (no DDP wrap, no .to()) and saving joins all ranks.
@@ -85,7 +91,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         batch = {k: v.to(self.args.device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
         model = self.model_wrapped
         model.eval()
-        with self.loss_context():
+        with self.loss_context(), self.compute_loss_context_manager():  # the training precision
             if self.rung.uses_pipeline:
                 runner = model.runner
                 box = [runner.evaluate(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
@@ -113,8 +119,11 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.rung.dims.tp == 1:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self.precision.note_loss(out[0] if return_outputs else out)
+            return out
         loss = self.causal_lm_loss(model, inputs, num_items_in_batch)
+        self.precision.note_loss(loss)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # As the Trainer does: the gradient averaging over data-parallel ranks must not divide a global sum.
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
@@ -133,6 +142,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         inputs = self._prepare_inputs(inputs)
         with self.loss_context():
             loss = model(**inputs, num_items_in_batch=num_items_in_batch)
+        if model.runner.has_last_stage:
+            self.precision.note_loss(loss)
         # The Trainer logs the mean of this over all ranks. Only the last stage's ranks (1 in pp) hold a loss, and
         # it is already scaled by dp like any Trainer loss, so scaling it by pp makes that mean the batch loss.
         return loss.detach() * self.rung.dims.pp
@@ -166,6 +177,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         verify_strategy(self.rung, model, self.model, self.lora)
+        check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model)
+        self.precision.attach(self.model)
         return model, train_dataloader
 
     @contextlib.contextmanager
@@ -181,20 +194,29 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         finally:
             self.model.set_requires_gradient_sync(True)
 
+    def _streams_its_save(self) -> bool:
+        """Every rung saves through hfdist.train.export, but DeepSpeed AutoTP (zero2_tp): its split Linear layers
+        are DeepSpeed's own, gathered for saving by the Trainer (16-bit, whole state dict on rank 0)."""
+        return not (self.rung.uses_deepspeed and self.rung.uses_tp)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._streams_its_save():
+            return super().save_model(output_dir, _internal_call)
+        self._save(output_dir)
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if not self.rung.owns_sharding:
+        """The model (or LoRA adapter) in fp32 as a HF checkpoint, one tensor at a time (collective), + tokenizer."""
+        if not self._streams_its_save():
             return super()._save(output_dir, state_dict)
+        from hfdist.train.export import local_tensors, save_hf_checkpoint
+
         output_dir = output_dir or self.args.output_dir
         if self.rung.uses_pipeline:
-            full = self.model.runner.consolidate_state_dict()  # collective; the full dict on pp rank 0
+            modules = [(stage, stage.original_name) for stage in self.model.runner.stages]
         else:
-            from hfdist.parallel.tensor import gather_full_state_dict
-
-            full = gather_full_state_dict(self.model)  # every rank takes part in the all-gathers; full on rank 0
-        if self.args.should_save:
-            os.makedirs(output_dir, exist_ok=True)
-            self.model.save_pretrained(output_dir, state_dict=full, safe_serialization=True)
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
+            modules = [(self.model, None)]
+        save_hf_checkpoint(output_dir, self.skeleton, local_tensors(modules), adapter_only=self.lora)
+        if self.args.should_save and self.processing_class is not None:
+            self.processing_class.save_pretrained(output_dir)
         if dist.is_initialized():
             dist.barrier()

@@ -85,7 +85,7 @@ def reference(tied: bool, lora: bool, batches) -> dict:
 
 
 def reload_loss(state: dict, tied: bool, lora: bool, batch) -> float:
-    """Load the consolidated state into a fresh model, round-trip it through save/from_pretrained, score `batch`."""
+    """Load the saved state into a fresh model, round-trip it through save/from_pretrained, score `batch`."""
     from transformers import LlamaForCausalLM
 
     fresh = make_model(tied, lora)
@@ -95,6 +95,26 @@ def reload_loss(state: dict, tied: bool, lora: bool, batch) -> float:
     with tempfile.TemporaryDirectory() as tmp:
         fresh.save_pretrained(tmp)
         return eval_loss(LlamaForCausalLM.from_pretrained(tmp), batch)
+
+
+def saved_state(runner, tied: bool, lora: bool) -> dict | None:
+    """Every stage's weights as the streamed HF checkpoint holds them (hfdist.train.export; collective), read back
+    on rank 0; None on the other ranks."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from hfdist.train.export import local_tensors, save_hf_checkpoint
+
+    folder = tempfile.mkdtemp() if dist.get_rank() == 0 else "unused"  # only rank 0 writes
+    save_hf_checkpoint(folder, make_model(tied, lora), local_tensors([(s, s.original_name) for s in runner.stages]))
+    if dist.get_rank() != 0:
+        return None
+    state = load_file(os.path.join(folder, "model.safetensors"))
+    shutil.rmtree(folder)
+    if tied and "lm_head.weight" not in state:  # written once, as save_pretrained does
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
 
 
 def fsdp_parallelize(dp_mesh):
@@ -138,7 +158,7 @@ def run_case(mesh, schedule: str, batches, *, tied: bool = False, lora: bool = F
         shared = loss.clone() if loss is not None else torch.zeros(())
         dist.all_reduce(shared, group=runner.pp_group)
         losses.append(float(shared))
-    state = runner.consolidate_state_dict()
+    state = saved_state(runner, tied, lora)
     out = dict(losses=losses, norms=norms, grad_types=sorted(grad_types), stages=runner.stage_indices)
     if state is not None:
         out["final_loss"] = reload_loss(state, tied, lora, batches[0])

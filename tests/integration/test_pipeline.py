@@ -41,7 +41,7 @@ CASES = [f"{s}/{m}" for m in ("untied", "tied") for s in SCHEDULE_NAMES] + \
 @pytest.mark.parametrize("name", CASES)
 def test_pipeline_matches_single_process(pp_results, name):
     """3 AdamW steps with clipping (batches with padding, -100 labels, a shorter last batch): same losses and
-    pre-clip gradient norms as one process; the consolidated state dict reloads to the same trained loss."""
+    pre-clip gradient norms as one process; the streamed HF checkpoint reloads to the same trained loss."""
     run = _run(pp_results, name)
     ref = pp_results["refs"][name.split("/")[1]]
     assert run["losses"] == pytest.approx(ref["losses"], rel=RTOL)

@@ -270,9 +270,9 @@ def test_lora_freezes_the_base():
     lora = shape.layers * shape.lora_layer_params(8)
     assert plan.trainable_params == lora
     ddp, zero3 = _rung(plan, "ddp").bytes, _rung(plan, "zero3").bytes
-    assert ddp.weights == 2 * (shape.total_params + lora)
+    assert ddp.weights == 4 * shape.total_params + 2 * lora  # DDP keeps the frozen base in fp32
     assert (ddp.grads, ddp.master, ddp.optimizer) == (2 * lora, 4 * lora, 8 * lora)
-    assert zero3.weights == 2 * (shape.total_params + lora) // 8 and zero3.optimizer == 8 * lora // 8
+    assert zero3.weights == 2 * (shape.total_params + lora) // 8 and zero3.optimizer == 8 * lora // 8  # bf16 cast
 
 
 def test_activation_checkpointing_and_batch_scale_activations():
@@ -441,3 +441,16 @@ def test_presets_plan_without_importing_torch():
             "'--json']); print('torch' in sys.modules, 'transformers' in sys.modules, file=sys.stderr)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stderr.strip().endswith("False False"), proc.stderr
+
+
+def test_pipeline_with_one_data_parallel_rank_gathers_only_under_bf16():
+    """pp with dp = 1 gets FSDP2 only for bf16 (its precision policy): then each stage holds bf16 copies of all its
+    units through the step; in fp32 nothing is gathered beyond the workspace."""
+    from hfdist.plan.bytes import WORKSPACE_BYTES, Workload, rung_rank_bytes
+
+    shape = ModelShape.from_config(load_config("llama-3.1-8b"))
+    dims = ParallelDims(pp=2)
+    fp32 = rung_rank_bytes(shape, load_rung("pp"), dims, Workload(dtype="fp32"))
+    bf16 = rung_rank_bytes(shape, load_rung("pp"), dims, Workload(dtype="bf16"))
+    assert fp32.buffers == WORKSPACE_BYTES
+    assert bf16.buffers - WORKSPACE_BYTES >= 2 * (shape.layers // 2) * shape.layer_linear_params  # bf16 stage copy

@@ -8,7 +8,8 @@ Order of use on every rank of a pipeline group (all ranks get the same batch):
     loss = runner.step(input_ids, labels, attention_mask)   # a 0-dim tensor on the last stage's rank, else None
     runner.clip_grad_norm_(1.0)
     opt.step(); opt.zero_grad()
-    state = runner.consolidate_state_dict()     # full HF state dict on pp rank 0, None elsewhere
+    save_hf_checkpoint(out_dir, skeleton, local_tensors([(s, s.original_name) for s in runner.stages]))
+                                                # hfdist.train.export: one tensor at a time, rank 0 writes
 
 The loss is the single-process one: summed cross-entropy of every micro-batch divided by the number of real
 label tokens of the whole batch, so micro-batching changes neither the loss nor the gradients (torch's default,
@@ -124,7 +125,6 @@ class PipelineRunner:
         self.layer_ranges = split_stages(len(lm.model.layers), self.num_stages, embed_weight=embed_weight,
                                          head_weight=head_weight, layers_per_stage=layers_per_stage)
         self.stage_indices = stage_indices_for_rank(self.pp_rank, self.pp, self.stages_per_rank, style)
-        self._state_keys = list(model.state_dict().keys())
         # Read before `parallelize`: FSDP / TP replace the parameters and with them this identity.
         tied = lm.lm_head.weight is lm.model.embed_tokens.weight
         if tied and style == "v" and parallelize is not None:
@@ -327,28 +327,3 @@ class PipelineRunner:
         total = squared.sqrt()
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
-
-    def consolidate_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """Every stage's parameters and buffers gathered into one full HF state dict (CPU tensors, the original
-        model's names and order) on pp rank 0; None on the other ranks. Collective over the pp group (and over
-        the dp / tp meshes of DTensor parameters, which are gathered in full first).
-
-        Raises:
-            PipelineModelError: the gathered entries do not cover the original model's state dict.
-        """
-        from torch.distributed.tensor import DTensor
-
-        local: dict[str, torch.Tensor] = {}
-        for stage in self.stages:
-            for name, t in stage.state_dict().items():
-                t = t.full_tensor() if isinstance(t, DTensor) else t
-                local[stage.original_name(name)] = t.detach().cpu()
-        gathered: list[dict[str, torch.Tensor]] | None = [{} for _ in range(self.pp)] if self.pp_rank == 0 else None
-        dist.gather_object(local, gathered, group=self.pp_group, group_dst=0)
-        if gathered is None:
-            return None
-        merged = {k: v for part in gathered for k, v in part.items()}
-        missing = [k for k in self._state_keys if k not in merged]
-        if missing:
-            raise PipelineModelError(f"Consolidated state dict lacks {len(missing)} entries, e.g. {missing[:3]}.")
-        return {k: merged[k] for k in self._state_keys}

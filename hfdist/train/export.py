@@ -1,0 +1,294 @@
+"""Write a trained model as a Hugging Face checkpoint (or LoRA adapter) one tensor at a time, from any layout.
+
+The same routine serves every rung: a rank's tensors may be plain (DDP: the full model), DTensor shards (FSDP2,
+TP, 3D), a pipeline stage's only, or DeepSpeed ZeRO partitions. For each tensor of the checkpoint, in the order
+`save_pretrained` writes them, rank 0 allocates the full fp32 tensor, receives each distinct slice of it from the
+lowest rank holding that slice (point to point; where the slice lies in the full tensor is what
+torch.distributed.checkpoint computes for DTensor shards), appends it to the safetensors shard it is writing and
+frees it. ZeRO parameters are assembled by DeepSpeed's `safe_get_full_fp32_param` (its fp32 master, never the bf16
+copy), one at a time. So rank 0 holds one full tensor beyond its own state and the other ranks nothing (ZeRO:
+one, transiently), the written weights are fp32 on every rung (the master weights, exactly what was trained), and
+the output is what `save_pretrained` writes:
+model.safetensors (or model-0000i-of-0000N.safetensors + model.safetensors.index.json above `max_shard_bytes`),
+config.json and generation_config.json; or adapter_model.safetensors and adapter_config.json for a LoRA adapter,
+which `PeftModel.from_pretrained` loads.
+
+Why not torch.distributed.checkpoint's HuggingFaceStorageWriter with consolidation: it serialises each rank's
+part of every output file in memory (safetensors' `save` returns the whole file as bytes), writes a sharded copy
+that rank 0 re-reads to consolidate (twice the disk traffic, a shared filesystem even for one output file), and
+it cannot read ZeRO partitions, which need a per-tensor gather anyway. Nor DTensor.full_tensor(): it all-gathers,
+so every rank of the mesh would hold the full tensor, not only the writer.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+__all__ = ["ExportEntry", "SafetensorsStreamWriter", "checkpoint_entries", "local_tensors", "save_hf_checkpoint",
+           "SAVED_DTYPE", "DEFAULT_MAX_SHARD_BYTES"]
+
+SAVED_DTYPE = torch.float32  # every rung saves its fp32 (master) weights
+DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' save_pretrained default ("50GB")
+_DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class ExportEntry:
+    """One tensor of the written checkpoint: its key in the file, the model's name for it, its full shape."""
+
+    key: str
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes it takes in the file."""
+        n = SAVED_DTYPE.itemsize
+        for d in self.shape:
+            n *= d
+        return n
+
+
+class SafetensorsStreamWriter:
+    """Writes tensors into safetensors files whose headers are known in advance, appending each tensor as it
+    arrives: only the tensor being written is in memory. Files split at `max_shard_bytes` like save_pretrained.
+
+    Args:
+        folder: the output folder (exists).
+        entries: every tensor, in the order they will be passed to `write`.
+        single_name: the file name when everything fits one shard ("model.safetensors", "adapter_model.safetensors").
+    """
+
+    def __init__(self, folder: Path, entries: list[ExportEntry], single_name: str,
+                 max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+        shards: list[list[ExportEntry]] = [[]]
+        size = 0
+        for entry in entries:
+            if shards[-1] and size + entry.nbytes > max_shard_bytes:
+                shards.append([])
+                size = 0
+            shards[-1].append(entry)
+            size += entry.nbytes
+        stem = single_name.removesuffix(".safetensors")
+        names = [single_name] if len(shards) == 1 else \
+            [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        self.folder = folder
+        self._queue = [(folder / name, shard) for name, shard in zip(names, shards)]
+        self._file = None
+        self._pending: list[ExportEntry] = []
+        if len(shards) > 1:
+            weight_map = {e.key: name for name, shard in zip(names, shards) for e in shard}
+            index = {"metadata": {"total_size": sum(e.nbytes for e in entries)}, "weight_map": weight_map}
+            (folder / _INDEX).write_text(json.dumps(index, indent=2))
+
+    def _open_next(self) -> None:
+        path, shard = self._queue.pop(0)
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for e in shard:
+            header[e.key] = {"dtype": _DTYPE_NAMES[SAVED_DTYPE], "shape": list(e.shape),
+                             "data_offsets": [offset, offset + e.nbytes]}
+            offset += e.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the format aligns the data section to 8 bytes
+        self._file = open(path, "wb")  # noqa: SIM115 (closed when its last tensor is written)
+        self._file.write(struct.pack("<Q", len(raw)) + raw)
+        self._pending = list(shard)
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        """Append the next tensor (it must be the next entry, with its shape)."""
+        if not self._pending:
+            self._open_next()
+        entry = self._pending.pop(0)
+        if entry.key != key or tuple(tensor.shape) != entry.shape:
+            raise ValueError(f"expected {entry.key} {entry.shape}, got {key} {tuple(tensor.shape)}")
+        data = tensor.detach().to(device="cpu", dtype=SAVED_DTYPE).contiguous()
+        self._file.write(data.view(torch.uint8).numpy().data)
+        if not self._pending:
+            self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        """Check every announced tensor was written."""
+        if self._pending or self._queue:
+            raise ValueError("the checkpoint is incomplete: not every tensor was written")
+
+
+def checkpoint_entries(skeleton: nn.Module, adapter_only: bool) -> list[ExportEntry]:
+    """The tensors of the checkpoint `skeleton` (the full model's structure, e.g. on the meta device) saves, in
+    save_pretrained's order: its state dict without tied copies, or its LoRA adapter's entries (peft's names)."""
+    state = skeleton.state_dict()
+    names = {id(t): n for n, t in reversed(list(state.items()))}
+    if adapter_only:
+        from peft.utils import get_peft_model_state_dict
+
+        return [ExportEntry(key, names[id(t)], tuple(t.shape))
+                for key, t in get_peft_model_state_dict(skeleton, state_dict=state).items()]
+    tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
+    return [ExportEntry(n, n, tuple(t.shape)) for n, t in state.items() if n not in tied]
+
+
+def local_tensors(modules: list[tuple[nn.Module, object]]) -> dict[str, torch.Tensor]:
+    """A rank's parameters by their name in the full model, sharded as they are kept.
+
+    Args:
+        modules: (module, rename) pairs: rename maps a module's parameter name to the full model's (a pipeline
+            stage's `original_name`), or is None for the whole model.
+
+    FSDP2 keeps a unit unsharded after a forward without backward (the root, or every unit under a pipeline
+    schedule's evaluation); its parameters are resharded first, so each is the DTensor shard the rank owns.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[str, torch.Tensor] = {}
+    for module, rename in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+        for name, p in module.named_parameters():
+            out[rename(name) if rename else name] = p
+    return out
+
+
+def _is_zero(tensor: torch.Tensor) -> bool:
+    """A DeepSpeed ZeRO parameter (partitioned, or linked to fp32 master partitions)."""
+    return hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping")
+
+
+def _zero_full(tensor: torch.Tensor) -> torch.Tensor:
+    """A ZeRO parameter's full fp32 values from DeepSpeed's master partitions (collective over all ranks)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    full = safe_get_full_fp32_param(tensor)
+    if full is not None:
+        return full
+    with deepspeed.zero.GatheredParameters([tensor]):  # outside the optimizer (frozen): its own values
+        return tensor.detach().float().clone()
+
+
+def _local_piece(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
+    """(offsets in the full tensor, sizes, values) of the slice this rank holds: a DTensor's local shard where
+    torch.distributed.checkpoint places it (FSDP2, TP and strided FSDP x TP alike), else the whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        (chunk,) = tensor.__create_chunk_list__()
+        return tuple(chunk.offsets), tuple(chunk.sizes), tensor.to_local()
+    return (0,) * tensor.dim(), tuple(tensor.shape), tensor
+
+
+def _senders(entries: list[ExportEntry], local: Mapping[str, torch.Tensor]) -> dict[str, list | None]:
+    """Key -> [(offsets, sizes, rank)] covering the tensor once (each distinct slice from the lowest rank holding
+    it: replicas, TP-replicated norms and DDP copies are sent once), or None for a ZeRO parameter. Every rank
+    computes the same answer from one all_gather_object of what each holds."""
+    mine = {e.key: None if _is_zero(local[e.name]) else _local_piece(local[e.name])[:2]
+            for e in entries if e.name in local}
+    everyone = [mine]
+    if dist.is_initialized():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+    senders: dict[str, list | None] = {}
+    for rank, pieces in enumerate(everyone):
+        for key, piece in pieces.items():
+            if piece is None:
+                senders[key] = None
+                continue
+            known = senders.setdefault(key, [])
+            if all(n > 0 for n in piece[1]) and piece not in [(o, z) for o, z, _ in known]:
+                known.append((*piece, rank))
+    return senders
+
+
+@torch.no_grad()
+def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[str, torch.Tensor], *,
+                       adapter_only: bool = False, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write the model (or its LoRA adapter) into `folder` as a HF checkpoint, streaming one tensor at a time.
+
+    Collective: every rank calls it. Rank 0 assembles each full tensor from the slices the ranks hold (sent to it
+    point to point; the other ranks hold nothing beyond their own state) and appends it to the file it writes.
+    ZeRO parameters come from DeepSpeed's collective fp32 gather instead, one at a time.
+
+    Args:
+        skeleton: the full model's structure (a meta-device copy is enough; a PeftModel for an adapter): its
+            config, names, shapes and tied weights decide what is written.
+        local: this rank's tensors by their name in the full model (plain, DTensor shards or ZeRO parameters).
+        adapter_only: write the LoRA adapter (the skeleton is a PeftModel).
+    """
+    folder = Path(folder)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    entries = checkpoint_entries(skeleton, adapter_only)
+    senders = _senders(entries, local)
+    writer = None
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        writer = SafetensorsStreamWriter(folder, entries,
+                                         "adapter_model.safetensors" if adapter_only else "model.safetensors",
+                                         max_shard_bytes)
+    for entry in entries:
+        if senders[entry.key] is None:  # ZeRO: every rank takes part in DeepSpeed's gather
+            full = _zero_full(local[entry.name])
+        else:
+            full = _assemble(entry, senders[entry.key], local, rank)
+        if writer is not None:
+            writer.write(entry.key, full)
+        del full
+    if writer is not None:
+        writer.close()
+        _write_configs(folder, skeleton, adapter_only)
+
+
+def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor], rank: int) -> torch.Tensor | None:
+    """On rank 0 the full fp32 tensor of `entry`, filled from its own slice and the others' (received straight
+    into place when the slice is contiguous); on the other ranks None, after sending their slice if asked."""
+    full = torch.empty(entry.shape, dtype=SAVED_DTYPE, device=_comm_device()) if rank == 0 else None
+    for offsets, sizes, sender in pieces:
+        if rank == sender:
+            values = _local_piece(local[entry.name])[2].detach().to(SAVED_DTYPE)
+            if rank == 0:
+                full[_slices(offsets, sizes)].copy_(values)
+            else:
+                dist.send(values.contiguous(), dst=0)
+        elif rank == 0:
+            view = full[_slices(offsets, sizes)]
+            target = view if view.is_contiguous() else torch.empty(sizes, dtype=SAVED_DTYPE, device=full.device)
+            dist.recv(target, src=sender)
+            if target is not view:
+                view.copy_(target)
+    return full
+
+
+def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+
+
+def _comm_device() -> torch.device:
+    """Where point-to-point buffers live: the GPU under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _write_configs(folder: Path, skeleton: nn.Module, adapter_only: bool) -> None:
+    """config.json + generation_config.json (the saved dtype recorded), or adapter_config.json."""
+    if adapter_only:
+        peft_config = copy.deepcopy(skeleton.peft_config["default"])
+        peft_config.inference_mode = True
+        peft_config.save_pretrained(str(folder))
+        return
+    config = copy.deepcopy(skeleton.config)
+    config.dtype = SAVED_DTYPE
+    config.save_pretrained(str(folder))
+    generation = getattr(skeleton, "generation_config", None)
+    if generation is not None:
+        generation.save_pretrained(str(folder))
