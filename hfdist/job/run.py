@@ -21,7 +21,7 @@ from hfdist.job.launch import HANDED_OVER_ENV, cpu_translation, ensure_world, se
 from hfdist.job.preflight import batch_layout, preflight
 from hfdist.job.summary import check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.job.world import resolve_rung
-from hfdist.train.resume import checkpoint_identity, resume_point
+from hfdist.train.resume import checkpoint_identity, resume_line, resume_point
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
@@ -226,7 +226,7 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     run.sink.start()  # W&B's start-up (seconds) stays out of the measured training loop
     resume_from = resume_point(cfg, rung)
     if resume_from is not None and _is_rank0():
-        print(f"hfdist: resuming from {resume_from}", flush=True)
+        print(resume_line(resume_from, cfg, rung), flush=True)
     train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
     check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
                                                      run.trainer.data_collator))
