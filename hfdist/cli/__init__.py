@@ -22,7 +22,7 @@ from hfdist.errors import HfdistError
 
 __all__ = ["main", "build_parser", "VERB_MODULES"]
 
-VERB_MODULES = ("finetune", "configs", "plan", "compare")
+VERB_MODULES = ("finetune", "configs", "plan", "compare", "checkpoint")
 
 
 def _verbs():

@@ -1,0 +1,258 @@
+"""Hang diagnostics: when a collective times out, every surviving rank says who never joined, in which collective
+and step, and where each rank was; then the job ends.
+
+The pieces, all from torch 2.13 itself:
+- `--collective-timeout` is set on every process group this process holds, once the world forms and again once the
+  mesh's groups exist (`_set_pg_timeout`): TrainingArguments' ddp_timeout reaches `init_process_group` on GPU only
+  (transformers 5.23 drops it with use_cpu), and `new_group` defaults to torch's 30 minutes, not the world's
+  timeout. gloo then raises in every rank that waits longer in one collective (checked: "Timed out waiting
+  20000ms for recv operation"); NCCL's watchdog aborts.
+- torch's flight recorder, on for every backend by `TORCH_FR_BUFFER_SIZE` (gloo included since torch 2.8; NCCL
+  reads `TORCH_NCCL_TRACE_BUFFER_SIZE` too): each rank's last collectives, with the per-group sequence number of
+  the last one it enqueued. On GPU `TORCH_NCCL_DUMP_ON_TIMEOUT` has NCCL write it on a timeout, to
+  OUTPUT_DIR/logs/flight_recorder/rank_<r>; on CPU the report below reads it in-process.
+- a heartbeat thread per rank that publishes, every HEARTBEAT_SECONDS into the job's c10d store, its step, its
+  flight-recorder group status and its main thread's Python stack. A stopped, dead or GIL-holding rank stops
+  publishing, so its last heartbeat is where it was; the store (kept by the launcher's agent) outlives it.
+
+On the timeout each surviving rank compares the timed-out collective's sequence number with every rank's last
+enqueued one in that group: the ranks behind it never joined. The report goes to the screen and, written atomically,
+to OUTPUT_DIR/logs/hang-rank-<r>.txt; the rank then leaves at once (exit code EXIT_CODE) without touching the
+process group, whose teardown would wait on the missing rank, and the launcher stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_callback import TrainerCallback
+
+__all__ = ["CollectiveWatch", "StepWatchCallback", "flight_recorder_env", "HEARTBEAT_SECONDS", "EXIT_CODE",
+           "MIN_TIMEOUT_SECONDS", "DEFAULT_TIMEOUT_SECONDS"]
+
+DEFAULT_TIMEOUT_SECONDS = 300.0  # long enough for a first step's lazy init and a large checkpoint's collectives
+MIN_TIMEOUT_SECONDS = 1.0
+HEARTBEAT_SECONDS = 2.0
+EXIT_CODE = 3
+_STACK_FRAMES = 12
+_FR_ENTRIES = "2000"
+_PREFIX = "hfdist/heartbeat/"
+
+
+def flight_recorder_env(output_dir: str | Path) -> dict[str, str]:
+    """The environment that turns torch's flight recorder on (gloo and NCCL) and has NCCL dump it on a timeout into
+    OUTPUT_DIR/logs/flight_recorder/rank_<r>. Set before the process group forms; a user's own values win."""
+    dump = str(Path(output_dir) / "logs" / "flight_recorder" / "rank_")
+    return {"TORCH_FR_BUFFER_SIZE": _FR_ENTRIES, "TORCH_NCCL_TRACE_BUFFER_SIZE": _FR_ENTRIES,
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}
+
+
+def _flight_record(collectives: bool) -> dict[str, Any]:
+    """This process's flight-recorder record ({} when it is off or unreadable)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        return json.loads(_dump_fr_trace_json(includeCollectives=collectives, includeStackTraces=False))
+    except Exception:  # noqa: BLE001 (diagnostics must never fail the run)
+        return {}
+
+
+def _main_stack() -> list[str]:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    return [line.rstrip() for line in traceback.format_stack(frame)[-_STACK_FRAMES:]]
+
+
+class CollectiveWatch:
+    """A rank's heartbeat and, on a collective timeout, its report. Use `watching()` around the collective work.
+
+    Args:
+        output_dir: the run's output folder (the report is also written under its logs/).
+        timeout: the --collective-timeout in effect (seconds), quoted in the report.
+    """
+
+    def __init__(self, output_dir: str | Path, timeout: float) -> None:
+        self.output_dir = Path(output_dir)
+        self.timeout = timeout
+        self.phase = "setting up"
+        self.step: int | None = None
+        self._store = None
+        self._rank, self._world = 0, 1
+        self._stop = threading.Event()
+
+    def where(self, phase: str, step: int | None = None) -> None:
+        """What this rank is doing now (published with the next heartbeat)."""
+        self.phase, self.step = phase, step
+
+    def _beat(self) -> dict[str, Any]:
+        status = _flight_record(collectives=False).get("pg_status", {})
+        return {"rank": self._rank, "time": time.time(), "phase": self.phase, "step": self.step,
+                "last_enqueued": {pg: s.get("last_enqueued_collective") for pg, s in status.items()},
+                "stack": _main_stack()}
+
+    def _publish(self) -> None:
+        with contextlib.suppress(Exception):  # a store hiccup must not kill the rank; the next beat retries
+            self._store.set(f"{_PREFIX}{self._rank}", json.dumps(self._beat()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(HEARTBEAT_SECONDS):
+            self._publish()
+
+    def cover_groups(self) -> None:
+        """Put the timeout on every process group that exists now (call again after creating more)."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        for group in list(c10d._world.pg_map):
+            if not c10d._rank_not_in_group(group):
+                c10d._set_pg_timeout(timedelta(seconds=self.timeout), group)
+
+    def start(self) -> None:
+        """Put the timeout on the process groups and start publishing heartbeats (once the world has formed; a
+        no-op without a process group)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        self.cover_groups()
+        self._store = dist.distributed_c10d._get_default_store()
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        self._publish()
+        threading.Thread(target=self._loop, name="hfdist-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop the heartbeat thread."""
+        self._stop.set()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Run the block; a collective timeout inside it prints the report and ends this process (EXIT_CODE)."""
+        try:
+            yield
+        except BaseException as exc:
+            if not _is_timeout(exc):
+                raise
+            self._stop.set()
+            self.report_and_exit(exc)
+
+    def _beats(self, exc: BaseException) -> dict[int, dict[str, Any]]:
+        """Every rank's last heartbeat that the store holds; this rank's now, its stack where the timeout struck."""
+        beats = {}
+        with contextlib.suppress(Exception):
+            self._store.set_timeout(timedelta(seconds=5))  # the report must not wait a full timeout on the store
+        for rank in range(self._world):
+            key = f"{_PREFIX}{rank}"
+            with contextlib.suppress(Exception):
+                if self._store.check([key]):
+                    beats[rank] = json.loads(self._store.get(key))
+        stack = [line.rstrip() for line in traceback.format_tb(exc.__traceback__)[-_STACK_FRAMES:]]
+        beats[self._rank] = {**self._beat(), "stack": stack}
+        return beats
+
+    def report(self, exc: BaseException) -> str:
+        """The paragraph a surviving rank prints: the collective that timed out, the ranks that never joined it,
+        and where each rank was (its last heartbeat's Python stack)."""
+        record = _flight_record(collectives=True)
+        pending = [e for e in record.get("entries", []) if not e.get("retired") and not e.get("is_p2p")]
+        pending = pending or [e for e in record.get("entries", []) if not e.get("retired")]
+        entry = pending[0] if pending else None
+        beats, now = self._beats(exc), time.time()
+        where = f"step {self.step}" if self.step is not None else self.phase
+        if entry is not None:
+            group_key, group_desc = (entry.get("process_group") or ["?", "?"])[:2]
+            seq = int(entry.get("collective_seq_id") or entry.get("p2p_seq_id") or 0)
+            what = f"{entry.get('profiling_name')} #{seq} of process group {group_key} ({group_desc or 'unnamed'})"
+            missing = sorted(r for r, b in beats.items() if group_key in b.get("last_enqueued", {})
+                             and int(b["last_enqueued"][group_key] or -1) < seq)
+        else:
+            what, missing, group_key = f"a collective ({str(exc).splitlines()[0][:200]})", [], None
+        silent = sorted(r for r, b in beats.items() if now - b["time"] > 3 * HEARTBEAT_SECONDS and r != self._rank)
+        unknown = sorted(set(range(self._world)) - set(beats))
+        culprits = sorted(set(missing) | set(silent) | set(unknown))
+        lines = [f"hfdist: collective timeout on rank {self._rank} at {where}: {what} waited more than "
+                 f"--collective-timeout {self.timeout:g} s.",
+                 f"hfdist: never joined: {_rank_list(culprits) if culprits else 'no rank is known to be missing'}"
+                 + "".join(f"\nhfdist:   rank {r}: {_state_of(beats.get(r), now, group_key)}" for r in culprits)]
+        lines.append("hfdist: where each rank was (Python stack of its main thread: its last heartbeat's, this "
+                     "rank's now):")
+        for rank in range(self._world):
+            beat = beats.get(rank)
+            lines.append(f"hfdist: -- rank {rank}: {_state_of(beat, now, group_key)}")
+            lines += [f"hfdist:    {ln}" for frame in (beat or {}).get("stack", []) for ln in frame.splitlines()]
+        lines.append(f"hfdist: the job stops (exit code {EXIT_CODE}); checkpoints already complete are intact (resume "
+                     "with --resume). A rank that never joins is stopped, dead, or stuck outside a collective: see "
+                     "its stack above and its log in logs/.")
+        return "\n".join(lines)
+
+    def report_and_exit(self, exc: BaseException) -> None:
+        """Print the report, write it to logs/hang-rank-<r>.txt (atomically), and leave now."""
+        text = self.report(exc)
+        print(text, file=sys.stderr, flush=True)
+        with contextlib.suppress(OSError):
+            folder = self.output_dir / "logs"
+            folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f".hang-rank-{self._rank}.txt.partial"
+            partial.write_text(text + "\n")
+            os.replace(partial, folder / f"hang-rank-{self._rank}.txt")
+        from hfdist.job import console
+
+        with contextlib.suppress(Exception):
+            console.finish()
+        sys.stdout.flush()
+        os._exit(EXIT_CODE)
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _state_of(beat: dict[str, Any] | None, now: float, group_key: str | None) -> str:
+    if beat is None:
+        return "never published a heartbeat (it did not reach training, or its store connection failed)"
+    where = f"step {beat['step']}" if beat.get("step") is not None else beat.get("phase", "?")
+    age = now - beat["time"]
+    alive = f"alive ({age:.0f} s ago)" if age <= 3 * HEARTBEAT_SECONDS else \
+        f"silent for {age:.0f} s (stopped, dead, or holding the GIL)"
+    last = (beat.get("last_enqueued") or {}).get(group_key) if group_key is not None else None
+    return f"{where}, heartbeat {alive}" + (f", its last collective in that group #{last}" if last is not None else "")
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a collective's timeout."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+            return True
+        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> (error, traceback)
+        if isinstance(failures, dict) and any(_is_timeout(f[0] if isinstance(f, tuple) else f)
+                                              for f in failures.values()):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class StepWatchCallback(TrainerCallback):
+    """Tells the CollectiveWatch which step the rank is in (published with its heartbeat)."""
+
+    def __init__(self, watch: CollectiveWatch) -> None:
+        self.watch = watch
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.watch.where("training", state.global_step + 1)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.watch.where("after training")
