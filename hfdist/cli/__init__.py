@@ -4,6 +4,7 @@
     hfdist configs
     hfdist plan --model llama-3.1-70b --gpus-per-node 8 --nodes 4 --gpu-mem-gb 80
     hfdist compare --configs ddp fsdp_full_shard zero3
+    hfdist checkpoint export outputs/finetune/checkpoint-100 --to hf exported/
     python -m hfdist.cli VERB ...
 
 A verb module defines VERB = (name, help line, description, add-arguments, run); run returns the process exit code

@@ -17,8 +17,10 @@ The pieces, all from torch 2.13 itself:
 
 On the timeout each surviving rank compares the timed-out collective's sequence number with every rank's last
 enqueued one in that group: the ranks behind it never joined. The report goes to the screen and, written atomically,
-to OUTPUT_DIR/logs/hang-rank-<r>.txt; the rank then leaves at once (exit code EXIT_CODE) without touching the
-process group, whose teardown would wait on the missing rank, and the launcher stops the others.
+to OUTPUT_DIR/logs/hang-rank-<r>.txt. Silent ranks on the reporting rank's own host are killed (a stopped process
+ignores the launcher's SIGTERM until torch elastic's 30 s grace ends); the rank then leaves at once (exit code
+EXIT_CODE) without touching the process group, whose teardown would wait on the missing rank, and the launcher
+stops the others.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -62,7 +66,7 @@ def _flight_record(collectives: bool) -> dict[str, Any]:
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
 
-        return json.loads(_dump_fr_trace_json(includeCollectives=collectives, includeStackTraces=False))
+        return json.loads(_dump_fr_trace_json(includeCollectives=collectives))
     except Exception:  # noqa: BLE001 (diagnostics must never fail the run)
         return {}
 
@@ -97,7 +101,8 @@ class CollectiveWatch:
 
     def _beat(self) -> dict[str, Any]:
         status = _flight_record(collectives=False).get("pg_status", {})
-        return {"rank": self._rank, "time": time.time(), "phase": self.phase, "step": self.step,
+        return {"rank": self._rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                "phase": self.phase, "step": self.step,
                 "last_enqueued": {pg: s.get("last_enqueued_collective") for pg, s in status.items()},
                 "stack": _main_stack()}
 
@@ -192,10 +197,26 @@ class CollectiveWatch:
             beat = beats.get(rank)
             lines.append(f"hfdist: -- rank {rank}: {_state_of(beat, now, group_key)}")
             lines += [f"hfdist:    {ln}" for frame in (beat or {}).get("stack", []) for ln in frame.splitlines()]
+        ended = self._end_silent_neighbours(beats, silent)
+        if ended:
+            lines.append(f"hfdist: {_rank_list(ended)} on this host, silent, killed (SIGKILL) so that the job ends now "
+                         "(a stopped process ignores the launcher's SIGTERM, which then waits 30 s before SIGKILL).")
         lines.append(f"hfdist: the job stops (exit code {EXIT_CODE}); checkpoints already complete are intact (resume "
                      "with --resume). A rank that never joins is stopped, dead, or stuck outside a collective: see "
                      "its stack above and its log in logs/.")
         return "\n".join(lines)
+
+    @staticmethod
+    def _end_silent_neighbours(beats: dict[int, dict[str, Any]], silent: list[int]) -> list[int]:
+        """SIGKILL the silent ranks that run on this host (the job is ending; they cannot take part in it)."""
+        host, ended = socket.gethostname(), []
+        for rank in silent:
+            beat = beats[rank]
+            if beat.get("host") == host and beat.get("pid"):
+                with contextlib.suppress(OSError):
+                    os.kill(int(beat["pid"]), signal.SIGKILL)
+                    ended.append(rank)
+        return ended
 
     def report_and_exit(self, exc: BaseException) -> None:
         """Print the report, write it to logs/hang-rank-<r>.txt (atomically), and leave now."""
