@@ -7,8 +7,8 @@ The pieces, all from torch 2.13 itself:
   (transformers 5.23 drops it with use_cpu), and `new_group` defaults to torch's 30 minutes, not the world's
   timeout. gloo then raises in every rank that waits longer in one collective (checked: "Timed out waiting
   20000ms for recv operation"); NCCL's watchdog aborts.
-- torch's flight recorder, on for every backend by `TORCH_FR_BUFFER_SIZE` (gloo included since torch 2.8; NCCL
-  reads `TORCH_NCCL_TRACE_BUFFER_SIZE` too): each rank's last collectives, with the per-group sequence number of
+- torch's flight recorder, on for every backend by `TORCH_FR_BUFFER_SIZE` (gloo included; NCCL's older
+  `TORCH_NCCL_TRACE_BUFFER_SIZE` is deprecated in torch 2.13): each rank's last collectives, with the per-group sequence number of
   the last one it enqueued. On GPU `TORCH_NCCL_DUMP_ON_TIMEOUT` has NCCL write it on a timeout, to
   OUTPUT_DIR/logs/flight_recorder/rank_<r>; on CPU the report below reads it in-process.
 - a heartbeat thread per rank that publishes, every HEARTBEAT_SECONDS into the job's c10d store, its step, its
@@ -57,18 +57,17 @@ def flight_recorder_env(output_dir: str | Path) -> dict[str, str]:
     """The environment that turns torch's flight recorder on (gloo and NCCL) and has NCCL dump it on a timeout into
     OUTPUT_DIR/logs/flight_recorder/rank_<r>. Set before the process group forms; a user's own values win."""
     dump = str(Path(output_dir) / "logs" / "flight_recorder" / "rank_")
-    return {"TORCH_FR_BUFFER_SIZE": _FR_ENTRIES, "TORCH_NCCL_TRACE_BUFFER_SIZE": _FR_ENTRIES,
-            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}
+    return {"TORCH_FR_BUFFER_SIZE": _FR_ENTRIES, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}
 
 
 def _flight_record(collectives: bool) -> dict[str, Any]:
-    """This process's flight-recorder record ({} when it is off or unreadable)."""
+    """This process's flight-recorder record ({"error": why} when it is off or unreadable)."""
     try:
         from torch._C._distributed_c10d import _dump_fr_trace_json
 
-        return json.loads(_dump_fr_trace_json(includeCollectives=collectives))
-    except Exception:  # noqa: BLE001 (diagnostics must never fail the run)
-        return {}
+        return json.loads(_dump_fr_trace_json(includeCollectives=collectives).decode(errors="replace"))
+    except Exception as exc:  # noqa: BLE001 (diagnostics must never fail the run)
+        return {"error": f"{type(exc).__name__}: {exc}"}
 
 
 def _main_stack() -> list[str]:
@@ -94,6 +93,7 @@ class CollectiveWatch:
         self._store = None
         self._rank, self._world = 0, 1
         self._stop = threading.Event()
+        self._record: dict[str, Any] = {}
 
     def where(self, phase: str, step: int | None = None) -> None:
         """What this rank is doing now (published with the next heartbeat)."""
@@ -171,9 +171,8 @@ class CollectiveWatch:
         """The paragraph a surviving rank prints: the collective that timed out, the ranks that never joined it,
         and where each rank was (its last heartbeat's Python stack)."""
         record = _flight_record(collectives=True)
-        pending = [e for e in record.get("entries", []) if not e.get("retired") and not e.get("is_p2p")]
-        pending = pending or [e for e in record.get("entries", []) if not e.get("retired")]
-        entry = pending[0] if pending else None
+        self._record = record
+        entry = _timed_out_entry(record)
         beats, now = self._beats(exc), time.time()
         where = f"step {self.step}" if self.step is not None else self.phase
         if entry is not None:
@@ -183,7 +182,9 @@ class CollectiveWatch:
             missing = sorted(r for r, b in beats.items() if group_key in b.get("last_enqueued", {})
                              and int(b["last_enqueued"][group_key] or -1) < seq)
         else:
-            what, missing, group_key = f"a collective ({str(exc).splitlines()[0][:200]})", [], None
+            why = record.get("error") or "no pending entry"
+            what = f"a collective ({str(exc).splitlines()[0][:200]}; flight recorder: {why[:200]})"
+            missing, group_key = [], None
         silent = sorted(r for r, b in beats.items() if now - b["time"] > 3 * HEARTBEAT_SECONDS and r != self._rank)
         unknown = sorted(set(range(self._world)) - set(beats))
         culprits = sorted(set(missing) | set(silent) | set(unknown))
@@ -222,18 +223,41 @@ class CollectiveWatch:
         """Print the report, write it to logs/hang-rank-<r>.txt (atomically), and leave now."""
         text = self.report(exc)
         print(text, file=sys.stderr, flush=True)
-        with contextlib.suppress(OSError):
-            folder = self.output_dir / "logs"
-            folder.mkdir(parents=True, exist_ok=True)
-            partial = folder / f".hang-rank-{self._rank}.txt.partial"
-            partial.write_text(text + "\n")
-            os.replace(partial, folder / f"hang-rank-{self._rank}.txt")
+        logs = self.output_dir / "logs"
+        _write_atomically(logs / f"hang-rank-{self._rank}.txt", text + "\n")
+        # The flight recorder's record, as NCCL dumps it on GPU (TORCH_NCCL_DUMP_ON_TIMEOUT), here as JSON.
+        _write_atomically(logs / "flight_recorder" / f"rank_{self._rank}.json", json.dumps(self._record, indent=1))
         from hfdist.job import console
 
         with contextlib.suppress(Exception):
             console.finish()
         sys.stdout.flush()
         os._exit(EXIT_CODE)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a partial file under another name, renamed); errors are ignored."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(text)
+        os.replace(partial, path)
+
+
+def _timed_out_entry(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The flight-recorder entry of the collective this rank is stuck in: in a group whose last enqueued collective
+    is past its last completed one, the first not completed (the oldest such, over the groups); else the oldest
+    entry not retired. (gloo marks the timed-out work retired once its wait has raised.)"""
+    entries = record.get("entries", [])
+    stuck = set()
+    for group, status in record.get("pg_status", {}).items():
+        done = int(status.get("last_completed_collective") or -1)
+        if int(status.get("last_enqueued_collective") or -1) > done:
+            stuck.add((group, done + 1))
+    found = [e for e in entries if ((e.get("process_group") or ["?"])[0], e.get("collective_seq_id")) in stuck
+             and not e.get("is_p2p")]
+    found = found or [e for e in entries if not e.get("retired")]
+    return min(found, key=lambda e: e.get("time_created_ns", 0)) if found else None
 
 
 def _rank_list(ranks: list[int]) -> str:

@@ -42,7 +42,7 @@ def test_what_counts_as_a_collective_timeout():
 
 def test_flight_recorder_env_points_the_dump_into_the_run_logs(tmp_path):
     env = watchdog.flight_recorder_env(tmp_path)
-    assert env["TORCH_FR_BUFFER_SIZE"] == env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+    assert env["TORCH_FR_BUFFER_SIZE"] == "2000"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "logs" / "flight_recorder" / "rank_")
 
@@ -60,9 +60,12 @@ def test_report_names_the_rank_behind_the_timed_out_collective(monkeypatch, tmp_
                  "stack": ['  File "fsdp.py", line 2, in all_reduce']}}
     for rank, beat in beats.items():
         store.set(f"hfdist/heartbeat/{rank}", json.dumps(beat))
-    record = {"entries": [{"profiling_name": "gloo:all_reduce", "collective_seq_id": 5, "retired": False,
-                           "is_p2p": False, "process_group": ["0", "default_pg"]}],
-              "pg_status": {"0": {"last_enqueued_collective": "5"}}}
+    # As gloo leaves it after the timeout: the timed-out work retired, the group's last completed one behind.
+    record = {"entries": [{"profiling_name": "gloo:broadcast", "collective_seq_id": 4, "retired": True,
+                           "is_p2p": False, "process_group": ["0", "default_pg"], "time_created_ns": 1},
+                          {"profiling_name": "gloo:all_reduce", "collective_seq_id": 5, "retired": True,
+                           "is_p2p": False, "process_group": ["0", "default_pg"], "time_created_ns": 2}],
+              "pg_status": {"0": {"last_enqueued_collective": "5", "last_completed_collective": "4"}}}
     monkeypatch.setattr(watchdog, "_flight_record", lambda collectives: record)
     watch = watchdog.CollectiveWatch(tmp_path, 20)
     watch._store, watch._rank, watch._world = store, 0, 3
