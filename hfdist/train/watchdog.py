@@ -181,9 +181,10 @@ class CollectiveWatch:
             what = f"{entry.get('profiling_name')} #{seq} of process group {group_key} ({group_desc or 'unnamed'})"
             missing = sorted(r for r, b in beats.items() if group_key in b.get("last_enqueued", {})
                              and int(b["last_enqueued"][group_key] or -1) < seq)
-        else:
-            why = record.get("error") or "no pending entry"
-            what = f"a collective ({str(exc).splitlines()[0][:200]}; flight recorder: {why[:200]})"
+        else:  # torch 2.13's gloo records only some ops (not FSDP2's all-gather / reduce-scatter into tensors)
+            error = f"; flight recorder: {record['error'][:160]}" if "error" in record else ""
+            what = (f"{_collective_from_stack(exc)} (from this rank's stack: the flight recorder holds no unfinished "
+                    f"entry{error}; gloo: {str(exc).splitlines()[0].split('] ')[-1][:120]})")
             missing, group_key = [], None
         silent = sorted(r for r, b in beats.items() if now - b["time"] > 3 * HEARTBEAT_SECONDS and r != self._rank)
         unknown = sorted(set(range(self._world)) - set(beats))
@@ -258,6 +259,20 @@ def _timed_out_entry(record: dict[str, Any]) -> dict[str, Any] | None:
              and not e.get("is_p2p")]
     found = found or [e for e in entries if not e.get("retired")]
     return min(found, key=lambda e: e.get("time_created_ns", 0)) if found else None
+
+
+def _collective_from_stack(exc: BaseException) -> str:
+    """The collective named by the stack the timeout raised through: the innermost torch.distributed call (c10d's
+    function, e.g. all_gather_into_tensor, or the wait in FSDP's code), with the first caller outside torch."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
+    inner = c10d[-1] if c10d else next((f for f in reversed(frames) if "torch/distributed" in f.filename),
+                                       frames[-1] if frames else None)
+    if inner is None:
+        return "a collective"
+    caller = next((f for f in reversed(frames) if "site-packages/torch/" not in f.filename), None)
+    where = f", called from {Path(caller.filename).name}:{caller.lineno} {caller.name}" if caller else ""
+    return f"torch.distributed {inner.name} ({Path(inner.filename).name}:{inner.lineno}{where})"
 
 
 def _rank_list(ranks: list[int]) -> str:
