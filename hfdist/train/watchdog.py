@@ -11,8 +11,8 @@ The pieces, all from torch 2.13 itself:
   `TORCH_NCCL_TRACE_BUFFER_SIZE` is deprecated in torch 2.13): each rank's last collectives, with the per-group sequence number of
   the last one it enqueued. On GPU `TORCH_NCCL_DUMP_ON_TIMEOUT` has NCCL write it on a timeout, to
   OUTPUT_DIR/logs/flight_recorder/rank_<r>; on CPU the report below reads it in-process.
-- a heartbeat thread per rank that publishes, every HEARTBEAT_SECONDS into the job's c10d store, its step, its
-  flight-recorder group status and its main thread's Python stack. A stopped, dead or GIL-holding rank stops
+- a heartbeat thread per rank that publishes, at every step and at least every HEARTBEAT_SECONDS, into the job's
+  c10d store its step, its flight-recorder group status and its main thread's Python stack. A stopped, dead or GIL-holding rank stops
   publishing, so its last heartbeat is where it was; the store (kept by the launcher's agent) outlives it.
 
 On the timeout each surviving rank compares the timed-out collective's sequence number with every rank's last
@@ -92,12 +92,13 @@ class CollectiveWatch:
         self.step: int | None = None
         self._store = None
         self._rank, self._world = 0, 1
-        self._stop = threading.Event()
+        self._stop, self._wake = threading.Event(), threading.Event()
         self._record: dict[str, Any] = {}
 
     def where(self, phase: str, step: int | None = None) -> None:
-        """What this rank is doing now (published with the next heartbeat)."""
+        """What this rank is doing now (published at once by the heartbeat thread, at most every 0.2 s)."""
         self.phase, self.step = phase, step
+        self._wake.set()
 
     def _beat(self) -> dict[str, Any]:
         status = _flight_record(collectives=False).get("pg_status", {})
@@ -111,8 +112,13 @@ class CollectiveWatch:
             self._store.set(f"{_PREFIX}{self._rank}", json.dumps(self._beat()))
 
     def _loop(self) -> None:
-        while not self._stop.wait(HEARTBEAT_SECONDS):
+        while not self._stop.is_set():
+            self._wake.wait(HEARTBEAT_SECONDS)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             self._publish()
+            self._stop.wait(0.2)  # a fast run's steps must not turn the heartbeat into a busy loop
 
     def cover_groups(self) -> None:
         """Put the timeout on every process group that exists now (call again after creating more)."""
@@ -141,6 +147,7 @@ class CollectiveWatch:
     def stop(self) -> None:
         """Stop the heartbeat thread."""
         self._stop.set()
+        self._wake.set()
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:

@@ -60,6 +60,15 @@ def test_resumed_on_another_layout_continues_the_uninterrupted_run(sources, case
     assert (was["world_size"], was["name"]) != (now["world_size"], now["name"])
 
 
+def test_per_rank_step_and_data_wait_times_and_the_slowest_rank(sources):
+    """Every rank's mean step time and data wait are in the summary; the closing table names the slowest rank."""
+    summary, _ = sources[("--config", "fsdp_hybrid")]
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
+    assert all(r["step_seconds"] > 0 and 0 <= r["data_wait_seconds"] < r["step_seconds"] for r in ranks)
+    assert "% below the fastest (rank " in summary["_stdout"] and "hfdist: per-rank figures" in summary["_stdout"]
+
+
 def _preflight(out, *extra):
     """A resume that preflight refuses: `python scripts/finetune.py` (no process group is ever formed)."""
     return run_cmd([sys.executable, str(FINETUNE), *TINY_ARGS, *ODD, "--output-dir", str(out), "--resume", *extra],
