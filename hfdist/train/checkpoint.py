@@ -29,7 +29,8 @@ from torch import nn
 
 from hfdist.errors import HfdistError
 
-__all__ = ["CheckpointError", "MARKER", "SHARDED_DIR", "staging_dir", "latest_checkpoint", "write_marker",
+__all__ = ["CheckpointError", "MARKER", "SHARDED_DIR", "staging_dir", "remove_unfinished", "latest_checkpoint",
+           "write_marker",
            "read_marker", "check_shard_files", "save_sharded", "load_sharded", "replace_staging"]
 
 MARKER = "hfdist_checkpoint.json"
@@ -44,6 +45,15 @@ class CheckpointError(HfdistError, RuntimeError):
 def staging_dir(final: Path) -> Path:
     """Where checkpoint `final` is written before its rename (not matched by `checkpoint-*`)."""
     return final.parent / f".partial-{final.name}"
+
+
+def remove_unfinished(output_dir: Path) -> list[str]:
+    """Delete the staging folders of saves that can no longer finish (a job ending on a hang); their names."""
+    gone = []
+    for staging in sorted(output_dir.glob(staging_dir(output_dir / "checkpoint-*").name)):
+        shutil.rmtree(staging, ignore_errors=True)
+        gone.append(staging.name)
+    return gone
 
 
 def latest_checkpoint(output_dir: Path) -> Path | None:

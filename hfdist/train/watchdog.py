@@ -207,6 +207,11 @@ class CollectiveWatch:
             lines.append(f"hfdist: -- rank {rank}: {_state_of(beat, now, group_key)}")
             lines += [f"hfdist:    {ln}" for frame in (beat or {}).get("stack", []) for ln in frame.splitlines()]
         ended = self._end_silent_neighbours(beats, silent)
+        from hfdist.train.checkpoint import remove_unfinished
+
+        unfinished = remove_unfinished(self.output_dir)  # a save the missing rank was part of can never finish
+        if unfinished:
+            lines.append(f"hfdist: removed the unfinished save {', '.join(unfinished)} (never resumed from).")
         if ended:
             lines.append(f"hfdist: {_rank_list(ended)} on this host, silent, killed (SIGKILL) so that the job ends now "
                          "(a stopped process ignores the launcher's SIGTERM, which then waits 30 s before SIGKILL).")
