@@ -28,6 +28,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the YAML's)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the YAML's)")
     p.add_argument("--dp-replicate", type=int, default=None, help="replica groups of a hybrid rung")
+    p.add_argument("--pp-schedule", default=None, help="pipeline schedule (default: the YAML's)")
+    p.add_argument("--pp-microbatches", type=int, default=None,
+                   help="pipeline micro-batches per step (default: the YAML's; 1F1B needs at least pp)")
     p.add_argument("--gpus-per-node", type=int, default=8,
                    help="GPUs per node: a hybrid rung shards over one node (default 8)")
     p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="bf16",
@@ -41,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     from hfdist.plan.simulate import simulate, simulation_rung
 
     rung = simulation_rung(args.config, args.num_processes, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
+                           pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                            gpus_per_node=args.gpus_per_node, model_config=load_config(args.model))
     sim = simulate(args.model, rung, mixed_precision=args.mixed_precision,
                    activation_checkpointing=args.activation_checkpointing, gpus_per_node=args.gpus_per_node)

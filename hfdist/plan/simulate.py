@@ -30,10 +30,11 @@ import copy
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from hfdist.errors import HfdistError
 from hfdist.job.ladder import LadderError, Rung, StrategyKind, load_rung
+from hfdist.parallel.pipeline.plan import MULTI_STAGE_SCHEDULES
 from hfdist.plan.bytes import StateBytes, predict_state_bytes
 
 __all__ = ["SimulateError", "RoleBytes", "Simulation", "simulation_rung", "simulate"]
@@ -109,9 +110,11 @@ class Simulation:
 
 
 def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = None, pp: int | None = None,
-                    dp_replicate: int | None = None, gpus_per_node: int = 8, model_config=None) -> Rung:
+                    dp_replicate: int | None = None, pp_schedule: str | None = None,
+                    pp_microbatches: int | None = None, gpus_per_node: int = 8, model_config=None) -> Rung:
     """The rung `config_name` fitted to `num_processes` ranks on nodes of `gpus_per_node` GPUs, as a GPU launch
-    would fit it (hfdist.job.world), checked against the model's heads when `model_config` is given.
+    would fit it (hfdist.job.world), with the pipeline schedule / micro-batches given, checked against the model's
+    heads and layers when `model_config` is given (as the launcher's preflight checks them).
 
     Raises:
         SimulateError / LadderError / TPError: a rung simulate cannot run, degrees that do not divide the world
@@ -136,10 +139,23 @@ def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = No
                                        node_size=min(gpus_per_node, num_processes))
     except LadderError as exc:
         raise SimulateError(str(exc)) from exc
-    if model_config is not None and rung.dims.tp > 1:
+    if pp_schedule is not None or pp_microbatches is not None:
+        if rung.pipeline is None:
+            raise SimulateError(f"--pp-schedule / --pp-microbatches apply to pipeline rungs only, and {rung.name} "
+                                "runs without pipeline stages here (pp=1). Use --config pp or 3d, or drop them.")
+        rung = replace(rung, pipeline=replace(rung.pipeline, **{k: v for k, v in (
+            ("schedule", pp_schedule), ("n_microbatches", pp_microbatches)) if v is not None}))
+    if rung.pipeline is not None and rung.pipeline.schedule in MULTI_STAGE_SCHEDULES:
+        raise SimulateError(f"{rung.pipeline.schedule} puts several pipeline stages on each rank, and the planner "
+                            "predicts one stage per rank, so simulate has nothing to compare with. Simulate with "
+                            "--pp-schedule 1F1B (the same parameters, split once per rank).")
+    if model_config is not None:
+        from hfdist.job.preflight import check_pipeline
         from hfdist.parallel.tensor_check import validate_tp
 
-        validate_tp(model_config, rung.dims.tp)
+        if rung.dims.tp > 1:
+            validate_tp(model_config, rung.dims.tp)
+        check_pipeline(rung, rung.pipeline.n_microbatches if rung.pipeline else 1, model_config.num_hidden_layers)
     return rung
 
 
