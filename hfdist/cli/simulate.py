@@ -36,6 +36,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mixed-precision", choices=("bf16", "fp32"), default="bf16",
                    help="the run's precision (default bf16, the GPU default; decides FSDP2 on a pp stage with dp=1)")
     p.add_argument("--activation-checkpointing", action="store_true", help="as the run would apply it")
+    p.add_argument("--step", action="store_true",
+                   help="also simulate one training step in fake tensors under FSDP2's memory tracker and report its "
+                        "activation peak against the planner's (non-pipeline rungs; minutes for the largest models)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length of the simulated step (default 2048)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank in the simulated step (default 1)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -47,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
                            pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                            gpus_per_node=args.gpus_per_node, model_config=load_config(args.model))
     sim = simulate(args.model, rung, mixed_precision=args.mixed_precision,
-                   activation_checkpointing=args.activation_checkpointing, gpus_per_node=args.gpus_per_node)
+                   activation_checkpointing=args.activation_checkpointing, gpus_per_node=args.gpus_per_node,
+                   step_seq=args.seq if args.step else None, micro_batch=args.micro_batch)
     print(json.dumps(sim.to_json(), indent=2) if args.json else sim.table())
     return 0 if sim.verified else 1
 

@@ -45,6 +45,21 @@ class SimulateError(HfdistError, ValueError):
 
 
 @dataclass(frozen=True)
+class StepPeak:
+    """A simulated training step's memory peak on one rank (FSDP2's memory tracker over fake tensors)."""
+
+    seq: int
+    micro_batch: int
+    activation_bytes: int  # activations (and recomputed ones) held at the step's peak
+    peak_bytes: int  # everything the tracker counts at that moment: states, gathered layers, temporaries
+    predicted_activation_bytes: int  # the planner's activations for the same rung and workload
+
+    def relative_error(self) -> float:
+        """|measured - predicted| / predicted activation bytes."""
+        return abs(self.activation_bytes - self.predicted_activation_bytes) / self.predicted_activation_bytes
+
+
+@dataclass(frozen=True)
 class RoleBytes:
     """Model-state bytes one simulated rank holds, and what the planner predicts for it."""
 
@@ -54,6 +69,7 @@ class RoleBytes:
     grad_bytes: int
     optimizer_bytes: int
     predicted: StateBytes
+    step: StepPeak | None = None
 
     def relative_error(self) -> float:
         """The largest |measured - predicted| / predicted over params, grads and optimizer state."""
@@ -65,7 +81,8 @@ class RoleBytes:
         """One entry of `ranks` in `hfdist simulate --json`."""
         return {"rank": self.rank, "stage": self.stage, "param_bytes": self.param_bytes,
                 "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
-                "predicted": asdict(self.predicted), "relative_error": self.relative_error()}
+                "predicted": asdict(self.predicted), "relative_error": self.relative_error(),
+                **({"step": {**asdict(self.step), "relative_error": self.step.relative_error()}} if self.step else {})}
 
 
 @dataclass(frozen=True)
@@ -104,6 +121,12 @@ class Simulation:
             predicted = f"{p.param_bytes / gb:.3f} / {p.grad_bytes / gb:.3f} / {p.optimizer_bytes / gb:.3f}"
             lines.append(f"{r.rank:>6} {r.stage:>5} {r.param_bytes / gb:>10.3f} {r.grad_bytes / gb:>9.3f} "
                          f"{r.optimizer_bytes / gb:>9.3f}  {predicted:>24} {r.relative_error():>7.2%}")
+        for r in self.roles:
+            if r.step is not None:
+                lines.append(f"rank {r.rank}: a simulated step (seq {r.step.seq} x micro-batch {r.step.micro_batch}) "
+                             f"peaks at {r.step.peak_bytes / gb:.3f} GB, activations {r.step.activation_bytes / gb:.3f}"
+                             f" GB; planner {r.step.predicted_activation_bytes / gb:.3f} GB "
+                             f"({r.step.relative_error():.2%})")
         if self.failure:
             lines.append(f"hfdist: verify failed: {self.failure}")
         return "\n".join(lines)
@@ -188,27 +211,92 @@ def _local_bytes(t) -> int:
     return local.numel() * local.element_size()
 
 
-def _rank_state_bytes(model) -> tuple[int, int, int]:
-    """(param, grad, optimizer) bytes of a sharded meta model: gradients as FSDP2 leaves them after its
-    reduce-scatter (a DTensor shaped like the parameter's shard), Adam's state from a real AdamW step on them."""
+def _state_bytes(params: list, optimizer) -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes of this rank: local shards, their gradients, Adam's moments."""
     import torch
 
-    params = list(model.runner.parameters() if hasattr(model, "runner") else model.parameters())
+    moments = sum(_local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
+                  if k != "step" and torch.is_tensor(v))
+    grads = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
+    return sum(_local_bytes(p) for p in params), grads, moments
+
+
+def _rank_params(model) -> list:
+    return list(model.runner.parameters() if hasattr(model, "runner") else model.parameters())
+
+
+def _meta_state_bytes(model) -> tuple[int, int, int]:
+    """State bytes of a sharded meta model: gradients as FSDP2 leaves them after its reduce-scatter (a DTensor
+    shaped like the parameter's shard), Adam's state from a real AdamW step on them."""
+    import torch
+
+    params = _rank_params(model)
     trainable = [p for p in params if p.requires_grad]
     for p in trainable:
         p.grad = torch.zeros_like(p)
     # The Trainer's AdamW keeps the same state (fused or not): exp_avg and exp_avg_sq like the parameter.
     optimizer = torch.optim.AdamW(trainable, lr=1e-5, foreach=False)
     optimizer.step()
-    moments = sum(_local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
-                  if k != "step" and torch.is_tensor(v))
-    return (sum(_local_bytes(p) for p in params), sum(_local_bytes(p.grad) for p in trainable), moments)
+    return _state_bytes(params, optimizer)
+
+
+def _simulated_step(model, rung: Rung, seq: int, micro_batch: int) -> tuple[tuple[int, int, int], dict[str, int]]:
+    """One training step of a sharded meta model in fake tensors (shapes and dtypes, no data), under torch's FSDP2
+    memory tracker: forward with the job's loss (vocab-parallel under TP), backward, AdamW step. Returns the state
+    bytes after the step and the tracker's breakdown at the step's peak ("Total", ...), with "Activation" the
+    activations' own high-water mark."""
+    import contextlib
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    from hfdist.models.build import materialize
+    from hfdist.parallel.tensor import tp_causal_lm_loss
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        materialize(model, torch.device("cpu"))
+        params = _rank_params(model)
+        optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-5, foreach=False)
+        input_ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq))
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((input_ids,))
+        with tracker, (loss_parallel() if rung.uses_tp else contextlib.nullcontext()):
+            # The job's loss (HfdistTrainer.causal_lm_loss): vocab-parallel under TP, else HF's own.
+            loss = (tp_causal_lm_loss(model, {"input_ids": input_ids}) if rung.uses_tp
+                    else model(input_ids=input_ids, labels=input_ids).loss)
+            (forward,) = tracker.get_tracker_snapshot("current").values()
+            loss.backward()
+            optimizer.step()
+        (peak,) = tracker.get_tracker_snapshot("peak").values()
+        named = {getattr(k, "value", k): int(v) for k, v in peak.items()}
+        # The tracker keeps the breakdown at the step's total peak; where the optimizer step is that peak (small
+        # models, short sequences) the activations are gone by then, and their high-water mark is the end of forward.
+        activations = max(named["Activation"], *(int(v) for k, v in forward.items()
+                                                 if getattr(k, "value", k) == "Activation"))
+        return _state_bytes(params, optimizer), {**named, "Activation": activations}
+
+
+def _planned_activations(config, rung: Rung, mixed_precision: str, activation_checkpointing: bool, seq: int,
+                         micro_batch: int) -> int:
+    from hfdist.models.shape import ModelShape
+    from hfdist.plan.bytes import Workload, rung_rank_bytes
+
+    workload = Workload(seq=seq, micro_batch=micro_batch, dtype=mixed_precision,
+                        activation_checkpointing=activation_checkpointing or rung.fsdp.activation_checkpointing)
+    return rung_rank_bytes(ModelShape.from_config(config), rung, rung.dims, workload).activations
 
 
 def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", activation_checkpointing: bool = False,
-             gpus_per_node: int = 8) -> Simulation:
+             gpus_per_node: int = 8, step_seq: int | None = None, micro_batch: int = 1) -> Simulation:
     """Run the parallelize recipe for every distinct rank role of `rung` (from `simulation_rung`) on a meta
     `model_spec` under a fake process group; see the module docstring.
+
+    `step_seq`: also run one training step of `micro_batch` sequences of that length in fake tensors under FSDP2's
+    memory tracker (hfdist's own non-pipeline rungs; a pipeline's schedule exchanges activations between stages,
+    which this does not drive) and report its activation peak against the planner's; the state bytes then come
+    from that step's real gradients and optimizer state.
 
     A role that fails verification (a bug in the recipe, not bad input) is reported in `failure`; its bytes are
     still read.
@@ -222,6 +310,11 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     from hfdist.parallel.parallelize import parallelize
     from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy
 
+    if step_seq is not None and rung.uses_pipeline:
+        raise SimulateError(f"A simulated step drives one model's forward and backward; {rung.name} runs a pipeline "
+                            "schedule across stages, which it does not drive. Leave out --step for pipeline rungs "
+                            "(their state bytes are simulated all the same), or simulate fsdp_full_shard / "
+                            "fsdp_hybrid / fsdp_tp.")
     start = time.perf_counter()
     dims = rung.dims
     template = meta_model(model_spec)
@@ -235,7 +328,14 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
                 verify_strategy(rung, model, model, lora=False)
             except StrategyNotInEffect as exc:
                 failure = failure or f"rank {rank}: {exc}"
-            param, grad, optimizer = _rank_state_bytes(model)
+            step = None
+            if step_seq is None:
+                param, grad, optimizer = _meta_state_bytes(model)
+            else:
+                (param, grad, optimizer), peak = _simulated_step(model, rung, step_seq, micro_batch)
+                step = StepPeak(step_seq, micro_batch, peak["Activation"], peak["Total"],
+                                _planned_activations(template.config, rung, mixed_precision, activation_checkpointing,
+                                                     step_seq, micro_batch))
         predicted = predict_state_bytes(template.config, rung, dtype=mixed_precision, stage=stage)
-        roles.append(RoleBytes(rank, stage, param, grad, optimizer, predicted))
+        roles.append(RoleBytes(rank, stage, param, grad, optimizer, predicted, step))
     return Simulation(model_spec, rung, mixed_precision, tuple(roles), time.perf_counter() - start, failure)

@@ -79,6 +79,21 @@ def test_simulate_reports_a_recipe_that_verify_rejects(monkeypatch, capsys):
     assert "verify FAILED" in out and "are not FSDP2 modules" in out
 
 
+def test_simulated_step_measures_states_and_activations():
+    """One step in fake tensors under FSDP2's memory tracker: the gradients and Adam state its backward and AdamW
+    really allocate equal the meta count, and the activations' high-water mark the planner's (fp32, 2 x 256 tokens,
+    where activations outweigh the tiny model's states)."""
+    rung = simulation_rung("fsdp_full_shard", 4)
+    (meta,) = simulate("llama-tiny", rung, mixed_precision="fp32").roles
+    sim = simulate("llama-tiny", rung, mixed_precision="fp32", step_seq=256, micro_batch=2)
+    (role,) = sim.roles
+    assert sim.verified and role.step is not None
+    assert (role.param_bytes, role.grad_bytes, role.optimizer_bytes) == \
+        (meta.param_bytes, meta.grad_bytes, meta.optimizer_bytes)
+    assert role.step.relative_error() < 0.02, role.step
+    assert role.step.peak_bytes > role.step.activation_bytes + role.param_bytes
+
+
 @pytest.mark.parametrize("args, words", [
     (["--config", "nope", "--num-processes", "8"], "Unknown config 'nope'"),
     (["--config", "zero3", "--num-processes", "8"], "DeepSpeed builds its flat ZeRO partitions in real memory"),
@@ -89,6 +104,7 @@ def test_simulate_reports_a_recipe_that_verify_rejects(monkeypatch, capsys):
     (["--config", "3d", "--num-processes", "16", "--tp", "2", "--pp", "4", "--pp-microbatches", "2"],
      "n_microbatches=2 < pp=4"),
     (["--config", "3d", "--num-processes", "8", "--pp-schedule", "Interleaved1F1B"], "one stage per rank"),
+    (["--config", "pp", "--num-processes", "2", "--step"], "Leave out --step for pipeline rungs"),
 ])
 def test_simulate_bad_input_is_one_paragraph_exit_2(args, words, capsys):
     assert main(["simulate", "--model", "llama-tiny", *args]) == 2
