@@ -203,11 +203,15 @@ def _fake_rank(rank: int, world_size: int, local_world_size: int):
             os.environ["LOCAL_WORLD_SIZE"] = saved
 
 
-def _local_bytes(t) -> int:
-    """Bytes of this rank's piece of `t` (a DTensor's local shard, a plain tensor whole)."""
+def _local(t):
+    """This rank's piece of `t`: a DTensor's local shard, a plain tensor whole."""
     from torch.distributed.tensor import DTensor
 
-    local = t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _local_bytes(t) -> int:
+    local = _local(t)
     return local.numel() * local.element_size()
 
 
@@ -229,13 +233,19 @@ def _meta_state_bytes(model) -> tuple[int, int, int]:
     """State bytes of a sharded meta model: gradients as FSDP2 leaves them after its reduce-scatter (a DTensor
     shaped like the parameter's shard), Adam's state from a real AdamW step on them."""
     import torch
+    from torch import nn
 
     params = _rank_params(model)
     trainable = [p for p in params if p.requires_grad]
     for p in trainable:
         p.grad = torch.zeros_like(p)
-    # The Trainer's AdamW keeps the same state (fused or not): exp_avg and exp_avg_sq like the parameter.
-    optimizer = torch.optim.AdamW(trainable, lr=1e-5, foreach=False)
+    # The Trainer's AdamW keeps the same state (fused or not): exp_avg and exp_avg_sq like the parameter, for a
+    # DTensor a DTensor whose local tensor is shaped like the local shard. Stepped on the local shards here: the
+    # same tensors, without DTensor's per-op dispatch (a third of a 70B simulation's time).
+    local = [nn.Parameter(_local(p)) for p in trainable]
+    for p, shard in zip(local, trainable):
+        p.grad = _local(shard.grad)
+    optimizer = torch.optim.AdamW(local, lr=1e-5, foreach=False)
     optimizer.step()
     return _state_bytes(params, optimizer)
 
