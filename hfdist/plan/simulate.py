@@ -16,7 +16,8 @@ few bytes per tensor, left out as the planner leaves them out). Next to them, hf
 for the same stage: what `hfdist plan` and the run summaries compare against.
 
 The representative rank of pipeline stage s is the one at mesh coordinates (dp 0, stage s, tp 0) = s x tp; other
-ranks of a stage differ by at most one row per tensor where FSDP2's dim-0 split is uneven.
+ranks of a stage differ by at most one row per tensor where FSDP2's dim-0 split is uneven. Middle stages with the
+same number of layers hold the same shapes: one of them stands for all (`RoleBytes.stages`).
 
 Only hfdist's own rungs can be simulated. DeepSpeed rungs are refused: DeepSpeed's engine (and zero.Init) places
 its flat partitions in real memory and runs real collectives while it builds, neither of which the meta device
@@ -70,6 +71,7 @@ class RoleBytes:
     optimizer_bytes: int
     predicted: StateBytes
     step: StepPeak | None = None
+    stages: tuple[int, ...] = ()  # every pipeline stage this role stands for (same layers, neither end)
 
     def relative_error(self) -> float:
         """The largest |measured - predicted| / predicted over params, grads and optimizer state."""
@@ -79,7 +81,7 @@ class RoleBytes:
 
     def to_json(self) -> dict:
         """One entry of `ranks` in `hfdist simulate --json`."""
-        return {"rank": self.rank, "stage": self.stage, "param_bytes": self.param_bytes,
+        return {"rank": self.rank, "stage": self.stage, "stages": list(self.stages), "param_bytes": self.param_bytes,
                 "grad_bytes": self.grad_bytes, "optimizer_bytes": self.optimizer_bytes,
                 "predicted": asdict(self.predicted), "relative_error": self.relative_error(),
                 **({"step": {**asdict(self.step), "relative_error": self.step.relative_error()}} if self.step else {})}
@@ -288,6 +290,17 @@ def _simulated_step(model, rung: Rung, seq: int, micro_batch: int) -> tuple[tupl
         return _state_bytes(params, optimizer), {**named, "Activation": activations}
 
 
+def _distinct_stages(num_layers: int, pp: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(representative stage, the stages it stands for): stages holding the same number of layers and neither the
+    embedding nor the head hold the same shapes, so one of them is simulated (a 405B model on pp=8: 4 roles)."""
+    from hfdist.parallel.pipeline.plan import split_stages
+
+    groups: dict[tuple, list[int]] = {}
+    for stage, layers in enumerate(split_stages(num_layers, pp)):
+        groups.setdefault((len(layers), stage == 0, stage == pp - 1), []).append(stage)
+    return sorted((stages[0], tuple(stages)) for stages in groups.values())
+
+
 def _planned_activations(config, rung: Rung, mixed_precision: str, activation_checkpointing: bool, seq: int,
                          micro_batch: int) -> int:
     from hfdist.models.shape import ModelShape
@@ -329,7 +342,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     dims = rung.dims
     template = meta_model(model_spec)
     roles, failure = [], ""
-    for stage in range(dims.pp):
+    for stage, stages in _distinct_stages(template.config.num_hidden_layers, dims.pp):
         rank = stage * dims.tp  # mesh coordinates (dp_replicate 0, dp_shard 0, pp stage, tp 0)
         with _fake_rank(rank, rung.num_processes, min(gpus_per_node, rung.num_processes)):
             model = parallelize(copy.deepcopy(template), rung, device=torch.device("cpu"),
@@ -347,5 +360,5 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
                                 _planned_activations(template.config, rung, mixed_precision, activation_checkpointing,
                                                      step_seq, micro_batch))
         predicted = predict_state_bytes(template.config, rung, dtype=mixed_precision, stage=stage)
-        roles.append(RoleBytes(rank, stage, param, grad, optimizer, predicted, step))
+        roles.append(RoleBytes(rank, stage, param, grad, optimizer, predicted, step, stages))
     return Simulation(model_spec, rung, mixed_precision, tuple(roles), time.perf_counter() - start, failure)
