@@ -112,22 +112,25 @@ class Simulation:
 
     def table(self) -> str:
         """Per-role bytes against the prediction, as `hfdist simulate` prints them."""
-        gb = 1e9
+        # GB for real models, MB for the tiny ones (whose shards would all read 0.000 GB).
+        gb, unit = (1e9, "GB") if max(r.param_bytes for r in self.roles) >= 1e8 else (1e6, "MB")
         lines = [f"hfdist simulate: {self.model} on {self.rung.name}, {self.rung.num_processes} ranks "
                  f"({self.rung.dims.layout()}), {self.mixed_precision}: verify "
                  f"{'passed' if self.verified else 'FAILED'} ({self.seconds:.1f} s)",
-                 f"{'rank':>6} {'stage':>5} {'params GB':>10} {'grads GB':>9} {'optim GB':>9}  "
-                 f"{'predicted p / g / o GB':>24} {'error':>7}"]
+                 f"{'rank':>6} {'stages':>6} {'params ' + unit:>10} {'grads ' + unit:>9} {'optim ' + unit:>9}  "
+                 f"{'predicted p / g / o ' + unit:>24} {'error':>7}"]
         for r in self.roles:
             p = r.predicted
             predicted = f"{p.param_bytes / gb:.3f} / {p.grad_bytes / gb:.3f} / {p.optimizer_bytes / gb:.3f}"
-            lines.append(f"{r.rank:>6} {r.stage:>5} {r.param_bytes / gb:>10.3f} {r.grad_bytes / gb:>9.3f} "
+            stages = ",".join(map(str, r.stages or (r.stage,)))
+            lines.append(f"{r.rank:>6} {stages:>6} {r.param_bytes / gb:>10.3f} {r.grad_bytes / gb:>9.3f} "
                          f"{r.optimizer_bytes / gb:>9.3f}  {predicted:>24} {r.relative_error():>7.2%}")
         for r in self.roles:
             if r.step is not None:
                 lines.append(f"rank {r.rank}: a simulated step (seq {r.step.seq} x micro-batch {r.step.micro_batch}) "
-                             f"peaks at {r.step.peak_bytes / gb:.3f} GB, activations {r.step.activation_bytes / gb:.3f}"
-                             f" GB; planner {r.step.predicted_activation_bytes / gb:.3f} GB "
+                             f"peaks at {r.step.peak_bytes / gb:.3f} {unit}, activations "
+                             f"{r.step.activation_bytes / gb:.3f} {unit}; planner "
+                             f"{r.step.predicted_activation_bytes / gb:.3f} {unit} "
                              f"({r.step.relative_error():.2%})")
         if self.failure:
             lines.append(f"hfdist: verify failed: {self.failure}")
