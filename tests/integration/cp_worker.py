@@ -6,7 +6,8 @@ hfdist.parallel.parallelize with a cp rung -> the Trainer's batch sharding, hfdi
 so the suite pays the process start-up once:
 - fsdp_cp: dp_shard=2 x cp=2 (sdpa), full fine-tune;
 - cp=4: dp_shard=1 x cp=4, eager attention: llama-tiny's 2 kv heads are fewer than cp (GQA, kv heads repeated);
-- LoRA on dp_shard=2 x cp=2.
+- LoRA on dp_shard=2 x cp=2;
+- cp=2 x tp=2 (Megatron TP with sequence parallel and the vocab-parallel loss, FSDP2 over the cp axis).
 Each trains STEPS AdamW steps on packed rows of SEQ tokens holding several documents, against the same model
 trained in one process (every rank computes the reference itself), and compares per-document logits under cp with
 each document run alone. A case that raises is recorded with its traceback instead of aborting the launch.
@@ -17,11 +18,14 @@ from __future__ import annotations
 import json
 import sys
 import traceback
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from hfdist.data.collation import attention_inputs
 from hfdist.job.ladder import load_rung
@@ -30,6 +34,7 @@ from hfdist.models.load import load_weights, weight_plan
 from hfdist.parallel.context import cp_group_of, shard_batch
 from hfdist.parallel.dims import ParallelDims
 from hfdist.parallel.parallelize import parallelize
+from hfdist.parallel.tensor import tp_causal_lm_loss
 
 SEQ, ROWS, STEPS, LR, VOCAB = 512, 4, 3, 3e-3, 512
 
@@ -90,22 +95,29 @@ def count(batch) -> torch.Tensor:
     return batch["labels"][:, 1:].ne(-100).sum()
 
 
-def train(model, batch, rows: slice, cp_rank: int, cp: int, world_scale: int) -> list[float]:
+def loss_of(model, inputs, n, tp: int) -> torch.Tensor:
+    """The Trainer's loss: HF's own, or under TP the vocab-parallel one (call inside loss_parallel())."""
+    return tp_causal_lm_loss(model, inputs, n) if tp > 1 else model(**inputs, num_items_in_batch=n).loss
+
+
+def train(model, batch, rows: slice, cp_rank: int, dims: ParallelDims | None = None) -> list[float]:
     """STEPS AdamW steps; the loss of each is the sum of the ranks' partial sums over the global label count."""
+    dims = dims or ParallelDims()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     n = count(batch)
     local = {k: v[rows] for k, v in batch.items()}
-    inputs = shard_batch(local, cp_rank, cp) if cp > 1 else local
+    inputs = shard_batch(local, cp_rank, dims.cp) if dims.cp > 1 else local
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
-        loss = model(**inputs, num_items_in_batch=n).loss
-        (loss * world_scale).backward()  # FSDP2 averages gradients over dp_shard x cp: undo it
+        with loss_parallel() if dims.tp > 1 else nullcontext():
+            loss = loss_of(model, inputs, n, dims.tp)
+            (loss * dims.dp * dims.cp).backward()  # FSDP2 averages gradients over dp_shard x cp: undo it
         total = loss.detach().clone()
-        if world_scale > 1:
-            dist.all_reduce(total)
+        if dims.world_size > 1:
+            dist.all_reduce(total)  # tp ranks hold the same partial sum
         opt.step()
-        losses.append(float(total))
+        losses.append(float(total) / dims.tp)
     return losses
 
 
@@ -113,8 +125,10 @@ def document_logit_error(model, reference, batch, rows: slice, cp_rank: int, cp:
     """Largest |logit difference| over every document of this rank's rows: the cp model on the packed rows
     (chunks gathered from the cp group) against `reference` on each document alone."""
     local = {k: v[rows] for k, v in batch.items()}
+    inputs = {k: v for k, v in shard_batch(local, cp_rank, cp).items() if "labels" not in k}
     with torch.no_grad():
-        chunk = model(**shard_batch(local, cp_rank, cp)).logits.contiguous()
+        chunk = model(**inputs).logits
+        chunk = (chunk.full_tensor() if isinstance(chunk, DTensor) else chunk).contiguous()  # vocab-split under TP
         parts = [torch.empty_like(chunk) for _ in range(cp)]
         dist.all_gather(parts, chunk, group=cp_group_of(model))
         logits = torch.cat(parts, dim=1)
@@ -131,7 +145,7 @@ def case(name: str, dims: ParallelDims, lora: bool, implementation: str) -> dict
     rank = dist.get_rank()
     rung = replace(load_rung("fsdp_cp"), name=name, dims=dims, num_processes=dims.world_size)
     batch = packed_batch(implementation)
-    dp_rank = rank // dims.cp
+    dp_rank = rank // (dims.cp * dims.tp)
     per_dp = ROWS // dims.dp
     rows = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
     model = build(lora, implementation, rung)
@@ -144,8 +158,8 @@ def case(name: str, dims: ParallelDims, lora: bool, implementation: str) -> dict
     # A forward without backward leaves FSDP2's root (embedding, norm, lm_head) unsharded: the optimizer must be
     # made on the sharded parameters.
     model.reshard()
-    out["losses"] = train(model, batch, rows, cp_rank, dims.cp, dims.world_size)
-    out["ref_losses"] = train(reference, batch, slice(0, ROWS), 0, 1, 1)
+    out["losses"] = train(model, batch, rows, cp_rank, dims)
+    out["ref_losses"] = train(reference, batch, slice(0, ROWS), 0)
     out["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return out
 
@@ -155,7 +169,8 @@ def main(out_path: str) -> None:
     results = {}
     cases = {"fsdp_cp": (ParallelDims(dp_shard=2, cp=2), False, "sdpa"),
              "cp4_gqa_eager": (ParallelDims(cp=4), False, "eager"),
-             "lora_fsdp_cp": (ParallelDims(dp_shard=2, cp=2), True, "sdpa")}
+             "lora_fsdp_cp": (ParallelDims(dp_shard=2, cp=2), True, "sdpa"),
+             "tp_cp": (ParallelDims(cp=2, tp=2), False, "sdpa")}
     for name, (dims, lora, implementation) in cases.items():
         try:
             results[name] = case(name, dims, lora, implementation)
