@@ -146,9 +146,11 @@ class Rung:
         self._check_degrees_apply(tp, pp, dp_replicate)
         model_parallel = tp * pp * d.cp
         if num_processes < 1 or num_processes % model_parallel:
-            raise LadderError(f"{self.name} cannot run on {num_processes} processes: its tensor x pipeline x context "
-                              f"degrees tp x pp x cp = {tp} x {pp} x {d.cp} = {model_parallel} must divide the "
-                              f"processes. Use a multiple of {model_parallel} processes, or other --tp / --pp.")
+            what, sizes = ("tensor x pipeline", f"tp x pp = {tp} x {pp}") if d.cp == 1 else \
+                ("tensor x pipeline x context", f"tp x pp x cp = {tp} x {pp} x {d.cp}")
+            raise LadderError(f"{self.name} cannot run on {num_processes} processes: its {what} degrees {sizes} = "
+                              f"{model_parallel} must divide the processes. Use a multiple of {model_parallel} "
+                              "processes, or other --tp / --pp.")
         dp = num_processes // model_parallel
         hybrid = self.fsdp is not None and self.fsdp.hybrid
         if self.kind is StrategyKind.SINGLE:

@@ -27,52 +27,19 @@ dp_shard x cp (hfdist.parallel.parallelize).
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfdist.errors import HfdistError
+from hfdist.parallel.context_check import ContextParallelError, check_cp, kv_repeats
 
 __all__ = ["ContextParallelError", "CP_ATTENTION", "check_cp", "kv_repeats", "shard_batch", "apply_cp",
            "cp_group_of"]
 
 CP_ATTENTION = "hfdist_ulysses"
 _SHARDED_KEYS = ("input_ids", "position_ids")
-
-
-class ContextParallelError(HfdistError, ValueError):
-    """Context-parallel degree that does not fit the model, the sequence or the other axes."""
-
-
-def check_cp(config: Any, cp: int, seq_len: int | None = None, tp: int = 1) -> None:
-    """Refuse a cp degree Ulysses cannot run: heads (per tp rank) or the sequence not divisible by it.
-
-    Raises:
-        ContextParallelError: naming the sizes and what would work.
-    """
-    if cp == 1:
-        return
-    heads = int(config.num_attention_heads)
-    if heads % (cp * tp):
-        fits = [c for c in range(2, heads // tp + 1) if (heads // tp) % c == 0] if heads % tp == 0 else []
-        raise ContextParallelError(
-            f"Context parallelism (Ulysses) splits the attention heads over the cp ranks, but the model's "
-            f"{heads} attention heads{f' / tp={tp}' if tp > 1 else ''} do not divide by cp={cp}. Set "
-            f"parallelism_config_cp_size to a divisor of {heads // tp if heads % tp == 0 else heads} "
-            f"({', '.join(map(str, fits)) or 'none above 1'}).")
-    if seq_len is not None and seq_len % cp:
-        raise ContextParallelError(
-            f"Context parallelism cuts every sequence into cp={cp} equal chunks, but --seq-len {seq_len} does not "
-            f"divide by {cp}. Use a --seq-len that is a multiple of {cp} (e.g. {seq_len - seq_len % cp or cp}).")
-
-
-def kv_repeats(kv_heads: int, cp: int) -> int:
-    """How many times each kv head is repeated before the exchange so that the cp ranks get whole kv heads that
-    line up with their query heads: 1 when cp divides kv_heads, else cp / gcd(kv_heads, cp)."""
-    return cp // math.gcd(kv_heads, cp)
 
 
 def shard_batch(batch: dict[str, Any], rank: int, cp: int) -> dict[str, Any]:

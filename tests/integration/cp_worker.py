@@ -31,10 +31,11 @@ from hfdist.data.collation import attention_inputs
 from hfdist.job.ladder import load_rung
 from hfdist.models.build import inject_lora, materialize, meta_model
 from hfdist.models.load import load_weights, weight_plan
-from hfdist.parallel.context import cp_group_of, shard_batch
+from hfdist.parallel.context import CP_ATTENTION, cp_group_of, shard_batch
 from hfdist.parallel.dims import ParallelDims
 from hfdist.parallel.parallelize import parallelize
 from hfdist.parallel.tensor import tp_causal_lm_loss
+from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy
 
 SEQ, ROWS, STEPS, LR, VOCAB = 512, 4, 3, 3e-3, 512
 
@@ -152,8 +153,17 @@ def case(name: str, dims: ParallelDims, lora: bool, implementation: str) -> dict
     if lora:
         _perturb_lora_b(model)
     reference = build(lora, implementation)
+    verify_strategy(rung, model, model, lora)  # the run-time check passes on the real layout...
+    refused = None
+    if name == "fsdp_cp":  # ...and refuses the same model attending without the cp exchange
+        model.config._attn_implementation = "sdpa"
+        try:
+            verify_strategy(rung, model, model, lora)
+        except StrategyNotInEffect as exc:
+            refused = str(exc)
+        model.config._attn_implementation = CP_ATTENTION
     cp_rank = dist.get_rank(cp_group_of(model))
-    out = {"attn": model.config._attn_implementation, "cp_rank": cp_rank,
+    out = {"refused_without_cp": refused, "attn": model.config._attn_implementation, "cp_rank": cp_rank,
            "doc_logit_err": document_logit_error(model, reference, batch, rows, cp_rank, dims.cp)}
     # A forward without backward leaves FSDP2's root (embedding, norm, lm_head) unsharded: the optimizer must be
     # made on the sharded parameters.

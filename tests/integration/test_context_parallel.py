@@ -49,3 +49,10 @@ def test_documents_kept_apart(cp_results, name):
 
 def test_lora_trains_adapters_only(cp_results):
     assert _case(cp_results, "lora_fsdp_cp")["trainable"] < _case(cp_results, "fsdp_cp")["trainable"] / 10
+
+
+def test_verify_checks_the_cp_layout(cp_results):
+    """hfdist.parallel.verify passes every case above (FSDP2 over dp_shard x cp, the cp attention in every layer)
+    and refuses the fsdp_cp model once it attends without the cp exchange."""
+    refused = _case(cp_results, "fsdp_cp")["refused_without_cp"]
+    assert refused and "context parallelism (cp=2) is not in effect" in refused
