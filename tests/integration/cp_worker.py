@@ -7,7 +7,8 @@ so the suite pays the process start-up once:
 - fsdp_cp: dp_shard=2 x cp=2 (sdpa), full fine-tune;
 - cp=4: dp_shard=1 x cp=4, eager attention: llama-tiny's 2 kv heads are fewer than cp (GQA, kv heads repeated);
 - LoRA on dp_shard=2 x cp=2;
-- cp=2 x tp=2 (Megatron TP with sequence parallel and the vocab-parallel loss, FSDP2 over the cp axis).
+- cp=2 x tp=2 (Megatron TP with sequence parallel and the vocab-parallel loss, FSDP2 over the cp axis);
+- HSDP: dp_replicate=2 x cp=2 (FSDP2 replicated over dp_replicate, sharded over cp).
 Each trains STEPS AdamW steps on packed rows of SEQ tokens holding several documents, against the same model
 trained in one process (every rank computes the reference itself), and compares per-document logits under cp with
 each document run alone. A case that raises is recorded with its traceback instead of aborting the launch.
@@ -146,7 +147,7 @@ def case(name: str, dims: ParallelDims, lora: bool, implementation: str) -> dict
     rank = dist.get_rank()
     rung = replace(load_rung("fsdp_cp"), name=name, dims=dims, num_processes=dims.world_size)
     batch = packed_batch(implementation)
-    dp_rank = rank // (dims.cp * dims.tp)
+    dp_rank = rank // dims.ranks_per_batch
     per_dp = ROWS // dims.dp
     rows = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
     model = build(lora, implementation, rung)
@@ -180,7 +181,8 @@ def main(out_path: str) -> None:
     cases = {"fsdp_cp": (ParallelDims(dp_shard=2, cp=2), False, "sdpa"),
              "cp4_gqa_eager": (ParallelDims(cp=4), False, "eager"),
              "lora_fsdp_cp": (ParallelDims(dp_shard=2, cp=2), True, "sdpa"),
-             "tp_cp": (ParallelDims(cp=2, tp=2), False, "sdpa")}
+             "tp_cp": (ParallelDims(cp=2, tp=2), False, "sdpa"),
+             "hsdp_cp": (ParallelDims(dp_replicate=2, cp=2), False, "sdpa")}
     for name, (dims, lora, implementation) in cases.items():
         try:
             results[name] = case(name, dims, lora, implementation)

@@ -1,5 +1,5 @@
 """Context parallelism on 4 gloo ranks: one launch (cp_worker.py) trains fsdp_cp (dp_shard=2 x cp=2), cp=4 with
-fewer kv heads than cp (GQA, eager attention), LoRA on dp_shard=2 x cp=2 and cp=2 x tp=2, on packed rows of 512 tokens holding
+fewer kv heads than cp (GQA, eager attention), LoRA on dp_shard=2 x cp=2, cp=2 x tp=2 and HSDP dp_replicate=2 x cp=2, on packed rows of 512 tokens holding
 several documents, against the single-process run; and checks each document's logits under cp against the
 document run alone.
 
@@ -17,7 +17,7 @@ from helpers import torchrun_json
 
 pytestmark = pytest.mark.multiproc
 RTOL, LOGIT_ATOL = 1e-5, 1e-5
-CASES = ["fsdp_cp", "cp4_gqa_eager", "lora_fsdp_cp", "tp_cp"]
+CASES = ["fsdp_cp", "cp4_gqa_eager", "lora_fsdp_cp", "tp_cp", "hsdp_cp"]
 
 
 @pytest.fixture(scope="module")
