@@ -11,10 +11,11 @@ through hfdist.train.export: fp32, one tensor at a time.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
 from hfdist.job.ladder import Rung
 from hfdist.parallel.context import cp_group_of, shard_batch
@@ -22,7 +23,7 @@ from hfdist.parallel.verify import verify_strategy
 from hfdist.train.checkpointing import CheckpointingMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
 
-__all__ = ["HfdistTrainer", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
+__all__ = ["HfdistTrainer", "MeshTrainingArguments", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
 
 # The private Trainer methods overridden (name -> parameter names after self) and called; see the module docstring.
 PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -37,6 +38,17 @@ PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_load_optimizer_and_scheduler": ("checkpoint",),
 }
 PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save_optimizer_and_scheduler")
+
+
+@dataclass
+class MeshTrainingArguments(TrainingArguments):
+    """TrainingArguments for a model hfdist placed and sharded itself (the mesh rungs): the Trainer must never
+    `.to(device)` it (its shards are already where they belong; FSDP2's CPU-offloaded parameters would be pulled
+    onto the GPU, or raise). `place_model_on_device` is the switch TrainingArguments exposes for this."""
+
+    @property
+    def place_model_on_device(self) -> bool:
+        return False
 
 
 class HfdistTrainer(CheckpointingMixin, Trainer):
