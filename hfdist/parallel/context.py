@@ -27,6 +27,7 @@ dp_shard x cp (hfdist.parallel.parallelize).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -102,6 +103,31 @@ def _sequence_to_ranks(x: torch.Tensor, group, cp: int) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, s // cp, cp * h, d)
 
 
+class _AdditiveMask:
+    """sdpa turns a boolean mask into an additive one of the query's dtype in every call and saves that copy for
+    backward: (layers) x seq x seq x 4 bytes per rank for the packed rows' block mask, the part of the activations
+    cp cannot divide (measured: results/cpu-2core/context_parallel.md). Converting it once per forward and handing
+    every layer the same tensor keeps one copy (sdpa saves the tensor it is given). Both the boolean mask and its
+    additive copy are held weakly: the copy lives exactly as long as autograd keeps it."""
+
+    def __init__(self) -> None:
+        self._source: weakref.ref | None = None
+        self._additive: weakref.ref | None = None
+
+    def __call__(self, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+        if mask is None or mask.dtype != torch.bool:
+            return mask
+        additive = self._additive() if self._additive is not None else None
+        if additive is None or self._source() is not mask or additive.dtype != dtype:
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            additive.masked_fill_(~mask, torch.finfo(dtype).min)
+            self._source, self._additive = weakref.ref(mask), weakref.ref(additive)
+        return additive
+
+
+_ADDITIVE_MASK = _AdditiveMask()
+
+
 class _GroupedView:
     """The attention module as the base attention function sees it after the exchange: the same module, with the
     query heads per kv head this rank really holds (it differs from the model's when kv heads were repeated)."""
@@ -130,6 +156,8 @@ def ulysses_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     # "eager" is no registered function: each modeling file has its own eager_attention_forward.
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(base, eager)
+    if base == "sdpa":
+        attention_mask = _ADDITIVE_MASK(attention_mask, query.dtype)
     out, _ = attend(view, query, key, value, attention_mask, **kwargs)
     return _sequence_to_ranks(out, group, cp), None
 
