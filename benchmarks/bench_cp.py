@@ -78,7 +78,7 @@ def summarise(args: argparse.Namespace, cp: int, records: list[dict], command: s
     return {"cp": cp, "seq": args.seq, "command": command,
             "saved_bytes_per_rank": [r["saved_bytes"] for r in records],
             "predicted_activation_bytes": predicted_activations(args.preset, cp, args.seq),
-            "block_mask_bytes": args.seq * args.seq,  # bool (1, 1, seq, seq), whole on every rank
+            "block_mask_bytes": 4 * args.seq * args.seq,  # its additive fp32 copy (1, 1, seq, seq), on every rank
             "tokens_per_second": min(r["tokens_per_second"] for r in records),
             "saved_bytes_by_length": worst,
             "longest_under_cap": max(fits) if fits else None,
@@ -91,8 +91,10 @@ def markdown(args: argparse.Namespace, rows: list[dict], load: str) -> str:
              f"per rank, load before the run: {load}. Saved = bytes autograd saves in a forward on the worst rank "
              "(hfdist.metrics.memory.saved_tensor_bytes); predicted = hfdist.plan's activation term for fsdp_cp "
              "(no mask). Tokens/s counts each token once across the cp group (median of the timed steps, the slowest "
-             "rank).", "",
-             f"| cp | saved per rank at seq {args.seq} (MiB) | predicted (MiB) | block mask (MiB) | tokens/s | "
+             "rank). cp = 1 is hfdist's plain path, where sdpa converts the boolean block mask to a float copy in "
+             "every layer and saves each (layers x 4 x seq^2 bytes); under cp > 1 the Ulysses attention converts it "
+             "once per forward (4 x seq^2 bytes, whole on every rank): that mask is the part cp does not divide.", "",
+             f"| cp | saved per rank at seq {args.seq} (MiB) | predicted (MiB) | fp32 block mask (MiB) | tokens/s | "
              f"longest seq under {args.cap_mib:g} MiB | predicted longest |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
