@@ -49,6 +49,9 @@ def run_cmd(cmd: list[str], timeout: int = 900, cwd: Path = REPO) -> subprocess.
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONUNBUFFERED": "1"}
     env.pop("HFDIST_HANDED_OVER", None)
+    # A W&B service started by an in-process test (WANDB_SERVICE and friends) would adopt the child's runs.
+    for key in [k for k in env if k.startswith("WANDB_") and k != "WANDB_MODE"]:
+        del env[key]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 

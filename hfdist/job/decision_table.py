@@ -47,6 +47,10 @@ RUNG_INFO: dict[str, RungInfo] = {
     "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
                    "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
                    "the model needs tp inside a node and pp across nodes to fit; dp for the rest"),
+    "fsdp_cp": RungInfo(4, "long-context fine-tune (32K-128K tokens): activations exceed a device",
+                        "every sequence's tokens over cp (Ulysses attention) x params + grads + optimizer state "
+                        "over dp_shard x cp (FSDP2)", "activations do not fit even with checkpointing; cp inside "
+                        "a node", "--seq-len 32768"),
     "zero3_offload_cpu": RungInfo(6, "single-node fine-tune, model exceeds the GPUs' memory",
                                   "params + grads + optimizer state, offloaded to CPU RAM",
                                   "not enough GPU memory at any sharding; slow but feasible"),

@@ -144,11 +144,13 @@ class Rung:
         d = self.dims
         tp, pp = tp or d.tp, pp or d.pp
         self._check_degrees_apply(tp, pp, dp_replicate)
-        model_parallel = tp * pp
+        model_parallel = tp * pp * d.cp
         if num_processes < 1 or num_processes % model_parallel:
-            raise LadderError(f"{self.name} cannot run on {num_processes} processes: its tensor x pipeline degrees tp "
-                              f"x pp = {tp} x {pp} = {model_parallel} must divide the processes. Use a multiple of "
-                              f"{model_parallel} processes, or other --tp / --pp.")
+            what, sizes = ("tensor x pipeline", f"tp x pp = {tp} x {pp}") if d.cp == 1 else \
+                ("tensor x pipeline x context", f"tp x pp x cp = {tp} x {pp} x {d.cp}")
+            raise LadderError(f"{self.name} cannot run on {num_processes} processes: its {what} degrees {sizes} = "
+                              f"{model_parallel} must divide the processes. Use a multiple of {model_parallel} "
+                              "processes, or other --tp / --pp.")
         dp = num_processes // model_parallel
         hybrid = self.fsdp is not None and self.fsdp.hybrid
         if self.kind is StrategyKind.SINGLE:
@@ -176,7 +178,7 @@ class Rung:
             if dp % replicate:
                 raise LadderError(f"--dp-replicate {replicate} does not divide {self.name}'s {dp} data-parallel ranks "
                                   f"({num_processes} processes / tp x pp = {model_parallel}). Use a divisor of {dp}.")
-            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp)
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp, cp=d.cp)
         pipeline = (self.pipeline or PipelineSettings()) if dims.pp > 1 else None
         fsdp = replace(self.fsdp, hybrid=hybrid or dims.dp_replicate > 1) if self.fsdp is not None else None
         return replace(self, num_processes=num_processes, dims=dims, pipeline=pipeline, fsdp=fsdp)
@@ -306,6 +308,16 @@ def deepspeed_rung(name: str, json_path: Path, num_processes: int, **extra: Any)
                 offload_optimizer=(zero.get("offload_optimizer") or {}).get("device", "none"), **extra)
 
 
+def _refuse_cp_outside_fsdp(cfg: dict[str, Any], path: Path) -> None:
+    """Context parallelism lives on hfdist's FSDP2 mesh only: a DDP or DeepSpeed YAML asking for it is refused."""
+    cp = int((cfg.get("parallelism_config") or {}).get("parallelism_config_cp_size", 1) or 1)
+    dtype = str(cfg.get("distributed_type", "")).upper()
+    if cp > 1 and dtype != "FSDP":
+        raise LadderError(f"{path} sets parallelism_config_cp_size: {cp} with distributed_type {dtype}; hfdist's "
+                          "context parallelism (Ulysses attention over sequence chunks) runs on its FSDP2 mesh. Use "
+                          "distributed_type: FSDP (e.g. the fsdp_cp rung), or parallelism_config_cp_size: 1.")
+
+
 def load_rung(name_or_path: str) -> Rung:
     """Parse a shipped rung name ('fsdp_hybrid', 'fsdp_hybrid.yaml') or a YAML path into a Rung.
 
@@ -317,6 +329,7 @@ def load_rung(name_or_path: str) -> Rung:
     path = _resolve_yaml(name_or_path)
     cfg = read_accelerate_yaml(path)
     refuse_unimplemented(cfg, path)
+    _refuse_cp_outside_fsdp(cfg, path)
     name = path.stem
     num_processes = int(cfg.get("num_processes", 1))  # accelerate counts all machines' processes
     mixed = str(cfg.get("mixed_precision", "no"))
@@ -330,19 +343,24 @@ def load_rung(name_or_path: str) -> Rung:
             replicate = int(pc.get("parallelism_config_dp_replicate_size", 1))
             tp = int(pc.get("parallelism_config_tp_size", 1))
             pp = int(pc.get("parallelism_config_pp_size", 1))
-            shard = int(pc.get("parallelism_config_dp_shard_size", num_processes // max(replicate * tp * pp, 1)))
+            cp = int(pc.get("parallelism_config_cp_size", 1) or 1)
+            shard = int(pc.get("parallelism_config_dp_shard_size", num_processes // max(replicate * tp * pp * cp, 1)))
             fsdp = read_fsdp_config(cfg.get("fsdp_config"), path)
             if fsdp.hybrid and "parallelism_config_dp_replicate_size" not in pc:
                 # FSDP1 HYBRID_SHARD: shard over one machine's processes, replicate across the machines.
                 replicate = int(cfg.get("num_machines", 1) or 1)
-                shard = num_processes // max(replicate * tp * pp, 1)
-            dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, pp=pp, tp=tp)
+                shard = num_processes // max(replicate * tp * pp * cp, 1)
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, pp=pp, tp=tp, cp=cp)
             dims.check_world(num_processes)
             pipeline = PipelineSettings(
                 schedule=str(pc.get("parallelism_config_pp_schedule", PipelineSettings.schedule)),
                 n_microbatches=int(pc.get("parallelism_config_pp_microbatches", PipelineSettings.n_microbatches)),
             ) if pp > 1 else None
             notes = (fsdp.note,) if fsdp.note else ()
+            if fsdp.ddp and cp > 1:
+                raise LadderError(f"{path} sets parallelism_config_cp_size: {cp} with NO_SHARD (DDP); hfdist's context "
+                                  "parallelism runs on its FSDP2 mesh. Use a sharding strategy (FULL_SHARD), or "
+                                  "parallelism_config_cp_size: 1.")
             if fsdp.ddp:
                 return Rung(kind=StrategyKind.DDP, dims=ParallelDims(dp_replicate=num_processes), notes=notes,
                             mixed_precision=mixed, **common)

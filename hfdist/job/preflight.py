@@ -14,7 +14,7 @@ from hfdist.job.config import ConfigError, FinetuneConfig
 from hfdist.job.ladder import Rung, StrategyKind, load_rung
 
 __all__ = ["batch_layout", "with_pipeline_overrides", "check_pipeline", "check_deepspeed_json", "plan_check",
-           "check_model_fits_rung", "preflight"]
+           "check_model_fits_rung", "check_context_parallel", "preflight"]
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -190,6 +190,26 @@ def check_model_fits_rung(config, rung: Rung) -> None:
         _check_layer_class(config, rung.fsdp.layer_cls_to_wrap)
 
 
+def check_context_parallel(config, rung: Rung, seq_len: int) -> None:
+    """A context-parallel rung against the model, the sequence length and the other axes, before any process.
+
+    Raises:
+        ConfigError / ContextParallelError: naming the sizes or the axis, and what would work.
+    """
+    cp = rung.dims.cp
+    if cp == 1:
+        return
+    if rung.uses_pipeline:
+        raise ConfigError(f"{rung.name} asks for context parallelism (cp={cp}) together with pipeline stages "
+                          f"(pp={rung.dims.pp}, schedule {rung.pipeline.schedule if rung.pipeline else '?'}); hfdist "
+                          "supports no pipeline schedule with cp yet (its stages pass whole sequences between "
+                          "ranks). Set parallelism_config_pp_size: 1 (cp composes with FSDP2 and TP: dp_shard x cp "
+                          "x tp), or parallelism_config_cp_size: 1 with pp.")
+    from hfdist.parallel.context_check import check_cp
+
+    check_cp(config, cp, seq_len, tp=rung.dims.tp)
+
+
 def _check_layer_class(config, name: str) -> None:
     """A config's fsdp_transformer_layer_cls_to_wrap must name a module class of the model: checked on a skeleton
     built on the meta device (no memory), so a wrong name fails here rather than in every rank."""
@@ -223,6 +243,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
     check_model_fits_rung(config, rung)
+    check_context_parallel(config, rung, cfg.seq_len)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     check_checkpoint_weights(cfg.model)

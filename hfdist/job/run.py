@@ -37,8 +37,18 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def process_group_backend(rung: Rung, on_gpu: bool) -> str | None:
+    """The backend the job's process group needs beyond accelerate's default (None: the default). FSDP2's CPU
+    offload on GPU keeps parameters and gradients in host memory, so clipping's all-reduce and the save's gathers run
+    on CPU tensors: they need gloo beside NCCL in the same group."""
+    offloads = rung.owns_sharding and rung.fsdp is not None and rung.fsdp.offload_params
+    return "cuda:nccl,cpu:gloo" if on_gpu and offloads else None
+
+
 def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, mixed: str, on_gpu: bool):
     from transformers import TrainingArguments
+
+    from hfdist.train.trainer import MeshTrainingArguments
 
     deepspeed = None
     if rung.ds_config_path is not None:
@@ -47,7 +57,8 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         deepspeed, note = deepspeed_config_for_run(rung.ds_config_path, mixed, tp=rung.dims.tp, nvme_path=cfg.nvme_path)
         if note and _is_rank0():
             print(note, flush=True)
-    return TrainingArguments(
+    arguments = MeshTrainingArguments if rung.owns_sharding else TrainingArguments
+    return arguments(
         output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
         max_steps=cfg.max_steps if cfg.num_epochs is None else -1, num_train_epochs=cfg.num_epochs or 1.0,
         learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
@@ -65,6 +76,7 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         activation_checkpointing=cfg.activation_checkpointing and not rung.owns_sharding,
         activation_checkpointing_kwargs={"use_reentrant": False} if cfg.activation_checkpointing else None,
         log_level="warning", log_level_replica="error", disable_tqdm=False,
+        ddp_backend=process_group_backend(rung, on_gpu),
         ddp_timeout=cfg.collective_timeout,  # reaches the GPU world's group; hfdist.train.watchdog sets it on all
     )
 

@@ -4,7 +4,7 @@
   `fsdp_version: 2`) are translated to FSDP2 the way `accelerate to-fsdp2` maps them (FULL_SHARD -> fully_shard,
   SHARD_GRAD_OP -> no reshard after forward, HYBRID_SHARD -> HSDP over the node, NO_SHARD -> DDP); FSDP1-only
   switches FSDP2 has no use for are dropped, and the run says so in one line.
-- Keys hfdist does not implement are refused by name before any process starts (context and sequence parallelism,
+- Keys hfdist does not implement are refused by name before any process starts (DeepSpeed's sequence parallelism,
   fp8, torch.compile through dynamo_config, size-based wrapping, ...): a run that silently ignored them would not
   be the run the config describes.
 - A DeepSpeed JSON's explicit precision (`bf16.enabled: true`, as axolotl's and accelerate's templates ship) is made
@@ -146,12 +146,12 @@ def refuse_unimplemented(cfg: dict[str, Any], path: Path) -> None:
         TranslationError: naming the key, what it asks for and the fix.
     """
     pc = cfg.get("parallelism_config") or {}
-    for key, what in (("parallelism_config_cp_size", "context parallelism"),
-                      ("parallelism_config_sp_size", "sequence parallelism (DeepSpeed Ulysses)")):
-        if int(pc.get(key, 1) or 1) > 1:
-            raise TranslationError(f"{path} sets {key}: {pc[key]} ({what}), which hfdist does not implement yet. "
-                                   f"Set {key}: 1 (or remove it), and let long sequences fit with "
-                                   "--activation-checkpointing or tensor parallelism (fsdp_tp).")
+    key = "parallelism_config_sp_size"
+    if int(pc.get(key, 1) or 1) > 1:
+        raise TranslationError(f"{path} sets {key}: {pc[key]} (sequence parallelism through DeepSpeed Ulysses), which "
+                               f"hfdist does not implement. Set {key}: 1 (or remove it) and use "
+                               "parallelism_config_cp_size on an FSDP config instead (hfdist's context parallelism, "
+                               "also Ulysses: the fsdp_cp rung).")
     if str(cfg.get("mixed_precision", "no")).lower() == "fp8" or cfg.get("fp8_config"):
         key = "mixed_precision: fp8" if str(cfg.get("mixed_precision")).lower() == "fp8" else "fp8_config"
         raise TranslationError(f"{path} sets {key}; hfdist does not implement fp8 training. Use mixed_precision: "

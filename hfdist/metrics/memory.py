@@ -153,7 +153,8 @@ def start_peak_window(device: torch.device) -> int:
 
 
 def cuda_memory_stats(device: torch.device) -> dict[str, int]:
-    """Peak allocated/reserved/active bytes, allocation retries and OOMs since the last reset (CUDA only)."""
+    """Peak allocated/reserved/active bytes since the last peak reset, and allocation retries and OOMs since the
+    process started (hfdist never resets the accumulated counters) (CUDA only)."""
     if device.type != "cuda":
         return {}
     s = torch.cuda.memory_stats(device)

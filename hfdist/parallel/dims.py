@@ -1,8 +1,11 @@
 """ParallelDims: the one source of truth for a run's parallel degrees.
 
-The world is factored as dp_replicate x dp_shard x pp x tp (outermost to innermost), the layout torchtitan and
+The world is factored as dp_replicate x dp_shard x cp x pp x tp (outermost to innermost), the layout torchtitan and
 accelerate's ParallelismConfig use: tp innermost so its frequent collectives stay between neighbouring ranks (one
-node), data parallelism outermost so its once-per-step collectives may cross nodes.
+node), data parallelism outermost so its once-per-step collectives may cross nodes. cp (context parallelism: the
+ranks holding one sequence's chunks, hfdist.parallel.context) sits next to dp_shard, so FSDP2 can shard over the
+flattened dp_shard x cp axis; cp and pp do not compose yet (hfdist.job.preflight refuses it), so their relative
+order is moot.
 """
 
 from __future__ import annotations
@@ -27,12 +30,15 @@ class ParallelDims:
         dp_shard: ranks a model replica is sharded over (FSDP / ZeRO); 1 means no sharding.
         pp: pipeline stages.
         tp: tensor-parallel degree.
+        cp: context-parallel degree: ranks that each hold 1/cp of every sequence (the same parameters, sharded
+            together with dp_shard by FSDP2).
     """
 
     dp_replicate: int = 1
     dp_shard: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in asdict(self).items() if not isinstance(v, int) or v < 1}
@@ -45,18 +51,23 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         """Number of processes these degrees need."""
-        return self.dp_replicate * self.dp_shard * self.pp * self.tp
+        return self.dp_replicate * self.dp_shard * self.cp * self.pp * self.tp
 
     @property
     def dp(self) -> int:
         """Data-parallel degree: how many different micro-batches are processed side by side."""
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def ranks_per_batch(self) -> int:
+        """Ranks that process one micro-batch together: cp x pp x tp (each token counted once across them)."""
+        return self.cp * self.pp * self.tp
+
     def describe(self) -> str:
         """Every factor and the product, for error messages and logs."""
         return (
-            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x pp={self.pp} x tp={self.tp} "
-            f"= {self.world_size} processes"
+            f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x pp={self.pp} x "
+            f"tp={self.tp} = {self.world_size} processes"
         )
 
     def layout(self) -> str:
@@ -79,7 +90,8 @@ class ParallelDims:
 
         The data-parallel axes are always kept (a 1-D mesh needs at least one axis).
         """
-        axes = [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("pp", self.pp), ("tp", self.tp)]
+        axes = [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("cp", self.cp), ("pp", self.pp),
+                ("tp", self.tp)]
         kept = [(n, s) for n, s in axes if s > 1 or n == "dp_shard"]
         names, sizes = zip(*kept)
         return tuple(names), tuple(sizes)
@@ -91,6 +103,23 @@ class ParallelDims:
         names, sizes = self.mesh_shape()
         return init_device_mesh(device_type, sizes, mesh_dim_names=names)
 
+    def fsdp_mesh(self, mesh):
+        """The part of `mesh` FSDP2 works over: dp_shard (x cp, flattened into one shard axis "dp_shard_cp": the cp
+        ranks hold the same parameters and their gradients are reduced together), under dp_replicate for HSDP."""
+        import warnings
+
+        shard = "dp_shard"
+        if self.cp > 1:
+            flat = mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            if self.dp_replicate == 1:
+                return flat
+            shard = "dp_shard_cp"
+        if self.dp_replicate == 1:
+            return mesh[shard]
+        with warnings.catch_warnings():  # torch 2.13 warns on slicing a flattened axis from the root mesh
+            warnings.simplefilter("ignore", UserWarning)
+            return mesh["dp_replicate", shard]
+
     def to_dict(self) -> dict[str, int]:
-        """Plain dict of the four degrees (for summaries and W&B configs)."""
+        """Plain dict of the five degrees (for summaries and W&B configs)."""
         return asdict(self)

@@ -4,11 +4,12 @@ Steps, in this order, on every rank (DDP and DeepSpeed rungs skip all of it: the
 arrives on the meta device (hfdist.models.build.meta_model, LoRA already injected), so nothing is allocated
 before the last two steps, and then only this rank's shards:
 
-    mesh = dims.build_mesh(device)          the DeviceMesh: dp_replicate x dp_shard x pp x tp
+    mesh = dims.build_mesh(device)          the DeviceMesh: dp_replicate x dp_shard x cp x pp x tp
     apply_tp(model, mesh["tp"])             Megatron TP + sequence parallel + vocab-parallel loss (tp > 1)
+    apply_cp(model, mesh["cp"])             attention over sequences sharded across cp ranks (Ulysses, cp > 1)
     apply_ac(model)                         activation checkpointing per decoder layer (asked for or in the YAML)
     split into pipeline stages              this rank's stages only; the rest of the model is dropped (pp > 1)
-    apply_fsdp(module, dp_mesh)             FSDP2 per decoder layer + root, per stage under PP
+    apply_fsdp(module, dp_mesh)             FSDP2 per decoder layer + root, per stage under PP; over dp_shard x cp
     materialize(module, device)             only the local shards, allocated on the rank's device
     load_weights(local tensors, plan)       each rank reads just its slices of the checkpoint (or seeded init)
 
@@ -67,10 +68,14 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
         from hfdist.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"])
+    if dims.cp > 1:
+        from hfdist.parallel.context import apply_cp
+
+        apply_cp(model, mesh["cp"], tp=dims.tp)
     if activation_checkpointing or rung.fsdp.activation_checkpointing:
         apply_ac(model)
 
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
+    dp_mesh = dims.fsdp_mesh(mesh)
 
     def shard(module: nn.Module) -> nn.Module:
         return apply_fsdp(module, dp_mesh, layer_cls_name=rung.fsdp.layer_cls_to_wrap,

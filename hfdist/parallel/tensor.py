@@ -292,12 +292,13 @@ def tp_causal_lm_loss(
     # The model's own forward (not model.model + lm_head) so FSDP2's root hooks run; without labels it returns
     # the logits as lm_head made them and skips HF's loss. Every other key goes along: a packed batch's attention
     # inputs (4-D mask, or flash-attention's varlen arguments) keep its documents apart under TP as well.
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+    logits = model(**{**inputs, "use_cache": False}).logits
     if isinstance(logits, DTensor) and not _loss_parallel_active():
         raise TPError("lm_head returns vocab-sharded logits: call tp_causal_lm_loss and loss.backward() inside "
                       "torch.distributed.tensor.parallel.loss_parallel().")
-    targets = shift_labels(labels)
+    # Under context parallelism the rows were shifted whole before being cut (hfdist.parallel.context.shard_batch).
+    targets = batch["shift_labels"] if "shift_labels" in batch else shift_labels(labels)
     loss = token_sum_cross_entropy(logits, targets)
     if isinstance(loss, DTensor):
         loss = loss.to_local()

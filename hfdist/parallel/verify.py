@@ -54,7 +54,8 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
         _fail(rung, f"hybrid sharding groups of dp_shard={d.dp_shard} ranks do not fit the {local} processes of a "
                     "node, so shards would span nodes; set parallelism_config_dp_shard_size to the processes per node")
     want = (Replicate(), Shard(0)) if d.dp_replicate > 1 else (Shard(0),)
-    want_shape = (d.dp_replicate, d.dp_shard) if d.dp_replicate > 1 else (d.dp_shard,)
+    shard = d.dp_shard * d.cp  # cp ranks hold the same parameters: FSDP2 shards over dp_shard x cp
+    want_shape = (d.dp_replicate, shard) if d.dp_replicate > 1 else (shard,)
     if d.tp > 1:
         want_shape = (*want_shape, d.tp)
     for name, p in model.named_parameters():
@@ -70,6 +71,22 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
         # Megatron TP: the column-parallel q_proj is split on its output dim across the tp axis.
         if d.tp > 1 and name.endswith("q_proj.weight") and "lora" not in name and p.placements[-1] != Shard(0):
             _fail(rung, f"{name} is not column-split over tp (placements {p.placements})")
+
+
+def _check_context_parallel(rung: Rung, model: nn.Module) -> None:
+    """cp: every attention layer exchanges over a cp group of the asked size, through the cp attention."""
+    from hfdist.parallel.context import CP_ATTENTION
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = [m for name, m in base.named_modules() if name.endswith("self_attn")]
+    specs = [getattr(m, "hfdist_cp", None) for m in layers]
+    if base.config._attn_implementation != CP_ATTENTION or not layers or None in specs:
+        _fail(rung, f"context parallelism (cp={rung.dims.cp}) is not in effect: the model attends with "
+                    f"'{base.config._attn_implementation}' and {specs.count(None)} of {len(layers)} attention "
+                    "layers have no cp group")
+    sizes = {dist.get_world_size(group) for group, _, _ in specs}
+    if sizes != {rung.dims.cp}:
+        _fail(rung, f"the attention layers exchange over groups of {sorted(sizes)} ranks, not cp={rung.dims.cp}")
 
 
 def _check_pipeline(rung: Rung, model: nn.Module) -> None:
@@ -151,6 +168,8 @@ def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool
         _check_pipeline(rung, model)
     elif rung.owns_sharding:
         _check_fsdp(rung, model)
+    if rung.dims.cp > 1:
+        _check_context_parallel(rung, model)
     if rung.uses_deepspeed:
         _check_deepspeed(rung, wrapped)
     if lora:

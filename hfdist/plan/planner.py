@@ -214,6 +214,10 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
             from hfdist.parallel.tensor_check import validate_tp
 
             validate_tp(config, dims.tp)
+        if dims.cp > 1:
+            from hfdist.parallel.context_check import check_cp
+
+            check_cp(config, dims.cp, w.seq, tp=dims.tp)
     except (PlanError, ValueError) as exc:
         return RungPlan(rung.name, None, None, False, "", offload, note=f"cannot run here: {exc}")
     if rung.fsdp is not None and rung.fsdp.activation_checkpointing:

@@ -11,17 +11,19 @@ through hfdist.train.export: fp32, one tensor at a time.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
 from hfdist.job.ladder import Rung
+from hfdist.parallel.context import cp_group_of, shard_batch
 from hfdist.parallel.verify import verify_strategy
 from hfdist.train.checkpointing import CheckpointingMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
 
-__all__ = ["HfdistTrainer", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
+__all__ = ["HfdistTrainer", "MeshTrainingArguments", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
 
 # The private Trainer methods overridden (name -> parameter names after self) and called; see the module docstring.
 PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
@@ -36,6 +38,17 @@ PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_load_optimizer_and_scheduler": ("checkpoint",),
 }
 PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save_optimizer_and_scheduler")
+
+
+@dataclass
+class MeshTrainingArguments(TrainingArguments):
+    """TrainingArguments for a model hfdist placed and sharded itself (the mesh rungs): the Trainer must never
+    `.to(device)` it (its shards are already where they belong; FSDP2's CPU-offloaded parameters would be pulled
+    onto the GPU, or raise). `place_model_on_device` is the switch TrainingArguments exposes for this."""
+
+    @property
+    def place_model_on_device(self) -> bool:
+        return False
 
 
 class HfdistTrainer(CheckpointingMixin, Trainer):
@@ -70,12 +83,17 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         (and the data-parallel world in the total batch size) by this, which is what both axes need."""
         return self.rung.dims.tp * self.rung.dims.pp
 
+    def get_cp_size(self) -> int:
+        """Ranks that hold one batch's sequences in chunks (context parallelism): the Trainer divides its gathered
+        token count by this too, so the loss is normalised by each real label token counted once."""
+        return self.rung.dims.cp
+
     def get_train_dataloader(self):
         loader = super().get_train_dataloader()
-        replicas = self.rung.dims.tp * self.rung.dims.pp
+        replicas = self.rung.dims.ranks_per_batch
         if replicas > 1:
-            # accelerate shards batches over every process; with TP the ranks of a tp group must see the same
-            # batch, so shard over the data-parallel ranks only (pp, tp innermost: dp rank = rank // (pp x tp)).
+            # accelerate shards batches over every process; the ranks of a tp / pp / cp group must see the same
+            # batch, so shard over the data-parallel ranks only (cp, pp, tp innermost: dp rank = rank // replicas).
             shard = loader.batch_sampler
             shard.num_processes = self.rung.dims.dp
             shard.process_index = self.args.process_index // replicas
@@ -98,8 +116,23 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
                                        batch.get("position_ids"))]
                 dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
                 return float(box[0])
+            if self.rung.dims.cp > 1:
+                return self._cp_batch_loss(model, batch)
             loss = self.causal_lm_loss(model, batch)
         return float(loss.detach().float().cpu())
+
+    def _cp_batch_loss(self, model, batch: dict[str, torch.Tensor]) -> float:
+        """The mean token loss under context parallelism: each cp rank sums its chunk's token losses, divided by
+        the whole batch's label count, and the cp group adds the parts."""
+        count = batch["labels"][:, 1:].ne(-100).sum()
+        loss = self.causal_lm_loss(model, self._cp_shard(batch), num_items_in_batch=count)
+        dist.all_reduce(loss, group=cp_group_of(self.model))
+        return float(loss.detach().float().cpu())
+
+    def _cp_shard(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's chunk of every sequence (hfdist.parallel.context.shard_batch)."""
+        group = cp_group_of(self.model)
+        return shard_batch(inputs, dist.get_rank(group), self.rung.dims.cp)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
         """`loss_parallel()` under TP (cross-entropy on vocab-sharded logits, forward and backward), else nothing."""
@@ -132,6 +165,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         if self.rung.uses_pipeline:
             return self._pipeline_training_step(model, inputs, num_items_in_batch)
+        if self.rung.dims.cp > 1:  # the Trainer counted the batch's label tokens already, on the whole rows
+            inputs = self._cp_shard(inputs)
         with self.loss_context():  # backward too must run inside loss_parallel()
             return super().training_step(model, inputs, num_items_in_batch)
 

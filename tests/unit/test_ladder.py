@@ -86,7 +86,7 @@ def test_bad_yaml_and_fsdp1_are_refused(tmp_path):
 
 
 def test_dims_errors_print_every_factor():
-    with pytest.raises(DimsError, match="dp_replicate=2 x dp_shard=2 x pp=1 x tp=2 = 8 processes"):
+    with pytest.raises(DimsError, match="dp_replicate=2 x dp_shard=2 x cp=1 x pp=1 x tp=2 = 8 processes"):
         ParallelDims(dp_replicate=2, dp_shard=2, tp=2).check_world(4)
     with pytest.raises(DimsError):
         ParallelDims(tp=0)

@@ -243,7 +243,7 @@ def test_sharding_per_rung():
     p = ModelShape.from_config(config).total_params
     plan = plan_rungs(config, gpus_per_node=4, nodes=2, gpu_mem_bytes=H100)
     assert [r.name for r in plan.rungs] == ["ddp", "zero1", "zero2", "fsdp_full_shard", "zero3", "fsdp_hybrid",
-                                            "pp", "fsdp_tp", "zero2_tp", "3d", "zero3_offload_cpu",
+                                            "pp", "fsdp_tp", "zero2_tp", "3d", "fsdp_cp", "zero3_offload_cpu",
                                             "zero3_offload_nvme"]
     b = {r.name: r.bytes for r in plan.rungs}
     assert (b["ddp"].weights, b["ddp"].grads, b["ddp"].master, b["ddp"].optimizer) == (2 * p, 2 * p, 4 * p, 8 * p)

@@ -47,3 +47,39 @@ def test_transformers_is_bounded_above_in_pyproject():
     assert upper, f"transformers has no upper bound in pyproject.toml: {spec.strip()}"
     installed = tuple(int(x) for x in transformers.__version__.split(".")[:2])
     assert installed < tuple(int(x) for x in upper.group(1).split(".")[:2])
+
+
+
+def test_mesh_models_are_never_moved_by_the_trainer(tmp_path):
+    """Trainer.__init__ calls `.to(device)` on the model unless its arguments' `place_model_on_device` says no: a
+    model hfdist sharded itself (FSDP2, possibly CPU-offloaded on GPU) gets arguments that say no; a DDP model is
+    placed by the Trainer as usual."""
+    import torch
+
+    from hfdist.job.config import FinetuneConfig
+    from hfdist.job.ladder import load_rung
+    from hfdist.job.run import _training_arguments
+
+    cfg = FinetuneConfig(output_dir=str(tmp_path), save_steps=1)
+    for name, owns in (("fsdp_full_shard", True), ("ddp", False)):
+        rung = load_rung(name)
+        args = _training_arguments(cfg, rung, micro=1, grad_accum=1, mixed="no", on_gpu=False)
+        trainer = HfdistTrainer(model=torch.nn.Linear(2, 2), args=args, rung=rung)
+        assert trainer.place_model_on_device is not owns, name
+        assert trainer.is_distributed_loading_by_transformers is owns, name
+
+
+def test_fsdp_cpu_offload_on_gpu_gets_gloo_beside_nccl():
+    """An FSDP YAML with fsdp_offload_params on a GPU machine: the process group carries a CPU backend for the
+    offloaded gradients (clipping, gathers); without offload, or on CPU, accelerate's default stands."""
+    from dataclasses import replace
+
+    from hfdist.job.ladder import load_rung
+    from hfdist.job.run import process_group_backend
+
+    rung = load_rung("fsdp_full_shard")
+    offloaded = replace(rung, fsdp=replace(rung.fsdp, offload_params=True))
+    backend = {(r.fsdp.offload_params, gpu): process_group_backend(r, on_gpu=gpu)
+               for r in (rung, offloaded) for gpu in (False, True)}
+    assert backend == {(False, False): None, (False, True): None, (True, False): None,
+                       (True, True): "cuda:nccl,cpu:gloo"}

@@ -112,8 +112,6 @@ def test_a_named_layer_class_is_honoured_or_refused_before_any_process(tmp_path)
 
 
 @pytest.mark.parametrize("extra, named", [
-    ({"parallelism_config": {"parallelism_config_cp_size": 8, "parallelism_config_dp_shard_size": 1}},
-     "parallelism_config_cp_size: 8 (context parallelism)"),
     ({"parallelism_config": {"parallelism_config_sp_size": 2}}, "parallelism_config_sp_size"),
     ({"mixed_precision": "fp8"}, "mixed_precision: fp8"),
     ({"fp8_config": {"backend": "TE"}}, "fp8_config"),
@@ -126,8 +124,12 @@ def test_unimplemented_keys_are_refused_by_name(tmp_path, extra, named):
     assert named in str(err.value)
 
 
-def test_accelerate_cp_example_names_context_parallelism(tmp_path):
-    """accelerate's examples/torch_native_parallelism/configs/cp.yaml, as shipped."""
+def test_accelerate_cp_example_runs_as_hfdist_context_parallelism(tmp_path):
+    """accelerate's examples/torch_native_parallelism/configs/cp.yaml, as shipped: read as cp=8 on hfdist's mesh,
+    then checked against the model before any process (llama-tiny's 4 heads cannot be split 8 ways)."""
+    from hfdist.job.preflight import check_context_parallel
+    from hfdist.models.presets import load_config
+
     cp = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "FSDP", "downcast_bf16": "no",
           "enable_cpu_affinity": False, "fsdp_config": {
               "fsdp_activation_checkpointing": True, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
@@ -139,8 +141,11 @@ def test_accelerate_cp_example_names_context_parallelism(tmp_path):
                                                      "parallelism_config_dp_shard_size": 1,
                                                      "parallelism_config_tp_size": 1},
           "rdzv_backend": "static", "same_network": True, "use_cpu": False}
-    with pytest.raises(HfdistError, match=r"parallelism_config_cp_size: 8 \(context parallelism\), which hfdist does not implement"):
-        load_rung(_yaml(tmp_path, cp, "cp.yaml"))
+    rung = load_rung(_yaml(tmp_path, cp, "cp.yaml"))
+    assert (rung.dims.cp, rung.dims.dp_shard, rung.num_processes) == (8, 1, 8)
+    with pytest.raises(HfdistError, match="4 attention heads do not divide by cp=8"):
+        check_context_parallel(load_config("llama-tiny"), rung, 512)
+    check_context_parallel(load_config("llama-medium"), rung, 512)  # 16 heads
 
 
 
