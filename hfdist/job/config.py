@@ -147,7 +147,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                         "none); use it under launchers that restart failed jobs.")
     g.add_argument("--collective-timeout", type=_timeout_seconds, default=d.collective_timeout, metavar="SECONDS",
                    help=f"How long a rank waits in one collective before the job stops with a report naming the "
-                        f"ranks that never joined (default {d.collective_timeout:g}; README, Faults).")
+                        f"ranks that never joined (default {d.collective_timeout:g}; README, Checkpoints ... hangs).")
     g = p.add_argument_group("Metrics and console")
     g.add_argument("--no-wandb", dest="wandb", action="store_false",
                    help="No W&B run (default: one per run, offline unless you are logged in).")
