@@ -23,7 +23,7 @@ from transformers.trainer_callback import CallbackHandler, ProgressCallback, Tra
 from hfdist.callbacks.memory import COUNT_KEYS, PEAK_KEYS, MemoryMeter
 from hfdist.callbacks.placement import find_caller, move_ahead_of_integrations, replace_callback
 from hfdist.callbacks.progress import MetricsProgressCallback, rank_table
-from hfdist.callbacks.rank_metrics import aggregate_ranks, gather_records, slowest_rank
+from hfdist.callbacks.rank_metrics import aggregate_ranks, gather_records, slowest_rank, straggler_line
 from hfdist.callbacks.throughput import ThroughputMeter
 from hfdist.metrics.flops import TokenFlops, mfu, model_token_flops, tflops_per_device
 from hfdist.metrics.peaks import PeakFlops, device_peak_flops
@@ -32,7 +32,7 @@ from hfdist.models.registry import UnsupportedModelError
 __all__ = ["DistributedMetricsCallback", "WINDOW_KEYS", "RUN_KEYS"]
 
 _STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes")
-_RATE_KEYS = ("step_seconds", "tokens", "tokens_per_second", "samples_per_second", "tflops_per_device", "mfu")
+_RATE_KEYS = ("step_seconds", "data_wait_seconds", "tokens", "tokens_per_second", "samples_per_second", "tflops_per_device", "mfu")
 # What one logging window reports per rank, in the order the gathered vector carries them.
 WINDOW_KEYS = (*_RATE_KEYS, *PEAK_KEYS, *_STATE_KEYS, *COUNT_KEYS)
 # What the whole run reports per rank (`.ranks`, hfdist_summary.json).
@@ -66,7 +66,8 @@ class DistributedMetricsCallback(TrainerCallback):
     Needs no arguments: the model, its FLOPs per token (hfdist.metrics.flops, from the real batches' sequence
     lengths), the device's peak FLOP/s (hfdist.metrics.peaks), the world and the ranks that share a batch
     (`Trainer.get_tp_size()`) are found when training starts. Figures per rank and logging step (WINDOW_KEYS):
-    tokens and samples per second, mean step seconds, TFLOP/s per device, MFU, peak memory (CUDA: max allocated,
+    tokens and samples per second, mean step seconds and the part of them spent waiting for data (from the end of
+    the previous step's logging and saving to the step's begin), TFLOP/s per device, MFU, peak memory (CUDA: max allocated,
     plus reserved/active peaks, allocation retries and OOMs in the window; CPU: the process's peak RSS) and the
     bytes of params, gradients (their peak), optimizer state and master weights this rank holds.
 
@@ -151,6 +152,7 @@ class DistributedMetricsCallback(TrainerCallback):
         self._memory, self._throughput = MemoryMeter(), ThroughputMeter()  # a new run per train() call
         self._memory.start(model, optimizer, args.device)
         self._throughput.start(model, args.device)
+        self._throughput.idle()
         self._running = True
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -166,6 +168,7 @@ class DistributedMetricsCallback(TrainerCallback):
     def _rates(self, totals: Mapping[str, float]) -> dict[str, float]:
         seconds, tokens = totals["seconds"], totals["tokens"]
         out = {"step_seconds": seconds / max(totals["steps"], 1), "tokens": tokens,
+               "data_wait_seconds": totals["data_wait"] / max(totals["steps"], 1),
                "tokens_per_second": tokens / seconds if seconds > 0 else 0.0,
                "samples_per_second": totals["samples"] / seconds if seconds > 0 else 0.0}
         if self.flops is not None and tokens > 0 and seconds > 0:
@@ -205,6 +208,11 @@ class DistributedMetricsCallback(TrainerCallback):
         entry = state.log_history[-1] if state.log_history else {}
         if entry.get("step") == state.global_step and entry.get("loss") == logs["loss"]:
             entry.update(figures)
+        self._throughput.idle()  # the gather above is this rank's work, not a wait for data
+
+    def on_save(self, args, state, control, **kwargs):
+        if self._running:
+            self._throughput.idle()
 
     def on_train_end(self, args, state, control, **kwargs):
         if not self._running:
@@ -231,6 +239,8 @@ class DistributedMetricsCallback(TrainerCallback):
         steps = self.ranks[0].get("steps", 0)
         title = f"hfdist: per-rank figures over {steps} steps" + (" (rates leave out the first)" if steps > 1 else "")
         notes = list(self.notes)
+        if (straggler := straggler_line(self.ranks)) is not None:
+            notes.append(straggler)
         if self.peak is not None and any("mfu" in r for r in self.ranks):
             notes.append(f"MFU against {self.peak.flops / 1e12:.4g} TFLOP/s ({self.peak.source}).")
         return rank_table(self.ranks, title=title, notes=notes, outputs=outputs)

@@ -14,7 +14,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["TOKEN_KEYS", "gather_records", "aggregate_ranks", "slowest_rank"]
+__all__ = ["TOKEN_KEYS", "gather_records", "aggregate_ranks", "slowest_rank", "straggler_line"]
 
 # Counts that add up over ranks; under TP/PP every rank of a replica counts the same tokens (divide by tp·pp).
 TOKEN_KEYS = frozenset({"tokens", "tokens_per_second", "samples_per_second"})
@@ -83,3 +83,18 @@ def slowest_rank(records: Sequence[Mapping[str, Any]]) -> int | None:
     """The rank with the lowest tokens/s (the first such rank on a tie), or None when no record has a rate."""
     rated = [r for r in records if "tokens_per_second" in r]
     return min(rated, key=lambda r: (r["tokens_per_second"], r["rank"]))["rank"] if rated else None
+
+
+def straggler_line(records: Sequence[Mapping[str, Any]]) -> str | None:
+    """"slowest: rank r, X% below the fastest rank's tokens/s (step ... s vs ... s, data wait ... s vs ... s)", or
+    None with fewer than two rated ranks."""
+    rated = [r for r in records if r.get("tokens_per_second")]
+    if len(rated) < 2:
+        return None
+    slow = next(r for r in rated if r["rank"] == slowest_rank(rated))
+    fast = max(rated, key=lambda r: (r["tokens_per_second"], -r["rank"]))
+    behind = 1 - slow["tokens_per_second"] / fast["tokens_per_second"]
+    times = (f"step {slow.get('step_seconds', math.nan):.3g} s vs {fast.get('step_seconds', math.nan):.3g} s, data "
+             f"wait {slow.get('data_wait_seconds', math.nan):.3g} s vs {fast.get('data_wait_seconds', math.nan):.3g} s")
+    return (f"slowest: rank {slow['rank']}, {100 * behind:.1f}% below the fastest (rank {fast['rank']}) in tokens/s "
+            f"({times}).")

@@ -1,5 +1,5 @@
-"""ThroughputMeter: per-rank optimizer-step times and the real (non-padding) tokens the model sees, with the
-lengths of their sequences for the FLOPs of each batch."""
+"""ThroughputMeter: per-rank optimizer-step times, the time each step waited for its data, and the real
+(non-padding) tokens the model sees, with the lengths of their sequences for the FLOPs of each batch."""
 
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ class ThroughputMeter:
         self._device = torch.device("cpu")
         self._hook = None
         self._t0 = 0.0
+        self._idle_since: float | None = None  # when the previous step (and its logging / saving) ended
+        self._wait = 0.0
         self._pending = [0, 0, 0]  # tokens, sum of squared sequence lengths, samples: since the step began
-        self._steps: list[list] = []  # [seconds, tokens, squared lengths, samples] per step, counts read lazily
+        # [seconds, tokens, squared lengths, samples, data wait seconds] per step, counts read lazily
+        self._steps: list[list] = []
         self._window_start = 0
 
     def start(self, model: torch.nn.Module, device: torch.device) -> None:
@@ -53,24 +56,34 @@ class ThroughputMeter:
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
 
+    def idle(self) -> None:
+        """Mark the end of the rank's own work between steps (the step, its logging, its checkpoint): the time from
+        the last mark to the next step's begin is its data wait (the Trainer fetches and collates all of a step's
+        micro-batches just before the step begins)."""
+        self._idle_since = time.perf_counter()
+
     def step_begin(self) -> None:
         self._sync()
         self._t0 = time.perf_counter()
+        self._wait = self._t0 - self._idle_since if self._idle_since is not None else 0.0
 
     def step_end(self) -> None:
         self._sync()
-        self._steps.append([time.perf_counter() - self._t0, *self._pending])
+        self._steps.append([time.perf_counter() - self._t0, *self._pending, self._wait])
         self._pending = [0, 0, 0]
+        self.idle()
 
     def _totals(self, steps: list[list]) -> dict[str, float]:
         for step in steps:
-            step[1:] = [_as_int(v) for v in step[1:]]
+            step[1:4] = [_as_int(v) for v in step[1:4]]
         seconds = sum(s[0] for s in steps)
         return {"steps": len(steps), "seconds": seconds, "tokens": sum(s[1] for s in steps),
-                "squared_lengths": sum(s[2] for s in steps), "samples": sum(s[3] for s in steps)}
+                "squared_lengths": sum(s[2] for s in steps), "samples": sum(s[3] for s in steps),
+                "data_wait": sum(s[4] for s in steps)}
 
     def take_window(self) -> dict[str, float]:
-        """Steps, seconds, tokens, their sequences' squared lengths and samples since the previous call."""
+        """Steps, seconds, tokens, their sequences' squared lengths, samples and data-wait seconds since the
+        previous call."""
         start, self._window_start = self._window_start, len(self._steps)
         return self._totals(self._steps[start:])
 

@@ -5,6 +5,7 @@
     hfdist plan --model llama-3.1-70b --gpus-per-node 8 --nodes 4 --gpu-mem-gb 80
     hfdist compare --configs ddp fsdp_full_shard zero3
     hfdist simulate --model llama-3.1-405b --config 3d --num-processes 512 --tp 8 --pp 4
+    hfdist checkpoint export outputs/finetune/checkpoint-100 --to hf exported/
     python -m hfdist.cli VERB ...
 
 A verb module defines VERB = (name, help line, description, add-arguments, run); run returns the process exit code
@@ -23,7 +24,7 @@ from hfdist.errors import HfdistError
 
 __all__ = ["main", "build_parser", "VERB_MODULES"]
 
-VERB_MODULES = ("finetune", "configs", "plan", "compare", "simulate")
+VERB_MODULES = ("finetune", "configs", "plan", "compare", "simulate", "checkpoint")
 
 
 def _verbs():

@@ -52,6 +52,7 @@ class FinetuneConfig:
     save_steps: int = 50
     save_total_limit: int = 2
     resume: bool = False
+    collective_timeout: float = 300.0
     num_processes: int | None = None
     tp: int | None = None
     pp: int | None = None
@@ -144,6 +145,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true",
                    help="Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has "
                         "none); use it under launchers that restart failed jobs.")
+    g.add_argument("--collective-timeout", type=_timeout_seconds, default=d.collective_timeout, metavar="SECONDS",
+                   help=f"How long a rank waits in one collective before the job stops with a report naming the "
+                        f"ranks that never joined (default {d.collective_timeout:g}; README, Checkpoints ... hangs).")
     g = p.add_argument_group("Metrics and console")
     g.add_argument("--no-wandb", dest="wandb", action="store_false",
                    help="No W&B run (default: one per run, offline unless you are logged in).")
@@ -166,6 +170,15 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _timeout_seconds(text: str) -> float:
+    value = float(text)
+    if not value >= 1.0:  # NaN too
+        raise argparse.ArgumentTypeError(
+            f"{text} s is below 1 s: every collective would time out (a step's collectives take longer). Pass "
+            "at least 1; the default is 300 (long enough for a first step's set-up and a large checkpoint)")
     return value
 
 

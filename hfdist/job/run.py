@@ -21,13 +21,14 @@ from hfdist.job.launch import HANDED_OVER_ENV, cpu_translation, ensure_world, se
 from hfdist.job.preflight import batch_layout, preflight
 from hfdist.job.summary import check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.job.world import resolve_rung
-from hfdist.train.resume import checkpoint_identity, resume_point
+from hfdist.train.resume import checkpoint_identity, resume_line, resume_point
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.wandb_sink import WandbSink
     from hfdist.train.trainer import HfdistTrainer
+    from hfdist.train.watchdog import CollectiveWatch
 
 __all__ = ["FinetuneConfig", "ConfigError", "finetune"]
 
@@ -76,6 +77,7 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         activation_checkpointing_kwargs={"use_reentrant": False} if cfg.activation_checkpointing else None,
         log_level="warning", log_level_replica="error", disable_tqdm=False,
         ddp_backend=process_group_backend(rung, on_gpu),
+        ddp_timeout=cfg.collective_timeout,  # reaches the GPU world's group; hfdist.train.watchdog sets it on all
     )
 
 
@@ -158,7 +160,7 @@ class Run:
     load: dict[str, float]
 
 
-def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run:
+def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
     """Tokenizer, data, model, strategy and Trainer with hfdist's callbacks, on this rank."""
     from transformers.trainer_callback import ProgressCallback
 
@@ -171,6 +173,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     from hfdist.metrics.flops import model_flops_per_token
     from hfdist.models.presets import is_preset
     from hfdist.train.trainer import HfdistTrainer
+    from hfdist.train.watchdog import StepWatchCallback
 
     on_gpu = torch.cuda.is_available()
     mixed = settle_mixed_precision(rung, on_gpu, cfg.mixed_precision)
@@ -185,7 +188,9 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
     collator = collator_for(model.config, cfg.seq_len)  # the model's attention implementation decides the mask
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
     dataset = _prepare_data(cfg, tokenizer, args)
+    watch.start()  # the world has formed (main_process_first above needs it): its timeout, this rank's heartbeat
     model, load = _build_model(cfg, rung, tokenizer, model, args, mixed)
+    watch.cover_groups()  # the mesh's groups
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
     strategy = {"name": rung.name, "world_size": rung.num_processes, "nodes": nodes, **rung.dims.to_dict(),
@@ -203,7 +208,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int) -> Run
                      group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
-    callbacks = [losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]
+    callbacks = ([losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                             checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
@@ -234,15 +239,20 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
         return handed_over
     console.start(console.log_path(cfg.output_dir, f"rank-{os.environ.get('RANK', '0')}"), cfg.verbose)
 
-    run = _set_up(cfg, rung, micro, grad_accum)
+    watch = _arm_watch(cfg)
+    run = _set_up(cfg, rung, micro, grad_accum, watch)
     run.sink.start()  # W&B's start-up (seconds) stays out of the measured training loop
     resume_from = resume_point(cfg, rung)
     if resume_from is not None and _is_rank0():
-        print(f"hfdist: resuming from {resume_from}", flush=True)
-    train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-    check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
-                                                     run.trainer.data_collator))
-    saved = _save_measured(run, cfg.output_dir)
+        print(resume_line(resume_from, cfg, rung), flush=True)
+    with watch.watching():  # a collective timeout: every surviving rank reports who never joined, and leaves
+        train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        watch.where("scoring the check batch")
+        check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
+                                                         run.trainer.data_collator))
+        watch.where("saving the model")
+        saved = _save_measured(run, cfg.output_dir)
+    watch.stop()
 
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
@@ -251,6 +261,17 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
         write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
     _leave_process_group()
     return 0
+
+
+def _arm_watch(cfg: FinetuneConfig) -> CollectiveWatch:
+    """The flight recorder on (before the process group forms; a user's own settings win), and this rank's watch."""
+    from hfdist.train.watchdog import CollectiveWatch, flight_recorder_env
+
+    for key, value in flight_recorder_env(cfg.output_dir).items():
+        os.environ.setdefault(key, value)
+    if torch.cuda.is_available():  # where NCCL dumps its record on a timeout
+        os.makedirs(os.path.dirname(os.environ["TORCH_FR_DUMP_TEMP_FILE"]), exist_ok=True)
+    return CollectiveWatch(cfg.output_dir, cfg.collective_timeout)
 
 
 def _save_measured(run: Run, output_dir: str) -> dict[str, int]:

@@ -34,6 +34,8 @@ _TINY = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_att
              num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False)
 PRESETS: dict[str, Preset] = {
     "llama-tiny": Preset("llama", _TINY),
+    # An odd layer count (pipeline stages of unequal size) with GQA: layouts that hide nothing (resume tests).
+    "llama-tiny-odd": Preset("llama", {**_TINY, "num_hidden_layers": 5}),
     "mistral-tiny": Preset("mistral", {**_TINY, "sliding_window": None}),
     "qwen2-tiny": Preset("qwen2", {**_TINY, "use_sliding_window": False}),
     # Qwen3 sets head_dim apart from hidden / heads; 32 here (hidden 64 / 4 heads would give 16).

@@ -2,9 +2,13 @@
 
 Layout of OUTPUT_DIR/checkpoint-N (the HF Trainer's names, so its resume logic applies):
 - trainer_state.json (step, log history), rng_state_<rank>.pth (every rank), scheduler.pt;
-- the model + optimizer state: DDP -> the Trainer's files; DeepSpeed -> DeepSpeed's own sharded checkpoint;
-  FSDP2 / TP / PP (hfdist-owned) -> a torch.distributed.checkpoint (DCP) folder `sharded/`, one file per rank;
-- hfdist_checkpoint.json, written last: which strategy, world and run wrote it.
+- the model + optimizer state: DeepSpeed -> DeepSpeed's own sharded checkpoint; every other rung (DDP, FSDP2, TP,
+  PP, 3D, one process) -> a torch.distributed.checkpoint (DCP) folder `sharded/`, keyed canonically: the model's
+  entries by the full model's parameter names (a pipeline stage's are renamed back, hfdist.train.checkpointing),
+  the optimizer's by parameter name too ("state.<name>.exp_avg", "param_groups.<name>.lr"). Nothing in the keys
+  depends on the layout, and DCP places each saved slice into whatever slices the loading ranks hold: a checkpoint
+  of one layout and world loads into any other (resharding), DDP's full tensors included;
+- hfdist_checkpoint.json, written last: what it holds, and which strategy, world and run wrote it.
 
 Atomicity: every rank writes into OUTPUT_DIR/.partial-checkpoint-N; after a barrier rank 0 writes the marker and
 renames the folder to checkpoint-N (one rename is atomic on POSIX). A crash at any moment leaves either the
@@ -18,15 +22,16 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from hfdist.errors import HfdistError
 
-__all__ = ["CheckpointError", "MARKER", "SHARDED_DIR", "staging_dir", "latest_checkpoint", "write_marker",
-           "check_resumable", "save_sharded", "load_sharded", "replace_staging"]
+__all__ = ["CheckpointError", "MARKER", "SHARDED_DIR", "staging_dir", "remove_unfinished", "latest_checkpoint",
+           "write_marker",
+           "read_marker", "check_shard_files", "save_sharded", "load_sharded", "replace_staging"]
 
 MARKER = "hfdist_checkpoint.json"
 SHARDED_DIR = "sharded"
@@ -42,6 +47,15 @@ def staging_dir(final: Path) -> Path:
     return final.parent / f".partial-{final.name}"
 
 
+def remove_unfinished(output_dir: Path) -> list[str]:
+    """Delete the staging folders of saves that can no longer finish (a job ending on a hang); their names."""
+    gone = []
+    for staging in sorted(output_dir.glob(staging_dir(output_dir / "checkpoint-*").name)):
+        shutil.rmtree(staging, ignore_errors=True)
+        gone.append(staging.name)
+    return gone
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     """The complete checkpoint with the highest step in `output_dir` (has its marker), or None."""
     if not output_dir.is_dir():
@@ -55,26 +69,46 @@ def write_marker(checkpoint: Path, identity: dict[str, Any], step: int) -> None:
     (checkpoint / MARKER).write_text(json.dumps({"step": step, **identity}, indent=2))
 
 
-def check_resumable(checkpoint: Path, identity: dict[str, Any]) -> None:
-    """Raise CheckpointError unless `checkpoint` was written by a run with the same strategy, world and workload.
+def read_marker(checkpoint: Path) -> dict[str, Any]:
+    """The identity record of `checkpoint` (what wrote it, what it holds).
 
-    Sharded states are laid out per rank (DCP files, DeepSpeed partitions, pipeline stages), so hfdist resumes only
-    onto the layout that wrote them; resharding onto another world is not attempted.
+    Raises:
+        CheckpointError: no readable record (an incomplete or damaged checkpoint).
     """
     try:
-        saved = json.loads((checkpoint / MARKER).read_text())
+        return json.loads((checkpoint / MARKER).read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"Checkpoint {checkpoint} has no readable {MARKER} ({exc}): it is incomplete or "
                               "damaged. Delete it to resume from the previous checkpoint, or start a new "
                               "--output-dir.") from exc
-    diff = {k: (saved.get(k), v) for k, v in identity.items() if saved.get(k) != v}
-    if diff:
-        what = "; ".join(f"{k}: checkpoint {a!r}, this run {b!r}" for k, (a, b) in diff.items())
-        raise CheckpointError(
-            f"Checkpoint {checkpoint} was written by another run setup ({what}). Its sharded state only fits the "
-            f"layout that wrote it, and hfdist does not reshard. Resume with the checkpoint's settings (--config "
-            f"{saved.get('strategy')} --num-processes {saved.get('world_size')}), or start a new --output-dir."
-        )
+
+
+def check_shard_files(checkpoint: Path) -> None:
+    """Raise CheckpointError naming every shard file the DCP metadata of `checkpoint` refers to that is missing or
+    shorter than the data it should hold (a rank's files lost in a copy, a node's disk gone)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = checkpoint / SHARDED_DIR
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:  # noqa: BLE001 (any unreadable metadata means the same to the user)
+        raise CheckpointError(f"The sharded state in {folder} has no readable .metadata ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else 'no message'}). The checkpoint is damaged: "
+                              "delete it to resume from the previous one.") from exc
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    bad = []
+    for name, size in sorted(needed.items()):
+        path = folder / name
+        if not path.is_file():
+            bad.append(f"{name} (missing)")
+        elif path.stat().st_size < size:
+            bad.append(f"{name} ({path.stat().st_size} bytes, needs {size})")
+    if bad:
+        raise CheckpointError(f"Checkpoint {checkpoint} lacks shards its metadata lists: {', '.join(bad)} in {folder}. "
+                              "Every rank that saved wrote one of these files; copy the missing ones from where that "
+                              "rank saved them, or delete the checkpoint to resume from the previous one.")
 
 
 def _dcp_options():
@@ -86,11 +120,28 @@ def _dcp_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+Rename = Callable[[str], str]
+
+
+def _optimizer_key(key: str, rename: Rename) -> str:
+    """A flattened optimizer key ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr") with its fqn renamed."""
+    head, rest = key.split(".", 1)
+    fqn, leaf = rest.rsplit(".", 1)
+    return f"{head}.{rename(fqn)}.{leaf}"
+
+
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rename: Rename | None) -> tuple[dict, dict]:
+    """(canonical DCP state, canonical key -> this rank's key per section): model and optimizer states keyed by
+    the full model's parameter names, whatever the module tree the rank holds."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer, options=_dcp_options())
-    return {"model": model_state, "optimizer": optim_state}
+    rename = rename or (lambda fqn: fqn)
+    local_of = {"model": {rename(k): k for k in model_state},
+                "optimizer": {_optimizer_key(k, rename): k for k in optim_state}}
+    state = {"model": {c: model_state[k] for c, k in local_of["model"].items()},
+             "optimizer": {c: optim_state[k] for c, k in local_of["optimizer"].items()}}
+    return state, local_of
 
 
 def _root_cause(exc: BaseException) -> BaseException:
@@ -99,8 +150,12 @@ def _root_cause(exc: BaseException) -> BaseException:
     return cause[0] if isinstance(cause, tuple) else cause
 
 
-def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
+def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
+                 rename: Rename | None = None) -> None:
     """Every rank writes its own shards of the model and optimizer state (DCP) into checkpoint/sharded.
+
+    Args:
+        rename: maps this rank's parameter names to the full model's (pipeline stages); None: they are the same.
 
     Raises:
         OSError: a shard could not be written (full disk, quota, permissions), as the writing rank saw it.
@@ -109,7 +164,7 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(checkpoint / SHARDED_DIR))
+        dcp.save(_dcp_state(model, optimizer, rename)[0], checkpoint_id=str(checkpoint / SHARDED_DIR))
     except CheckpointException as exc:  # a BaseException gathering every rank's failure
         cause = _root_cause(exc)
         if isinstance(cause, OSError):
@@ -117,8 +172,11 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
         raise
 
 
-def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path) -> None:
-    """Load what `save_sharded` wrote into this rank's model and optimizer, in place.
+def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
+                 rename: Rename | None = None) -> None:
+    """Load what `save_sharded` wrote (on any layout and world) into this rank's model and optimizer, in place:
+    DCP reads, for each tensor this rank holds (a shard, a stage's, or whole), the slices of it that the saving
+    ranks wrote.
 
     Raises:
         CheckpointError: missing or unreadable shards.
@@ -127,7 +185,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state = _dcp_state(model, optimizer)
+    state, local_of = _dcp_state(model, optimizer, rename)
     try:
         dcp.load(state, checkpoint_id=str(checkpoint / SHARDED_DIR))
     # DCP gathers every rank's failure into a CheckpointException (a BaseException); other errors mean the same.
@@ -136,7 +194,9 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
         detail = str(cause).splitlines()[0] if str(cause) else "no message"
         raise CheckpointError(f"The sharded state in {checkpoint / SHARDED_DIR} cannot be read ({type(cause).__name__}: "
                               f"{detail}). The checkpoint is damaged: delete it to resume from the previous one.") from exc
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+    set_state_dict(model, optimizer,
+                   model_state_dict={local_of["model"][c]: v for c, v in state["model"].items()},
+                   optim_state_dict={local_of["optimizer"][c]: v for c, v in state["optimizer"].items()},
                    options=_dcp_options())
 
 

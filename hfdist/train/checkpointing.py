@@ -1,9 +1,11 @@
-"""CheckpointingMixin: the HF Trainer's checkpoints made atomic, and sharded for the strategies hfdist owns.
+"""CheckpointingMixin: the HF Trainer's checkpoints made atomic, and in one layout-free format for every rung but
+DeepSpeed.
 
-DDP and DeepSpeed keep the Trainer's own files (DeepSpeed writes its sharded checkpoint); for FSDP2 / TP / PP,
-where the Trainer would save rank 0's optimizer shard only, every rank writes its model and optimizer shards with
-torch.distributed.checkpoint. All of it goes into a staging folder that becomes checkpoint-N by one rename
-(hfdist.train.checkpoint), so an interrupted save never replaces or impersonates a complete checkpoint.
+DeepSpeed keeps the Trainer's own files (DeepSpeed writes its sharded checkpoint). Every other rung (DDP, FSDP2,
+TP, PP, 3D, one process) writes its model and optimizer state with torch.distributed.checkpoint under the full
+model's parameter names (pipeline stages renamed back), so any of them resumes from any other's checkpoint on any
+world (hfdist.train.checkpoint). All of it goes into a staging folder that becomes checkpoint-N by one rename, so an
+interrupted save never replaces or impersonates a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -35,8 +37,22 @@ class CheckpointingMixin:
     rung: Any
     checkpoint_identity: dict[str, Any]
 
-    def _owns_sharding(self) -> bool:
-        return self.rung.owns_sharding  # FSDP2, TP and PP: the model states hfdist placed itself
+    def _saves_dcp(self) -> bool:
+        """Every rung but DeepSpeed (whose ZeRO partitions only DeepSpeed reads) checkpoints through DCP."""
+        return not self.rung.uses_deepspeed
+
+    def _canonical_name(self):
+        """Maps this rank's parameter names to the full model's: a pipeline stage's "stages.<i>.<local>" to the
+        stage's original name; None where the names already are the full model's (DDP, FSDP2, TP)."""
+        if not self.rung.uses_pipeline:
+            return None
+        stages = self.model.runner.stages
+
+        def rename(fqn: str) -> str:
+            _, index, local = fqn.split(".", 2)
+            return stages[int(index)].original_name(local)
+
+        return rename
 
     @staticmethod
     def _barrier() -> None:
@@ -71,8 +87,8 @@ class CheckpointingMixin:
     def _write_checkpoint(self, folder: Path) -> None:
         """Every rank's part of one checkpoint: model + optimizer, scheduler, RNG, trainer state."""
         folder.mkdir(parents=True, exist_ok=True)
-        if self._owns_sharding():
-            save_sharded(self.model, self.optimizer, folder)
+        if self._saves_dcp():
+            save_sharded(self.model, self.optimizer, folder, self._canonical_name())
             if self.args.should_save:
                 torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         else:
@@ -85,12 +101,12 @@ class CheckpointingMixin:
             self.state.save_to_json(str(folder / TRAINER_STATE_NAME))
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
-        if self._owns_sharding():
-            return  # the sharded model state is loaded together with the optimizer's, after prepare
+        if self._saves_dcp():
+            return  # the model state is loaded together with the optimizer's, after prepare
         super()._load_from_checkpoint(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
-        if checkpoint is None or not self._owns_sharding():
+        if checkpoint is None or not self._saves_dcp():
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_sharded(self.model, self.optimizer, Path(checkpoint))
+        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name())
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))

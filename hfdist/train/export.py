@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 __all__ = ["ExportEntry", "SafetensorsStreamWriter", "checkpoint_entries", "local_tensors", "save_hf_checkpoint",
-           "SAVED_DTYPE", "DEFAULT_MAX_SHARD_BYTES"]
+           "stream_hf_checkpoint", "SAVED_DTYPE", "DEFAULT_MAX_SHARD_BYTES"]
 
 SAVED_DTYPE = torch.float32  # every rung saves its fp32 (master) weights
 DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' save_pretrained default ("50GB")
@@ -225,21 +225,39 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
         local: this rank's tensors by their name in the full model (plain, DTensor shards or ZeRO parameters).
         adapter_only: write the LoRA adapter (the skeleton is a PeftModel).
     """
-    folder = Path(folder)
     rank = dist.get_rank() if dist.is_initialized() else 0
+    senders = _senders(checkpoint_entries(skeleton, adapter_only), local)
+
+    def full_tensor(entry: ExportEntry) -> torch.Tensor | None:
+        if senders[entry.key] is None:  # ZeRO: every rank takes part in DeepSpeed's gather
+            return _zero_full(local[entry.name])
+        return _assemble(entry, senders[entry.key], local, rank)
+
+    stream_hf_checkpoint(folder, skeleton, full_tensor, adapter_only=adapter_only, writes=rank == 0,
+                         max_shard_bytes=max_shard_bytes)
+
+
+@torch.no_grad()
+def stream_hf_checkpoint(folder: str | Path, skeleton: nn.Module, full_tensor, *, adapter_only: bool = False,
+                         writes: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write a HF checkpoint (or LoRA adapter) of `skeleton` into `folder`, asking `full_tensor(entry)` for each
+    tensor in save_pretrained's order and appending it before asking for the next: one full tensor in memory.
+
+    Args:
+        full_tensor: ExportEntry -> the full tensor by the entry's model name (`entry.name`); may return None on a
+            process that does not write (it is still called there: a collective gather may need every rank).
+        writes: whether this process writes the files (rank 0 of a save).
+    """
+    folder = Path(folder)
     entries = checkpoint_entries(skeleton, adapter_only)
-    senders = _senders(entries, local)
     writer = None
-    if rank == 0:
+    if writes:
         folder.mkdir(parents=True, exist_ok=True)
         writer = SafetensorsStreamWriter(folder, entries,
                                          "adapter_model.safetensors" if adapter_only else "model.safetensors",
                                          max_shard_bytes)
     for entry in entries:
-        if senders[entry.key] is None:  # ZeRO: every rank takes part in DeepSpeed's gather
-            full = _zero_full(local[entry.name])
-        else:
-            full = _assemble(entry, senders[entry.key], local, rank)
+        full = full_tensor(entry)
         if writer is not None:
             writer.write(entry.key, full)
         del full

@@ -202,7 +202,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
-        if self._owns_sharding():
+        if self._saves_dcp():
             # The Trainer always makes a decay and a no-decay group; under LoRA the second is empty, and an empty
             # group breaks torch.distributed.checkpoint's flattened optimizer state (torch 2.13: IndexError on
             # resume). (DeepSpeed rungs may hold a placeholder without groups here: DeepSpeed builds the real one.)

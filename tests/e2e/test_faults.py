@@ -3,8 +3,10 @@ nodes (two launchers meeting through c10d rendezvous on loopback)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -121,3 +123,48 @@ def test_slurm_template_starts_one_torchrun_per_node(tmp_path):
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "gpu-a:29500" and cmd[cmd.index("--rdzv-id") + 1] == "77"
     assert cmd[cmd.index("--num-processes") + 1] == "16" and "--resume" in cmd
     assert cmd[-2:] == ["--config", "fsdp_hybrid.yaml"]
+
+
+def test_stopped_rank_is_named_and_the_job_ends(tmp_path):
+    """SIGSTOP rank 1 mid-run with --collective-timeout 20: within 60 s the job exits non-zero, rank 0's report on
+    the screen names rank 1 as never joining and the collective it timed out in, and nothing in the output folder is
+    half-written (complete checkpoints only, the report written whole)."""
+    out = tmp_path / "stalled"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", str(FINETUNE), *TINY_ARGS,
+           "--max-steps", "400", "--save-steps", "3", "--config", "fsdp_full_shard", "--collective-timeout", "20",
+           "--no-wandb", "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    stopped_at, pid = None, None
+    try:
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None and stopped_at is None:
+            if (out / "checkpoint-3" / "hfdist_checkpoint.json").exists():
+                pid = _pid_of_rank(1, str(out))
+                if pid is not None:
+                    time.sleep(1.0)  # into the next steps' collectives
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped_at = time.time()
+            time.sleep(0.05)
+        log = proc.communicate(timeout=120)[0]
+        ended = time.time()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if pid is not None:
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+    assert stopped_at is not None, f"the run ended before rank 1 could be stopped:\n{log[-3000:]}"
+    assert proc.returncode != 0, log[-4000:]
+    assert ended - stopped_at < 60, f"the job took {ended - stopped_at:.0f} s to end after the stall"
+    assert "hfdist: collective timeout on rank 0" in log, log[-6000:]
+    assert "hfdist: never joined: rank 1\n" in log
+    # The collective: the flight recorder's entry where it has one, else the torch.distributed call on the stack.
+    assert re.search(r"at step \d+: (gloo:\w+ #\d+ of process group|torch.distributed \w+ \()", log), log[-6000:]
+    assert "hfdist: -- rank 1: step" in log and "silent for" in log  # where rank 1 was: its last heartbeat
+    report = (out / "logs" / "hang-rank-0.txt").read_text()
+    assert report.startswith("hfdist: collective timeout on rank 0") and report.rstrip().endswith("logs/.")
+    assert not [p for p in out.rglob("*") if "partial" in p.name]
+    checkpoints = [p for p in out.iterdir() if p.name.startswith("checkpoint-")]
+    assert checkpoints and all((p / "hfdist_checkpoint.json").is_file() for p in checkpoints)
+    assert not (out / "hfdist_summary.json").exists() and not (out / "model.safetensors").exists()

@@ -62,8 +62,9 @@ def test_checkpoints_are_complete_and_describe_their_run(runs, name):
     ckpt = full / "checkpoint-2"
     world = first["strategy"]["world_size"]
     assert sorted(p.name for p in ckpt.glob("rng_state_*.pth")) == [f"rng_state_{r}.pth" for r in range(world)]
-    if name in ("fsdp_full_shard", "fsdp_tp", "pp", "lora_fsdp_full_shard"):  # hfdist-owned: a DCP file per rank
+    if name != "zero3":  # every rung but DeepSpeed: a DCP folder, a file per rank
         assert len(list((ckpt / "sharded").glob("*.distcp"))) == world
+        assert marker["format"] == "dcp"
     if name == "zero3":  # DeepSpeed's own per-rank partitions
         assert len(list(ckpt.glob("global_step2/*optim_states.pt"))) == world
 
@@ -73,13 +74,15 @@ def _resume_cmd(out, *extra):
             "--no-wandb", *extra]
 
 
-def test_checkpoint_of_another_strategy_is_refused(runs, tmp_path):
-    _, _, full, _ = runs["ddp"]
+def test_deepspeed_checkpoint_on_another_layout_is_refused_naming_the_converter(runs, tmp_path):
+    """ZeRO partitions reshard only through DeepSpeed's universal checkpoint, which the Trainer does not load."""
+    _, _, full, _ = runs["zero3"]
     shutil.copytree(full / "checkpoint-2", tmp_path / "checkpoint-2")
     proc = run_cmd(_resume_cmd(tmp_path, "--config", "fsdp_full_shard"), timeout=300)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "strategy: checkpoint 'ddp', this run 'fsdp_full_shard'" in proc.stderr
-    assert "--config ddp --num-processes 2" in proc.stderr
+    assert "was written by zero3 on 2 ranks (deepspeed format); this run is fsdp_full_shard" in proc.stderr
+    assert "deepspeed.checkpoint.ds_to_universal" in proc.stderr and "hfdist checkpoint export" in proc.stderr
+    assert "--config zero3 --num-processes 2" in proc.stderr
 
 
 def test_damaged_shard_is_refused_and_left_alone(runs, tmp_path):
@@ -89,8 +92,10 @@ def test_damaged_shard_is_refused_and_left_alone(runs, tmp_path):
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     before = shard.read_bytes()
     proc = run_cmd(_resume_cmd(tmp_path, "--config", "fsdp_full_shard"), timeout=600)
-    assert proc.returncode != 0
-    assert "cannot be read" in proc.stderr and "delete it to resume from the previous one" in proc.stderr
+    # Shorter than the data its metadata places in it: refused before any process starts, the file named.
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert f"lacks shards its metadata lists: {shard.name} ({shard.stat().st_size} bytes, needs" in proc.stderr
+    assert "delete the checkpoint to resume from the previous one" in proc.stderr
     assert shard.read_bytes() == before and not (tmp_path / "checkpoint-4").exists()
 
 

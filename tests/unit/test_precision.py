@@ -51,4 +51,9 @@ def test_resume_across_precision_or_device_is_refused(tmp_path, saved, message):
     with pytest.raises(CheckpointError, match=message):
         resume_point(cfg, rung)
     write_marker(tmp_path / "checkpoint-2", identity, step=2)
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    # The shard files its DCP metadata lists must be there (hfdist.train.checkpoint.check_shard_files).
+    dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "checkpoint-2" / "sharded"), no_dist=True)
     assert resume_point(cfg, rung) == tmp_path / "checkpoint-2"

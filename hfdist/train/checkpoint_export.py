@@ -1,0 +1,97 @@
+"""Any training checkpoint as a Hugging Face model or LoRA adapter, read and written one tensor at a time.
+
+A checkpoint's identity record (hfdist.train.checkpoint) names the model and LoRA settings, from which the full
+model's structure is rebuilt on the meta device (no weights); each tensor it lists is then read alone and handed to
+the streaming saver (hfdist.train.export.stream_hf_checkpoint):
+- DCP checkpoints (every rung but DeepSpeed, any layout): keyed by the full model's names, so one tensor is one
+  `dcp.load` of that key, in one process (DCP reads the byte ranges of each saved slice from the rank files);
+- DeepSpeed ZeRO checkpoints: DeepSpeed's own converter (`get_fp32_state_dict_from_zero_checkpoint`, lazy mode:
+  a tensor is assembled from the ranks' fp32 partitions when it is asked for).
+Either way the written weights are the fp32 master weights the optimizer held.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from hfdist.train.checkpoint import SHARDED_DIR, CheckpointError, latest_checkpoint, read_marker
+
+__all__ = ["export_checkpoint", "resolve_checkpoint"]
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """`path` itself when it is a complete checkpoint, else the latest complete one inside it (an output folder)."""
+    if (path / "hfdist_checkpoint.json").is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise CheckpointError(f"{path} is neither a complete hfdist checkpoint (no hfdist_checkpoint.json) nor a "
+                              "run's output folder holding one. Pass a checkpoint-N folder, or the --output-dir of a "
+                              "run that saved checkpoints (--save-steps).")
+    return latest
+
+
+def _skeleton(record: dict[str, Any]):
+    """The trained model's structure on the meta device (a PeftModel for a LoRA run) and its tokenizer."""
+    from hfdist.data import load_tokenizer
+    from hfdist.models.build import inject_lora, meta_model
+    from hfdist.models.presets import is_preset
+
+    tokenizer = load_tokenizer(record["model"], is_preset=is_preset(record["model"]))
+    model = meta_model(record["model"], vocab_size=len(tokenizer), dtype=torch.float32)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    if record.get("lora"):
+        model = inject_lora(model, record["lora_r"], record["lora_alpha"])
+    return model, tokenizer
+
+
+def _dcp_reader(checkpoint: Path) -> Callable[[str], torch.Tensor]:
+    """name -> the full fp32 tensor saved under model.<name> in the checkpoint's DCP folder."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    folder = str(checkpoint / SHARDED_DIR)
+    sizes = {k: v.size for k, v in FileSystemReader(folder).read_metadata().state_dict_metadata.items()
+             if hasattr(v, "size")}
+
+    def read(name: str) -> torch.Tensor:
+        key = f"model.{name}"
+        if key not in sizes:
+            raise CheckpointError(f"{checkpoint / SHARDED_DIR} holds no tensor {name!r}: it was not written by "
+                                  "this model (its identity record and its shards disagree).")
+        tensor = torch.empty(sizes[key], dtype=torch.float32)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load({"model": {name: tensor}}, checkpoint_id=folder, no_dist=True)
+        return tensor
+
+    return read
+
+
+def _zero_reader(checkpoint: Path) -> Callable[[str], torch.Tensor]:
+    """name -> the full fp32 tensor from DeepSpeed's ZeRO partitions (DeepSpeed's converter, lazy)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    state = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), lazy_mode=True)
+    return lambda name: state[name].contiguous()
+
+
+def export_checkpoint(path: Path, out: Path) -> Path:
+    """Write the checkpoint at `path` (a checkpoint-N folder, or an output folder: its latest) as a HF model, or a
+    LoRA adapter for a LoRA run, plus the tokenizer, into `out` (new or empty). Returns the checkpoint read."""
+    from hfdist.train.export import stream_hf_checkpoint
+
+    checkpoint = resolve_checkpoint(path)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} is not empty: the export writes a whole model there and overwrites nothing. "
+                              "Pass a new or empty folder.")
+    record = read_marker(checkpoint)
+    reader = _zero_reader(checkpoint) if record.get("format") == "deepspeed" else _dcp_reader(checkpoint)
+    skeleton, tokenizer = _skeleton(record)
+    stream_hf_checkpoint(out, skeleton, lambda entry: reader(entry.name), adapter_only=bool(record.get("lora")))
+    tokenizer.save_pretrained(str(out))
+    return checkpoint

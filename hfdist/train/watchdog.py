@@ -1,0 +1,330 @@
+"""Hang diagnostics: when a collective times out, every surviving rank says who never joined, in which collective
+and step, and where each rank was; then the job ends.
+
+The pieces, all from torch 2.13 itself:
+- `--collective-timeout` is set on every process group this process holds, once the world forms and again once the
+  mesh's groups exist (`_set_pg_timeout`): TrainingArguments' ddp_timeout reaches `init_process_group` on GPU only
+  (transformers 5.23 drops it with use_cpu), and `new_group` defaults to torch's 30 minutes, not the world's
+  timeout. gloo then raises in every rank that waits longer in one collective (checked: "Timed out waiting
+  20000ms for recv operation"); NCCL's watchdog aborts.
+- torch's flight recorder, on for every backend by `TORCH_FR_BUFFER_SIZE` (gloo included; NCCL's older
+  `TORCH_NCCL_TRACE_BUFFER_SIZE` is deprecated in torch 2.13): each rank's last collectives, with the per-group sequence number of
+  the last one it enqueued. On GPU `TORCH_NCCL_DUMP_ON_TIMEOUT` has NCCL write it on a timeout, to
+  OUTPUT_DIR/logs/flight_recorder/rank_<r>; on CPU the report below reads it in-process.
+- a heartbeat thread per rank that publishes, at every step and at least every HEARTBEAT_SECONDS, into the job's
+  c10d store its step, its flight-recorder group status and its main thread's Python stack. A stopped, dead or GIL-holding rank stops
+  publishing, so its last heartbeat is where it was; the store (kept by the launcher's agent) outlives it.
+
+On the timeout each surviving rank compares the timed-out collective's sequence number with every rank's last
+enqueued one in that group: the ranks behind it never joined. The report goes to the screen and, written atomically,
+to OUTPUT_DIR/logs/hang-rank-<r>.txt. Silent ranks on the reporting rank's own host are killed (a stopped process
+ignores the launcher's SIGTERM until torch elastic's 30 s grace ends); the rank then leaves at once (exit code
+EXIT_CODE) without touching the process group, whose teardown would wait on the missing rank, and the launcher
+stops the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_callback import TrainerCallback
+
+__all__ = ["CollectiveWatch", "StepWatchCallback", "flight_recorder_env", "HEARTBEAT_SECONDS", "EXIT_CODE",
+           "MIN_TIMEOUT_SECONDS", "DEFAULT_TIMEOUT_SECONDS"]
+
+DEFAULT_TIMEOUT_SECONDS = 300.0  # long enough for a first step's lazy init and a large checkpoint's collectives
+MIN_TIMEOUT_SECONDS = 1.0
+HEARTBEAT_SECONDS = 2.0
+EXIT_CODE = 3
+_STACK_FRAMES = 12
+_FR_ENTRIES = "2000"
+_PREFIX = "hfdist/heartbeat/"
+
+
+def flight_recorder_env(output_dir: str | Path) -> dict[str, str]:
+    """The environment that turns torch's flight recorder on (gloo and NCCL) and has NCCL dump it on a timeout into
+    OUTPUT_DIR/logs/flight_recorder/rank_<r>. Set before the process group forms; a user's own values win."""
+    dump = str(Path(output_dir) / "logs" / "flight_recorder" / "rank_")
+    return {"TORCH_FR_BUFFER_SIZE": _FR_ENTRIES, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}
+
+
+def _flight_record(collectives: bool) -> dict[str, Any]:
+    """This process's flight-recorder record ({"error": why} when it is off or unreadable)."""
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+
+        return json.loads(_dump_fr_trace_json(includeCollectives=collectives).decode(errors="replace"))
+    except Exception as exc:  # noqa: BLE001 (diagnostics must never fail the run)
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def _main_stack() -> list[str]:
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    return [line.rstrip() for line in traceback.format_stack(frame)[-_STACK_FRAMES:]]
+
+
+class CollectiveWatch:
+    """A rank's heartbeat and, on a collective timeout, its report. Use `watching()` around the collective work.
+
+    Args:
+        output_dir: the run's output folder (the report is also written under its logs/).
+        timeout: the --collective-timeout in effect (seconds), quoted in the report.
+    """
+
+    def __init__(self, output_dir: str | Path, timeout: float) -> None:
+        self.output_dir = Path(output_dir)
+        self.timeout = timeout
+        self.phase = "setting up"
+        self.step: int | None = None
+        self._store = None
+        self._rank, self._world = 0, 1
+        self._stop, self._wake = threading.Event(), threading.Event()
+        self._record: dict[str, Any] = {}
+
+    def where(self, phase: str, step: int | None = None) -> None:
+        """What this rank is doing now (published at once by the heartbeat thread, at most every 0.2 s)."""
+        self.phase, self.step = phase, step
+        self._wake.set()
+
+    def _beat(self) -> dict[str, Any]:
+        status = _flight_record(collectives=False).get("pg_status", {})
+        return {"rank": self._rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
+                "phase": self.phase, "step": self.step,
+                "last_enqueued": {pg: s.get("last_enqueued_collective") for pg, s in status.items()},
+                "stack": _main_stack()}
+
+    def _publish(self) -> None:
+        with contextlib.suppress(Exception):  # a store hiccup must not kill the rank; the next beat retries
+            self._store.set(f"{_PREFIX}{self._rank}", json.dumps(self._beat()))
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(HEARTBEAT_SECONDS)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            self._publish()
+            self._stop.wait(0.2)  # a fast run's steps must not turn the heartbeat into a busy loop
+
+    def cover_groups(self) -> None:
+        """Put the timeout on every process group that exists now (call again after creating more)."""
+        import torch.distributed as dist
+        from torch.distributed import distributed_c10d as c10d
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        for group in list(c10d._world.pg_map):
+            if not c10d._rank_not_in_group(group):
+                c10d._set_pg_timeout(timedelta(seconds=self.timeout), group)
+
+    def start(self) -> None:
+        """Put the timeout on the process groups and start publishing heartbeats (once the world has formed; a
+        no-op without a process group)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        self.cover_groups()
+        self._store = dist.distributed_c10d._get_default_store()
+        self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        self._publish()
+        threading.Thread(target=self._loop, name="hfdist-heartbeat", daemon=True).start()
+
+    def stop(self) -> None:
+        """Stop the heartbeat thread."""
+        self._stop.set()
+        self._wake.set()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Run the block; a collective timeout inside it prints the report and ends this process (EXIT_CODE)."""
+        try:
+            yield
+        except BaseException as exc:
+            if not _is_timeout(exc):
+                raise
+            self._stop.set()
+            self.report_and_exit(exc)
+
+    def _beats(self, exc: BaseException) -> dict[int, dict[str, Any]]:
+        """Every rank's last heartbeat that the store holds; this rank's now, its stack where the timeout struck."""
+        beats = {}
+        with contextlib.suppress(Exception):
+            self._store.set_timeout(timedelta(seconds=5))  # the report must not wait a full timeout on the store
+        for rank in range(self._world):
+            key = f"{_PREFIX}{rank}"
+            with contextlib.suppress(Exception):
+                if self._store.check([key]):
+                    beats[rank] = json.loads(self._store.get(key))
+        stack = [line.rstrip() for line in traceback.format_tb(exc.__traceback__)[-_STACK_FRAMES:]]
+        beats[self._rank] = {**self._beat(), "stack": stack}
+        return beats
+
+    def report(self, exc: BaseException) -> str:
+        """The paragraph a surviving rank prints: the collective that timed out, the ranks that never joined it,
+        and where each rank was (its last heartbeat's Python stack)."""
+        record = _flight_record(collectives=True)
+        self._record = record
+        entry = _timed_out_entry(record)
+        beats, now = self._beats(exc), time.time()
+        where = f"step {self.step}" if self.step is not None else self.phase
+        if entry is not None:
+            group_key, group_desc = (entry.get("process_group") or ["?", "?"])[:2]
+            seq = int(entry.get("collective_seq_id") or entry.get("p2p_seq_id") or 0)
+            what = f"{entry.get('profiling_name')} #{seq} of process group {group_key} ({group_desc or 'unnamed'})"
+            missing = sorted(r for r, b in beats.items() if group_key in b.get("last_enqueued", {})
+                             and int(b["last_enqueued"][group_key] or -1) < seq)
+        else:  # torch 2.13's gloo records only some ops (not FSDP2's all-gather / reduce-scatter into tensors)
+            error = f"; flight recorder: {record['error'][:160]}" if "error" in record else ""
+            what = (f"{_collective_from_stack(exc)} (from this rank's stack: the flight recorder holds no unfinished "
+                    f"entry{error}; gloo: {str(exc).splitlines()[0].split('] ')[-1][:120]})")
+            missing, group_key = [], None
+        silent = sorted(r for r, b in beats.items() if now - b["time"] > 3 * HEARTBEAT_SECONDS and r != self._rank)
+        unknown = sorted(set(range(self._world)) - set(beats))
+        culprits = sorted(set(missing) | set(silent) | set(unknown))
+        lines = [f"hfdist: collective timeout on rank {self._rank} at {where}: {what} waited more than "
+                 f"--collective-timeout {self.timeout:g} s.",
+                 f"hfdist: never joined: {_rank_list(culprits) if culprits else 'no rank is known to be missing'}"
+                 + "".join(f"\nhfdist:   rank {r}: {_state_of(beats.get(r), now, group_key)}" for r in culprits)]
+        lines.append("hfdist: where each rank was (Python stack of its main thread: its last heartbeat's, this "
+                     "rank's now):")
+        for rank in range(self._world):
+            beat = beats.get(rank)
+            lines.append(f"hfdist: -- rank {rank}: {_state_of(beat, now, group_key)}")
+            lines += [f"hfdist:    {ln}" for frame in (beat or {}).get("stack", []) for ln in frame.splitlines()]
+        ended = self._end_silent_neighbours(beats, silent)
+        from hfdist.train.checkpoint import remove_unfinished
+
+        unfinished = remove_unfinished(self.output_dir)  # a save the missing rank was part of can never finish
+        if unfinished:
+            lines.append(f"hfdist: removed the unfinished save {', '.join(unfinished)} (never resumed from).")
+        if ended:
+            lines.append(f"hfdist: {_rank_list(ended)} on this host, silent, killed (SIGKILL) so that the job ends now "
+                         "(a stopped process ignores the launcher's SIGTERM, which then waits 30 s before SIGKILL).")
+        lines.append(f"hfdist: the job stops (exit code {EXIT_CODE}); checkpoints already complete are intact (resume "
+                     "with --resume). A rank that never joins is stopped, dead, or stuck outside a collective: see "
+                     "its stack above and its log in logs/.")
+        return "\n".join(lines)
+
+    @staticmethod
+    def _end_silent_neighbours(beats: dict[int, dict[str, Any]], silent: list[int]) -> list[int]:
+        """SIGKILL the silent ranks that run on this host (the job is ending; they cannot take part in it)."""
+        host, ended = socket.gethostname(), []
+        for rank in silent:
+            beat = beats[rank]
+            if beat.get("host") == host and beat.get("pid"):
+                with contextlib.suppress(OSError):
+                    os.kill(int(beat["pid"]), signal.SIGKILL)
+                    ended.append(rank)
+        return ended
+
+    def report_and_exit(self, exc: BaseException) -> None:
+        """Print the report, write it to logs/hang-rank-<r>.txt (atomically), and leave now."""
+        text = self.report(exc)
+        print(text, file=sys.stderr, flush=True)
+        logs = self.output_dir / "logs"
+        _write_atomically(logs / f"hang-rank-{self._rank}.txt", text + "\n")
+        # The flight recorder's record, as NCCL dumps it on GPU (TORCH_NCCL_DUMP_ON_TIMEOUT), here as JSON.
+        _write_atomically(logs / "flight_recorder" / f"rank_{self._rank}.json", json.dumps(self._record, indent=1))
+        from hfdist.job import console
+
+        with contextlib.suppress(Exception):
+            console.finish()
+        sys.stdout.flush()
+        os._exit(EXIT_CODE)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write `path` whole or not at all (a partial file under another name, renamed); errors are ignored."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(text)
+        os.replace(partial, path)
+
+
+def _timed_out_entry(record: dict[str, Any]) -> dict[str, Any] | None:
+    """The flight-recorder entry of the collective this rank is stuck in: in a group whose last enqueued collective
+    is past its last completed one, the first not completed (the oldest such, over the groups); else the oldest
+    entry not retired. (gloo marks the timed-out work retired once its wait has raised.)"""
+    entries = record.get("entries", [])
+    stuck = set()
+    for group, status in record.get("pg_status", {}).items():
+        done = int(status.get("last_completed_collective") or -1)
+        if int(status.get("last_enqueued_collective") or -1) > done:
+            stuck.add((group, done + 1))
+    found = [e for e in entries if ((e.get("process_group") or ["?"])[0], e.get("collective_seq_id")) in stuck
+             and not e.get("is_p2p")]
+    found = found or [e for e in entries if not e.get("retired")]
+    return min(found, key=lambda e: e.get("time_created_ns", 0)) if found else None
+
+
+def _collective_from_stack(exc: BaseException) -> str:
+    """The collective named by the stack the timeout raised through: the innermost torch.distributed call (c10d's
+    function, e.g. all_gather_into_tensor, or the wait in FSDP's code), with the first caller outside torch."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    c10d = [f for f in frames if f.filename.endswith("distributed_c10d.py")]
+    inner = c10d[-1] if c10d else next((f for f in reversed(frames) if "torch/distributed" in f.filename),
+                                       frames[-1] if frames else None)
+    if inner is None:
+        return "a collective"
+    caller = next((f for f in reversed(frames) if "site-packages/torch/" not in f.filename), None)
+    where = f", called from {Path(caller.filename).name}:{caller.lineno} {caller.name}" if caller else ""
+    return f"torch.distributed {inner.name} ({Path(inner.filename).name}:{inner.lineno}{where})"
+
+
+def _rank_list(ranks: list[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _state_of(beat: dict[str, Any] | None, now: float, group_key: str | None) -> str:
+    if beat is None:
+        return "never published a heartbeat (it did not reach training, or its store connection failed)"
+    where = f"step {beat['step']}" if beat.get("step") is not None else beat.get("phase", "?")
+    age = now - beat["time"]
+    alive = f"alive ({age:.0f} s ago)" if age <= 3 * HEARTBEAT_SECONDS else \
+        f"silent for {age:.0f} s (stopped, dead, or holding the GIL)"
+    last = (beat.get("last_enqueued") or {}).get(group_key) if group_key is not None else None
+    return f"{where}, heartbeat {alive}" + (f", its last collective in that group #{last}" if last is not None else "")
+
+
+def _is_timeout(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) is a collective's timeout."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, RuntimeError) and "timed out" in str(exc).lower():
+            return True
+        failures = getattr(exc, "failures", None)  # DCP's CheckpointException: rank -> (error, traceback)
+        if isinstance(failures, dict) and any(_is_timeout(f[0] if isinstance(f, tuple) else f)
+                                              for f in failures.values()):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class StepWatchCallback(TrainerCallback):
+    """Tells the CollectiveWatch which step the rank is in (published with its heartbeat)."""
+
+    def __init__(self, watch: CollectiveWatch) -> None:
+        self.watch = watch
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.watch.where("training", state.global_step + 1)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.watch.where("after training")
