@@ -9,7 +9,6 @@ GPU (test_precision.py).
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from types import SimpleNamespace
@@ -97,15 +96,14 @@ def test_load_window_on_cuda_reads_the_allocator(monkeypatch):
 
 
 def test_checkpoints_record_the_gpu_and_a_cpu_checkpoint_is_not_resumed_there(gpu_host, tmp_path):
-    from hfdist.train.checkpoint import MARKER, CheckpointError
+    from hfdist.train.checkpoint import CheckpointError
     from hfdist.train.resume import _check_precision_and_device, checkpoint_identity
 
     rung = load_rung("fsdp_full_shard").with_num_processes(8)
     identity = checkpoint_identity(FinetuneConfig(config="fsdp_full_shard"), rung)
     assert identity["device"] == "cuda" and identity["mixed_precision"] == "bf16"  # auto on a GPU: the YAML's
-    (tmp_path / MARKER).write_text(json.dumps({"device": "cpu", "mixed_precision": "no"}))
     with pytest.raises(CheckpointError, match="it trained on cpu, this run is on cuda"):
-        _check_precision_and_device(tmp_path, identity)
+        _check_precision_and_device(tmp_path, {"device": "cpu", "mixed_precision": "no"}, identity)
 
 
 def test_streamed_save_exchanges_through_the_gpu_under_nccl(gpu_host, monkeypatch):
