@@ -35,7 +35,8 @@ def readme_script(name: str) -> str:
 
 @pytest.fixture(scope="module")
 def model_and_data(tmp_path_factory):
-    """A local llama-tiny with its tokenizer (what `from_pretrained(MODEL)` loads) and a JSONL of 64 texts."""
+    """A local llama-tiny with its tokenizer (what `from_pretrained(MODEL)` loads) and a JSONL of 64 texts (the
+    embedded conversations' turns joined)."""
     from hfdist.data.load import load_raw_dataset, load_tokenizer
     from hfdist.models.build import build_model
 
@@ -46,7 +47,7 @@ def model_and_data(tmp_path_factory):
     model.save_pretrained(root / "model")
     tokenizer.save_pretrained(root / "model")
     raw = load_raw_dataset(None).select(range(64))
-    lines = (json.dumps({"text": f"{r['instruction']}\n{r['response']}"}) for r in raw)
+    lines = (json.dumps({"text": "\n".join(turn["content"] for turn in r["messages"])}) for r in raw)
     (root / "data.jsonl").write_text("\n".join(lines) + "\n")
     return root / "model", root / "data.jsonl"
 
