@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hfdist.models.loss import IGNORE_INDEX, shift_labels, token_sum_cross_entropy
+from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.models.registry import ModelFacts, facts_for
 from hfdist.parallel.tensor_check import TPError, valid_tp_degrees, validate_tp
 
@@ -260,51 +260,34 @@ def apply_tp(
     return model
 
 
-def _loss_parallel_active() -> bool:
-    # torch keeps no public flag for loss_parallel(); it installs handlers for these ops while active. Without them
-    # cross-entropy on vocab-sharded logits would silently all-gather the full logits on every rank.
-    return torch.ops.aten._log_softmax.default in DTensor._op_dispatcher._custom_op_handlers
-
-
 def tp_causal_lm_loss(
-    model: nn.Module, batch: Mapping[str, torch.Tensor], num_items_in_batch: int | torch.Tensor | None = None
+    model: nn.Module, batch: Mapping[str, torch.Tensor], num_items_in_batch: int | torch.Tensor | None = None,
+    chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
 ) -> torch.Tensor:
     """Causal-LM loss of a tensor-parallel model: sum of token cross-entropies / `num_items_in_batch`.
 
-    Calls the model without labels and computes the loss itself, since HF's `loss_function` would need the full
-    logits. Labels are shifted as HF does (pad with -100, drop the first position); -100 is ignored. With
-    vocab-sharded logits (apply_tp(loss_parallel=True)) both this call and `loss.backward()` must run inside
-    `torch.distributed.tensor.parallel.loss_parallel()`; also correct on a model without TP.
+    hfdist.models.chunked_loss.causal_lm_loss: the model's own forward (so FSDP2's root hooks run) with lm_head
+    called per chunk of `chunk_size` sequence positions, never on the whole batch. Labels are shifted as HF does
+    (pad with -100, drop the first position); -100 is ignored. With vocab-sharded logits
+    (apply_tp(loss_parallel=True)) each chunk's logits stay vocab-sharded, and both this call and
+    `loss.backward()` must run inside `torch.distributed.tensor.parallel.loss_parallel()`; also correct on a model
+    without TP.
 
     Args:
         model: the model given to `apply_tp` (causal LM or PeftModel), possibly also FSDP-wrapped.
         batch: `input_ids`, optional `labels` (default: input_ids), and any other model inputs
-            (`attention_mask`, `position_ids`, ...; hfdist.data.collate's output as it is).
+            (`attention_mask`, `position_ids`, ...; hfdist.data.collate's output as it is). Every other key goes
+            along: a packed batch's attention inputs keep its documents apart under TP as well.
         num_items_in_batch: global count of target tokens (hfdist.models.loss.count_loss_tokens summed over gradient-accumulation
             steps and data-parallel ranks). None: this batch's own count, i.e. a plain mean. When it is the
             global count and data-parallel gradients are averaged (FSDP2's default), scale the loss by the
             data-parallel degree before backward, as HF Trainer does.
+        chunk_size: sequence positions per lm_head + cross-entropy chunk; None: the whole sequence at once.
 
     Returns:
         A plain scalar tensor, identical on every tp rank.
     """
-    labels = batch.get("labels", batch["input_ids"])
-    # The model's own forward (not model.model + lm_head) so FSDP2's root hooks run; without labels it returns
-    # the logits as lm_head made them and skips HF's loss. Every other key goes along: a packed batch's attention
-    # inputs (4-D mask, or flash-attention's varlen arguments) keep its documents apart under TP as well.
-    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-    logits = model(**{**inputs, "use_cache": False}).logits
-    if isinstance(logits, DTensor) and not _loss_parallel_active():
-        raise TPError("lm_head returns vocab-sharded logits: call tp_causal_lm_loss and loss.backward() inside "
-                      "torch.distributed.tensor.parallel.loss_parallel().")
-    # Under context parallelism the rows were shifted whole before being cut (hfdist.parallel.context.shard_batch).
-    targets = batch["shift_labels"] if "shift_labels" in batch else shift_labels(labels)
-    loss = token_sum_cross_entropy(logits, targets)
-    if isinstance(loss, DTensor):
-        loss = loss.to_local()
-    if num_items_in_batch is None:
-        num_items_in_batch = (targets != IGNORE_INDEX).sum()
-    return loss / num_items_in_batch
+    return causal_lm_loss(model, batch, num_items_in_batch, chunk_size)
 
 
 def gather_full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
