@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass
 
 from hfdist.errors import HfdistError
+from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE
 
 __all__ = ["FinetuneConfig", "ConfigError", "USAGE", "add_finetune_arguments", "build_parser", "config_from_namespace",
            "parse_args"]
@@ -59,6 +60,7 @@ class FinetuneConfig:
     dp_replicate: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
+    loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
     mixed_precision: str = "auto"
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
@@ -98,6 +100,10 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help="Pipeline micro-batches per step; must divide the per-rank batch (default: the YAML's).")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="Recompute each decoder layer in backward instead of keeping its activations.")
+    g.add_argument("--loss-chunk-size", type=_non_negative_int, default=d.loss_chunk_size, metavar="N",
+                   help=f"Compute lm_head and the fp32 cross-entropy N sequence positions at a time, so the whole "
+                        f"batch's logits never exist (default {d.loss_chunk_size}; the same loss). 0: unchunked, "
+                        "as transformers does.")
     g.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme.")
     g = p.add_argument_group("Model and data")
     g.add_argument("--model", default=d.model,
@@ -170,6 +176,13 @@ def _positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 

@@ -212,7 +212,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                             checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
-                            skeleton=skeleton)
+                            skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)

@@ -29,14 +29,10 @@ from torch.utils.checkpoint import checkpoint
 
 from hfdist.errors import HfdistError
 from hfdist.models.loss import IGNORE_INDEX, shift_labels, token_sum_cross_entropy
-from hfdist.models.registry import facts_for, is_supported
+from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE, facts_for, is_supported
 
 __all__ = ["DEFAULT_LOSS_CHUNK_SIZE", "VocabShardedLogitsError", "causal_lm_loss", "chunked_token_sum_cross_entropy",
            "find_causal_lm_head", "loss_parallel_active"]
-
-# Sequence positions per chunk: B x 512 x V x 4 bytes of fp32 logits live at once (256 MiB at B=1 for a 128K
-# vocabulary), against matmuls still large enough to run at full speed.
-DEFAULT_LOSS_CHUNK_SIZE = 512
 
 
 class VocabShardedLogitsError(HfdistError, RuntimeError):
@@ -168,8 +164,8 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor],
     if found is None:
         return model(**inputs, labels=labels, num_items_in_batch=num_items_in_batch).loss
     targets = batch["shift_labels"] if "shift_labels" in batch else shift_labels(labels)
-    with _head_swapped(*found, targets, chunk_size):
-        loss = model(**{**inputs, "use_cache": False}).logits
+    with _head_swapped(*found, targets, chunk_size):  # the model's forward as HF's own loss calls it
+        loss = model(**inputs).logits
     if num_items_in_batch is None:
         num_items_in_batch = (targets != IGNORE_INDEX).sum()
     return loss / num_items_in_batch

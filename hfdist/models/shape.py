@@ -40,8 +40,9 @@ With tensor parallelism (hfdist's Llama plan: sequence parallel + loss parallel)
 over the sequence and everything inside attention and the MLP over heads / intermediate, so they divide by tp;
 the all-gathered inputs of the column-parallel projections (2 e H) are saved whole.
 
-The head: the final norm (4 H + e H), lm_head's input (e H) and the logits, counted once as fp32 (S B V x 4:
-HF upcasts the logits for the loss), divided by tp under loss parallel.
+The head: the final norm (4 H + e H), lm_head's input (e H) and the logits, counted once as fp32 (x 4: the loss
+upcasts them), divided by tp under loss parallel. hfdist's loss (hfdist.models.chunked_loss) holds the logits of
+one chunk of the sequence at a time (B x chunk x V x 4), not the whole batch's (S B V x 4).
 """
 
 from __future__ import annotations
@@ -162,9 +163,15 @@ class ModelShape:
         per_token = norms / tp + gathered_inputs + inner / tp + lora
         return int(tokens * per_token)
 
-    def head_activation_bytes(self, tokens: int, elem: int, tp: int = 1) -> int:
-        """Bytes saved by the final norm, lm_head input and the fp32 logits (module docstring)."""
-        return int(tokens * ((4 * self.hidden + elem * self.hidden) / tp + elem * self.hidden + 4 * self.vocab / tp))
+    def head_activation_bytes(self, tokens: int, elem: int, tp: int = 1, logit_tokens: int | None = None) -> int:
+        """Bytes saved by the final norm, lm_head input and the fp32 logits (module docstring).
+
+        Args:
+            logit_tokens: tokens whose logits exist at once (a chunked loss's chunk); default all `tokens`.
+        """
+        logit_tokens = tokens if logit_tokens is None else logit_tokens
+        return int(tokens * ((4 * self.hidden + elem * self.hidden) / tp + elem * self.hidden)
+                   + logit_tokens * 4 * self.vocab / tp)
 
     def checkpointed_layer_bytes(self, tokens: int, elem: int, tp: int = 1) -> int:
         """Bytes one checkpointed layer keeps between forward and backward: its input hidden states.

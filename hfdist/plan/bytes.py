@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from hfdist.errors import HfdistError
 from hfdist.job.ladder import Rung, StrategyKind
-from hfdist.models.registry import LORA_TARGETS
+from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE, LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.dims import ParallelDims
 
@@ -99,6 +99,7 @@ class Workload:
     activation_checkpointing: bool = False
     dtype: str = "bf16"
     bytes_per_param_adam: int = 16
+    loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE  # sequence positions per loss chunk; None: unchunked
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -264,7 +265,10 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     kept = shape.checkpointed_layer_bytes(tokens, residual_elem, tp) if w.activation_checkpointing else full_layer
     activations = (pp - stage) * layers * kept + (full_layer if w.activation_checkpointing else 0)
     if last:
-        activations += shape.head_activation_bytes(tokens, elem, tp)
+        # hfdist's loss holds one chunk of every sequence's fp32 logits at a time (hfdist.models.chunked_loss).
+        rows = w.seq // dims.cp
+        logit_tokens = w.micro_batch * min(w.loss_chunk_size or rows, rows)
+        activations += shape.head_activation_bytes(tokens, elem, tp, logit_tokens)
 
     buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, embed + head,
                                                 trainable / max(params, 1))

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
 from hfdist.job.ladder import Rung, known_rung_names, load_rung
-from hfdist.models.registry import LORA_TARGETS
+from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE, LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.dims import ParallelDims
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, dims_on_cluster, offload_device, rung_rank_bytes
@@ -84,11 +84,13 @@ class Plan:
                  "carry grads + optimizer"
                  if w.lora else f"full fine-tune ({self.trainable_params:,} trainable params)")
         ckpt = "with" if w.activation_checkpointing else "without"
+        logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
+                  if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
         return [
             states,
             train,
             f"activations: seq {w.seq} x micro-batch {w.micro_batch}, SDPA/flash attention, {ckpt} activation "
-            "checkpointing, fp32 logits counted once; PP: 1F1B with pp micro-batches in flight",
+            f"checkpointing, fp32 logits of {logits}; PP: 1F1B with pp micro-batches in flight",
             "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers",
             "offload rungs count GPU bytes only; 1 GB = 1e9 bytes; allocator fragmentation not modelled",
         ]
@@ -285,6 +287,7 @@ def plan_rungs(
     dtype: str = "bf16",
     bytes_per_param_adam: int = 16,
     model: str = "model",
+    loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
 
@@ -307,7 +310,7 @@ def plan_rungs(
         raise PlanError(f"{bad} must be positive integers: describe the cluster as --nodes K x --gpus-per-node G "
                         "GPUs of --gpu-mem-gb M each.")
     w = Workload(seq, micro_batch, lora, lora_r, tuple(lora_targets), activation_checkpointing, dtype,
-                 bytes_per_param_adam)
+                 bytes_per_param_adam, loss_chunk_size)
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]
     plan = _plan(config, loaded, model, gpus_per_node, nodes, gpu_mem_bytes, w)
     rec = plan.recommended

@@ -268,7 +268,7 @@ def _simulated_step(model, rung: Rung, seq: int, micro_batch: int) -> tuple[tupl
     from torch.distributed.tensor.parallel import loss_parallel
 
     from hfdist.models.build import materialize
-    from hfdist.parallel.tensor import tp_causal_lm_loss
+    from hfdist.models.chunked_loss import causal_lm_loss
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         materialize(model, torch.device("cpu"))
@@ -278,9 +278,9 @@ def _simulated_step(model, rung: Rung, seq: int, micro_batch: int) -> tuple[tupl
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((input_ids,))
         with tracker, (loss_parallel() if rung.uses_tp else contextlib.nullcontext()):
-            # The job's loss (HfdistTrainer.causal_lm_loss): vocab-parallel under TP, else HF's own.
-            loss = (tp_causal_lm_loss(model, {"input_ids": input_ids}) if rung.uses_tp
-                    else model(input_ids=input_ids, labels=input_ids).loss)
+            # The job's loss (HfdistTrainer.causal_lm_loss): chunked over the sequence (the planner's default
+            # chunk), each chunk's logits vocab-parallel under TP.
+            loss = causal_lm_loss(model, {"input_ids": input_ids})
             (forward,) = tracker.get_tracker_snapshot("current").values()
             loss.backward()
             optimizer.step()

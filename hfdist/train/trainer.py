@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 from hfdist.job.ladder import Rung
+from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.context import cp_group_of, shard_batch
 from hfdist.parallel.verify import verify_strategy
 from hfdist.train.checkpointing import CheckpointingMixin
@@ -60,11 +61,17 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         checkpoint_identity: what a checkpoint records about the run, to refuse resuming another setup's.
         mixed_precision: "bf16" or "no", as the run trains (checked before the first step).
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
+        loss_chunk_size: sequence positions per lm_head + cross-entropy chunk (hfdist.models.chunked_loss), on
+            every rung; None: the whole sequence at once.
     """
 
     def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
-                 mixed_precision: str = "no", skeleton: torch.nn.Module | None = None, **kwargs) -> None:
+                 mixed_precision: str = "no", skeleton: torch.nn.Module | None = None,
+                 loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.loss_chunk_size = loss_chunk_size
+        if rung.uses_pipeline:
+            self.model.runner.loss_chunk_size = loss_chunk_size
         self.rung = rung
         self.lora = lora
         self.checkpoint_identity = checkpoint_identity or {}
@@ -143,15 +150,13 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         return contextlib.nullcontext()
 
     def causal_lm_loss(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """The causal-LM loss: HF's own, or under TP the vocab-parallel one (never full logits on a rank)."""
-        if self.rung.uses_tp:
-            from hfdist.parallel.tensor import tp_causal_lm_loss
-
-            return tp_causal_lm_loss(model, inputs, num_items_in_batch)
-        return model(**inputs, num_items_in_batch=num_items_in_batch).loss
+        """The causal-LM loss, chunked (hfdist.models.chunked_loss: never the whole batch's logits); under TP
+        the chunks' logits are vocab-sharded (loss_context)."""
+        return causal_lm_loss(model, inputs, num_items_in_batch, self.loss_chunk_size)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.rung.dims.tp == 1:
+        if self.label_smoother is not None or self.compute_loss_func is not None:
+            # A loss of the user's: HF computes it from the model's full logits.
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             self.precision.note_loss(out[0] if return_outputs else out)
             return out

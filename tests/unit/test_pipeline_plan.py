@@ -119,13 +119,22 @@ def test_chained_stages_equal_the_model(with_position_ids):
     pos = torch.cat([torch.arange(6), torch.arange(4)]).expand(4, -1) if with_position_ids else None
     ref = model(input_ids=ids, attention_mask=mask, labels=labels, position_ids=pos)
     ranges = split_stages(4, 3)
-    hidden = ids
-    for i, r in enumerate(ranges):
-        hidden = build_stage_module(model, i, 3, r)(hidden, attention_mask=mask, position_ids=pos)
-    torch.testing.assert_close(hidden, ref.logits, rtol=0, atol=0)
+    stages = [build_stage_module(model, i, 3, r) for i, r in enumerate(ranges)]
+
+    def run(rows: slice, **last_stage_kwargs) -> torch.Tensor:
+        hidden = ids[rows]
+        for stage in stages:
+            hidden = stage(hidden, attention_mask=mask[rows], position_ids=None if pos is None else pos[rows],
+                           **(last_stage_kwargs if stage is stages[-1] else {}))
+        return hidden
+
+    torch.testing.assert_close(run(slice(None)), ref.logits, rtol=0, atol=0)
     target = shift_labels(labels)
-    # Micro-batch shares (sum over tokens / batch token count) add up to HF's mean over real tokens.
-    shares = [token_sum_loss(hidden[i:i + 2], target[i:i + 2], int((target != -100).sum())) for i in (0, 2)]
+    # Micro-batch shares (the last stage's token sum, over sequence chunks of 3 / batch token count) add up to
+    # HF's mean over real tokens.
+    stages[-1].loss_chunk_size = 3
+    n = int((target != -100).sum())
+    shares = [token_sum_loss(run(slice(i, i + 2), loss_target=target[i:i + 2]), target[i:i + 2], n) for i in (0, 2)]
     torch.testing.assert_close(sum(shares), ref.loss, rtol=1e-6, atol=0)
 
 

@@ -283,13 +283,27 @@ def test_activation_checkpointing_and_batch_scale_activations():
     ckpt = _rung(plan_rungs(config, ["fsdp_full_shard"], seq=4096, activation_checkpointing=True, **kw),
                  "fsdp_full_shard").bytes.activations
     tokens = 4096
-    head = shape.head_activation_bytes(tokens, 2)
+    head = shape.head_activation_bytes(tokens, 2, logit_tokens=512)  # one chunk of the chunked loss
     assert full == shape.layers * shape.layer_activation_bytes(tokens, 2) + head
     assert ckpt == shape.layers * tokens * 2 * shape.hidden + shape.layer_activation_bytes(tokens, 2) + head
     assert shape.layer_activation_bytes(tokens, 2) / (tokens * shape.hidden) == pytest.approx(49, abs=0.1)
     double = _rung(plan_rungs(config, ["fsdp_full_shard"], seq=4096, micro_batch=2, **kw), "fsdp_full_shard")
     assert double.bytes.activations == pytest.approx(2 * full, rel=1e-6)
-    assert head == tokens * (4 * 4096 + 2 * 4096 + 2 * 4096 + 4 * 128256)  # fp32 logits counted once
+    assert head == tokens * (4 * 4096 + 2 * 4096 + 2 * 4096) + 512 * 4 * 128256  # fp32 logits of one chunk
+
+
+@pytest.mark.parametrize("rung, tp, micro_batch", [("fsdp_full_shard", 1, 1), ("fsdp_full_shard", 1, 2),
+                                                   ("fsdp_tp", 2, 1)])
+def test_chunked_loss_counts_one_chunk_of_logits(rung, tp, micro_batch):
+    """The planner counts B x chunk x V x 4 bytes of fp32 logits (per tp rank) instead of B x S x V x 4; with the
+    loss unchunked (loss_chunk_size=None, --loss-chunk-size 0) the whole batch's."""
+    config = load_config("llama-3.1-8b")
+    kw = dict(gpus_per_node=8, gpu_mem_bytes=H100, seq=4096, micro_batch=micro_batch)
+    chunked = _rung(plan_rungs(config, [rung], **kw), rung).bytes.activations
+    whole = _rung(plan_rungs(config, [rung], loss_chunk_size=None, **kw), rung).bytes.activations
+    assert whole - chunked == micro_batch * (4096 - 512) * 128256 * 4 // tp
+    bigger = _rung(plan_rungs(config, [rung], loss_chunk_size=8192, **kw), rung).bytes.activations
+    assert bigger == whole  # a chunk longer than the sequence is the whole sequence
 
 
 def test_tensor_and_pipeline_rungs_are_planned_generically():

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hfdist.models.loss import IGNORE_INDEX, shift_labels, token_sum_cross_entropy
+from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE
+from hfdist.models.loss import IGNORE_INDEX, shift_labels
 from hfdist.parallel.pipeline.plan import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -46,13 +47,12 @@ from hfdist.parallel.pipeline.stage import (
 __all__ = ["PipelineRunner", "token_sum_loss"]
 
 
-def token_sum_loss(logits: torch.Tensor, target: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """One micro-batch's share of the batch loss: summed token cross-entropy over `num_tokens`, the number of
-    real (not IGNORE_INDEX) shifted labels in the whole batch. Summed over micro-batches it is the batch mean.
-
-    Vocab-sharded logits (TP with loss parallelism, inside `loss_parallel()`) give a replicated DTensor loss; its
-    local value is the loss, and backward through `to_local` reaches the sharded logits as DTensor gradients."""
-    return _local(token_sum_cross_entropy(logits, target)) / num_tokens
+def token_sum_loss(token_loss_sum: torch.Tensor, target: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """One micro-batch's share of the batch loss: the last stage's summed token cross-entropy (it computes it
+    chunk by chunk from its hidden states against `target`, passed to it as `loss_target`) over `num_tokens`,
+    the number of real (not IGNORE_INDEX) shifted labels in the whole batch. Summed over micro-batches it is the
+    batch mean. (`target` is what torch's schedule hands every loss function; the stage has used it already.)"""
+    return token_loss_sum / num_tokens
 
 
 def _stage_device(device_type: str) -> torch.device:
@@ -154,6 +154,18 @@ class PipelineRunner:
         # current schedule, and the per-micro-batch loss the schedule calls.
         self.pipeline_stages: list = []
         self.loss_fn: Callable[..., torch.Tensor] = token_sum_loss
+        self.loss_chunk_size = DEFAULT_LOSS_CHUNK_SIZE
+
+    @property
+    def loss_chunk_size(self) -> int | None:
+        """Sequence positions per lm_head + cross-entropy chunk of the last stage (None: unchunked)."""
+        return self._loss_chunk_size
+
+    @loss_chunk_size.setter
+    def loss_chunk_size(self, value: int | None) -> None:
+        self._loss_chunk_size = value
+        for stage in self.stages:
+            stage.loss_chunk_size = value
 
     @property
     def has_first_stage(self) -> bool:
@@ -279,6 +291,8 @@ class PipelineRunner:
         # An all-ignored batch gives loss 0 (and no gradient) instead of 0/0.
         kwargs = {"target": target.to(self.device) if self.has_last_stage else None,
                   "loss_kwargs": {"num_tokens": num_tokens if num_tokens > 0 else 1}}
+        if self.has_last_stage:  # split into micro-batches with the other stage inputs (CausalLMStage.forward)
+            kwargs["loss_target"] = kwargs["target"]
         if attention_mask is not None:
             kwargs["attention_mask"] = attention_mask.to(self.device)
         if position_ids is not None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from hfdist.errors import HfdistError
+from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, chunked_token_sum_cross_entropy
 from hfdist.models.registry import facts_for, is_supported
 
 __all__ = ["PipelineModelError", "CausalLMStage", "find_causal_lm", "build_stage_module"]
@@ -50,8 +51,11 @@ def find_causal_lm(model: nn.Module) -> tuple[str, nn.Module]:
 class CausalLMStage(nn.Module):
     """Stage `stage_index` of `num_stages`: [embed] + decoder layers in `layer_range` + [norm + lm_head].
 
-    forward(x, attention_mask=None, position_ids=None): x is input_ids (B, S) on the first stage and hidden
-    states (B, S, H) elsewhere; the output is hidden states, or fp32-able logits (B, S, V) on the last stage.
+    forward(x, attention_mask=None, position_ids=None, loss_target=None): x is input_ids (B, S) on the first stage
+    and hidden states (B, S, H) elsewhere; the output is hidden states, or on the last stage the summed fp32 token
+    cross-entropy against `loss_target` (shifted labels, B x S), computed `loss_chunk_size` sequence positions at a
+    time (hfdist.models.chunked_loss: the micro-batch's whole logits never exist), or logits (B, S, V) when no
+    target is given. Other stages ignore `loss_target`.
     Every stage rebuilds the attention masks (full or sliding per layer, as the registry says) from the 2-D
     attention_mask, or takes a 4-D one (packed documents, hfdist.data.collate) as given, and the rotary
     embeddings from the position ids (arange(S) by default, as the HF model does), so only the hidden states cross
@@ -62,6 +66,7 @@ class CausalLMStage(nn.Module):
         layers: ModuleDict of this stage's decoder layers keyed by their global index (as strings).
         embed_tokens, norm, lm_head: the original modules, or None when another stage owns them.
         name_prefix: where the causal LM sits in the model the stage was cut from ("" or "base_model.model.").
+        loss_chunk_size: sequence positions per lm_head + cross-entropy chunk on the last stage (None: unchunked).
     """
 
     def __init__(self, lm: nn.Module, stage_index: int, num_stages: int, layer_range: range, name_prefix: str = ""):
@@ -78,6 +83,7 @@ class CausalLMStage(nn.Module):
         # Parameter-free (its inv_freq buffer is non-persistent), so every stage can share the one module.
         self.rotary_emb = lm.model.rotary_emb
         self.mask_kinds = facts_for(lm.config).mask_kinds(lm.config)
+        self.loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE
 
     @property
     def is_first(self) -> bool:
@@ -104,7 +110,7 @@ class CausalLMStage(nn.Module):
         raise PipelineModelError(f"Stage entry '{local_name}' has no counterpart in the original model.")
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, loss_target: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage on one micro-batch (see the class docstring for shapes)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
@@ -121,9 +127,12 @@ class CausalLMStage(nn.Module):
         for index, layer in self.layers.items():
             hidden = layer(hidden, attention_mask=masks[self.mask_kinds[int(index)]],
                            position_embeddings=position_embeddings, position_ids=position_ids, **documents)
-        if self.lm_head is not None:
-            hidden = self.lm_head(self.norm(hidden))
-        return hidden
+        if self.lm_head is None:
+            return hidden
+        if loss_target is None:
+            return self.lm_head(self.norm(hidden))
+        # Inside the stage's forward, so FSDP2's unsharded lm_head and TP's hooks on it serve every chunk.
+        return chunked_token_sum_cross_entropy(self.lm_head, self.norm(hidden), loss_target, self.loss_chunk_size)
 
 
     def _varlen_documents(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, batch: int) -> dict:
