@@ -61,7 +61,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
+from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, VocabShardedLogitsError, causal_lm_loss
 from hfdist.models.registry import ModelFacts, facts_for
 from hfdist.parallel.tensor_check import TPError, valid_tp_degrees, validate_tp
 
@@ -286,8 +286,14 @@ def tp_causal_lm_loss(
 
     Returns:
         A plain scalar tensor, identical on every tp rank.
+
+    Raises:
+        TPError: vocab-sharded logits outside `loss_parallel()`.
     """
-    return causal_lm_loss(model, batch, num_items_in_batch, chunk_size)
+    try:
+        return causal_lm_loss(model, batch, num_items_in_batch, chunk_size)
+    except VocabShardedLogitsError as exc:
+        raise TPError(str(exc)) from exc
 
 
 def gather_full_state_dict(model: nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
