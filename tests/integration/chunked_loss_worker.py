@@ -26,12 +26,11 @@ VOCAB, SEQ, CHUNK = 32768, 24, 7
 
 
 def make_batch() -> dict[str, torch.Tensor]:
-    """4 sequences with right and left padding and masked prompt tokens (the same on every rank)."""
+    """4 sequences (the same on every rank): two right-padded, prompt tokens of the first masked with -100."""
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (4, SEQ), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, SEQ - 5:] = 0
-    mask[2, :3] = 0
+    lengths = torch.tensor([[SEQ], [SEQ - 5], [SEQ], [SEQ - 9]])
+    mask = (torch.arange(SEQ) < lengths).long()
     labels = ids.masked_fill(mask == 0, -100)
     labels[0, :4] = -100
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
@@ -63,23 +62,9 @@ def compare(step) -> dict:
             "grads": len(grads_whole)}
 
 
-def case_ddp(batch) -> dict:
-    from torch.nn.parallel import DistributedDataParallel
-
-    model = DistributedDataParallel(build_model("llama-tiny", vocab_size=VOCAB, seed=0))
-    mine = {k: v.chunk(4)[dist.get_rank()] for k, v in batch.items()}
-
-    def step(chunk):
-        loss = causal_lm_loss(model, mine, chunk_size=chunk)
-        loss.backward()
-        return float(loss), list(model.parameters())
-    return compare(step)
-
-
-def case_fsdp(mesh, batch) -> dict:
-    from hfdist.parallel.fsdp import apply_fsdp
-
-    model = apply_fsdp(build_model("llama-tiny", vocab_size=VOCAB, seed=0), mesh)
+def case_data_parallel(wrap, batch) -> dict:
+    """DDP or FSDP2 (`wrap` applies it) over the 4 ranks, each on its quarter of the batch."""
+    model = wrap(build_model("llama-tiny", vocab_size=VOCAB, seed=0))
     mine = {k: v.chunk(4)[dist.get_rank()] for k, v in batch.items()}
 
     def step(chunk):
@@ -124,12 +109,15 @@ def case_pp(mesh, batch) -> dict:
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    from hfdist.parallel.fsdp import apply_fsdp
 
     batch = make_batch()
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",))
     cases = {
-        "ddp": lambda: case_ddp(batch),
-        "fsdp": lambda: case_fsdp(flat, batch),
+        "ddp": lambda: case_data_parallel(DistributedDataParallel, batch),
+        "fsdp": lambda: case_data_parallel(lambda model: apply_fsdp(model, flat), batch),
         "fsdp_tp": lambda: case_fsdp_tp(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp")), batch),
         "pp": lambda: case_pp(init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp")), batch),
     }
