@@ -84,8 +84,14 @@ def test_planner_activations_divide_by_cp():
 
     rung = load_rung("fsdp_cp")
     shape = ModelShape.from_config(load_config("llama-3.1-8b"))
-    w = Workload(seq=32768, micro_batch=1, dtype="bf16")
+    w = Workload(seq=32768, micro_batch=1, dtype="bf16", loss_chunk_size=None)  # the whole sequence's logits
     one = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=4), w)
     two = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=2, cp=2), w)
     assert two.activations == pytest.approx(one.activations / 2, rel=1e-6)
     assert two.weights == one.weights  # states sharded over dp_shard x cp: the same 4 ranks
+    # The chunked loss (default) holds one 512-position chunk of logits on every cp rank: that term does not divide.
+    chunked = Workload(seq=32768, micro_batch=1, dtype="bf16")
+    chunk_logits = 512 * shape.vocab * 4
+    one = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=4), chunked).activations - chunk_logits
+    two = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=2, cp=2), chunked).activations - chunk_logits
+    assert two == pytest.approx(one / 2, rel=1e-6)
