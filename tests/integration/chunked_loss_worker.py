@@ -97,13 +97,22 @@ def case_pp(mesh, batch) -> dict:
     runner = PipelineRunner(build_model("llama-tiny", vocab_size=VOCAB, seed=0), mesh["pp"], schedule="1F1B",
                             n_microbatches=2)
 
+    def shared(value) -> float:
+        """The last stage's loss, on every rank of the pipeline."""
+        box = [None if value is None else float(value)]
+        dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
+        return box[0]
+
     def step(chunk):
         runner.loss_chunk_size = chunk
-        loss = runner.step(batch["input_ids"], batch["labels"], batch["attention_mask"])
-        box = [float(loss) if loss is not None else None]
-        dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
-        return box[0], list(runner.parameters())
-    return compare(step)
+        return shared(runner.step(batch["input_ids"], batch["labels"], batch["attention_mask"])), \
+            list(runner.parameters())
+    result = compare(step)
+    scores = []  # the forward-only schedule (HfdistTrainer.batch_loss under PP) with and without chunks
+    for chunk in (None, CHUNK):
+        runner.loss_chunk_size = chunk
+        scores.append(shared(runner.evaluate(batch["input_ids"], batch["labels"], batch["attention_mask"])))
+    return {**result, "eval_rel_diff": abs(scores[1] - scores[0]) / abs(scores[0])}
 
 
 def main(out_path: str) -> None:

@@ -28,3 +28,5 @@ def test_chunked_loss_equals_unchunked(chunked_results, case):
     assert run["grads"] > 0 and run["loss"] > 0
     assert run["loss_rel_diff"] <= 1e-6
     assert run["grad_rel_diff"] <= 1e-5
+    if case == "pp":  # also the pipeline's forward-only evaluation
+        assert run["eval_rel_diff"] <= 1e-6

@@ -269,7 +269,8 @@ class PipelineRunner:
         args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, position_ids, None)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         with torch.no_grad():
-            self._schedule.eval(*args, losses=losses, **kwargs)
+            # return_outputs=False: the last stage's outputs are its micro-batches' 0-dim loss sums, not logits.
+            self._schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
         return float(torch.stack(losses).sum()) if losses is not None else None
 
     def _schedule_inputs(self, input_ids, labels, attention_mask, position_ids, num_tokens):
