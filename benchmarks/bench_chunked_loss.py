@@ -10,7 +10,8 @@ sequence parallel). Each variant runs in fresh processes (benchmarks/chunked_los
 alternating, --repeats times; reported are medians over the repeats, per rank:
 - the resident memory the first forward + backward adds to the built model (peak RSS, Linux VmHWM, restarted
   just before the step), the figure the issue's "per-rank peak memory" asks about;
-- the peak bytes of the tensors that a step's ops create (hfdist.metrics.memory.LiveTensorBytes);
+- the peak bytes of the tensors that a step's ops create (hfdist.metrics.memory.LiveTensorBytes; under TP it does
+  not see DTensor's local ops, so only the peak RSS speaks for tp > 1);
 - the step time (median of --steps timed steps; noisy when the machine is shared: `uptime` is recorded).
 The logits' bytes are B x S x V x 4 / tp per rank; "covers" says whether the measured drop is at least that.
 """
@@ -107,8 +108,10 @@ def markdown(r: dict) -> str:
         "",
         f"{r['preset']} layers, vocabulary {r['vocab']}, batch {r['batch']} x seq {r['seq']}, fp32, chunks of "
         f"{r['chunk_size']} positions vs unchunked; medians over {r['repeats']} alternating fresh processes per "
-        "variant (peak: resident memory a forward + backward adds; live: bytes of tensors the step's ops create; "
-        "step: median of the timed steps, noisy on a shared machine).",
+        "variant (peak: resident memory a forward + backward adds; live: bytes of tensors the step's ops create, "
+        "which under TP (tp > 1) sees only the ops on plain tensors, not DTensor's local ones, so read peak there; "
+        "step: median of the timed steps, noisy on a shared machine; the chunked step recomputes each chunk's "
+        "logits in backward).",
         "",
         "| tp | rank | logits MiB | peak unchunked MiB | peak chunked MiB | drop MiB | drop >= logits | "
         "live unchunked MiB | live chunked MiB | step unchunked s | step chunked s |",
