@@ -1,7 +1,7 @@
 """Per-rank peak memory and step time of a large-vocabulary model with hfdist's chunked loss against the unchunked
 one (the whole batch's fp32 logits at once, as transformers' own loss holds them).
 
-    python benchmarks/bench_chunked_loss.py       # results/<hardware>/chunked_loss.{md,json}; ~5 min on 2 idle cores
+    python benchmarks/bench_chunked_loss.py       # results/<hardware>/chunked_loss.{md,json}; est. 5-6 min on 2 idle cores
 
 llama-tiny's layers with a 32768-token vocabulary (--vocab), one sequence of 2048 tokens, fp32, forward + backward
 through hfdist.models.chunked_loss.causal_lm_loss with --chunk-size positions per chunk (the default, 512) or
