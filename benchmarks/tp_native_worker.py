@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="folder for <variant>-rank<r>.json")
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--weight-decay", type=float, required=True)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="write torch.profiler's table of the timed steps' top ops (self CPU time) to "
+                        "<this>-<variant>-rank<r>.txt; the profiler's hooks slow the steps, so the rates are not kept")
     return p.parse_args()
 
 
@@ -128,7 +131,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     losses, seconds, tokens = [], [], []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
     for step, batch in enumerate(batches):
+        if profiler is not None and step == 1:
+            profiler.start()
         warmup, last = step == 0, step == len(batches) - 1
         optimizer.zero_grad(set_to_none=True)
         start = time.perf_counter()
@@ -153,6 +159,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             seconds.append(time.perf_counter() - start)
             # Every TP rank runs its model on the whole global batch: all of its tokens pass through each rank.
             tokens.append(batch["input_ids"].numel())  # positions computed (packed rows' padding included)
+    if profiler is not None:
+        profiler.stop()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        Path(f"{args.profile}-{args.variant}-rank{rank}.txt").write_text(table)
     record.update({
         "losses": losses, "step_seconds": seconds, "step_tokens": tokens, "tokens_per_s": sum(tokens) / sum(seconds),
         # The median step resists the other jobs sharing this machine's cores better than the total does.
