@@ -30,8 +30,10 @@ reports the global sequence length even when its local shard holds 1/tp of it.
 
 Every parameter ends up a DTensor on the tp mesh (Replicate where not sharded). That keeps
 `torch.nn.utils.clip_grad_norm_` and FSDP2 on one mesh: a mix of DTensor and plain-tensor gradients is what breaks
-clipping under TP. Replicated weights whose inputs are sequence- or hidden-sharded (norms under sequence
-parallel, LoRA A matrices) get Partial gradients; DTensor reduces them when the optimizer or clipping reads them.
+clipping under TP. Replicated weights whose inputs are sequence- or head-sharded (norms under sequence parallel,
+per-head norms) get tp-partial gradients, summed in one all-reduce when each backward finishes
+(tensor_styles.PartialGradReducer; FSDP2 reduces them itself); LoRA A matrices' Partial gradients DTensor reduces
+when the optimizer or clipping reads them.
 
 Order of steps in a training script (mesh = ParallelDims(...).build_mesh(device_type), axes ("dp_shard", "tp")):
     validate_tp(config, dims.tp)                 # before building anything big
