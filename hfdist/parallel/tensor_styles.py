@@ -81,10 +81,11 @@ class SequenceSpec:
         return DTensor.from_local(local, mesh, (placement,), run_check=False, shape=self.shape, stride=self.stride)
 
 
-def _first_tensor_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | int:
-    """Where a module's hidden states come in: HF passes them positionally to decoder layers and MLPs and as
-    `hidden_states=` to attention."""
-    return 0 if args and isinstance(args[0], torch.Tensor) else "hidden_states"
+def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[str | int, torch.Tensor]:
+    """Where a module's hidden states come in, and their value: HF passes them positionally to decoder layers and
+    MLPs and as `hidden_states=` to attention."""
+    key: str | int = 0 if args and isinstance(args[0], torch.Tensor) else "hidden_states"
+    return key, args[key] if isinstance(key, int) else kwargs[key]
 
 
 def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | int, value: torch.Tensor):
@@ -93,22 +94,28 @@ def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], key: str | int, valu
     return args, {**kwargs, key: value}
 
 
-class LocalResidual(ParallelStyle):
-    """A decoder layer that takes and returns its residual stream as a DTensor but computes on the local shard.
+class _ResidualStyle(ParallelStyle):
+    """A style that moves the residual stream between its DTensor and local forms.
 
     Args:
         residual: the residual stream's placement (Shard(1) under sequence parallelism, else Replicate()).
-        spec: shared with the layer's `GatherSequence` styles.
+        spec: shared by a plan's `LocalResidual` and `GatherSequence` styles.
     """
 
     def __init__(self, residual: Placement, spec: SequenceSpec):
         super().__init__()
         self.residual, self.spec = residual, spec
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.residual})"
+
+
+class LocalResidual(_ResidualStyle):
+    """A decoder layer that takes and returns its residual stream as a DTensor but computes on the local shard."""
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_local(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
-            key = _first_tensor_arg(args, kwargs)
-            hidden = args[key] if isinstance(key, int) else kwargs[key]
+            key, hidden = _hidden_states(args, kwargs)
             if not isinstance(hidden, DTensor):
                 # A plain tensor here would mean a caller that lost the global shape: refuse rather than guess it.
                 raise TypeError(f"{type(mod).__name__} under tensor parallelism expects its hidden states as a "
@@ -125,31 +132,20 @@ class LocalResidual(ParallelStyle):
         module.register_forward_hook(to_dtensor, with_kwargs=True)
         return module
 
-    def __repr__(self) -> str:
-        return f"LocalResidual({self.residual})"
 
-
-class GatherSequence(ParallelStyle):
+class GatherSequence(_ResidualStyle):
     """The input of attention or the MLP: the local residual shard becomes a replicated DTensor (all-gather under
     sequence parallelism; nothing without it). Its backward is the matching reduce-scatter (or all-reduce) of the
     split linears' partial input gradients, once per block (Megatron's pattern)."""
 
-    def __init__(self, residual: Placement, spec: SequenceSpec):
-        super().__init__()
-        self.residual, self.spec = residual, spec
-
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
-            key = _first_tensor_arg(args, kwargs)
-            local = args[key] if isinstance(key, int) else kwargs[key]
+            key, local = _hidden_states(args, kwargs)
             full = self.spec.wrap(local, device_mesh, self.residual).redistribute(placements=(Replicate(),))
             return _replace(args, kwargs, key, full)
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
         return module
-
-    def __repr__(self) -> str:
-        return f"GatherSequence({self.residual})"
 
 
 class PartialGradReducer:
