@@ -41,6 +41,9 @@ RUNS = {  # variant -> label in the table
     "native": "transformers native TP",
 }
 MB = 1e6
+# A run's rates, each its median step: tokens per wall second, and per CPU second of the rank's process (all its
+# threads), which other jobs on the cores inflate far less than wall time.
+RATES = {"tokens_per_s_median_step": "tokens_per_s", "tokens_per_cpu_s_median_step": "tokens_per_cpu_s"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -128,34 +131,37 @@ def run_rounds(args: argparse.Namespace, model_dir: Path, batches: Path,
         load_before = os.getloadavg()[0]
         for variant in order:
             attempts[variant].append(launch(variant, args, model_dir, batches, out))
-        rates = {v: attempts[v][-1]["ranks"][0]["tokens_per_s_median_step"] for v in order
-                 if "error" not in attempts[v][-1]}
+        done = [v for v in order if "error" not in attempts[v][-1]]
         rounds.append({"order": order, "load_before": load_before, "load_after": os.getloadavg()[0],
-                       "tokens_per_s_rank0": rates})
-        print(f"round {i + 1}/{args.repeats}: " + ", ".join(f"{v} {t:.0f}" for v, t in rates.items()), flush=True)
+                       **{f"{name}_rank0": {v: attempts[v][-1]["ranks"][0][key] for v in done}
+                          for key, name in RATES.items()}})
+        print(f"round {i + 1}/{args.repeats}: " + ", ".join(
+            f"{v} {rounds[-1]['tokens_per_s_rank0'][v]:.0f} ({rounds[-1]['tokens_per_cpu_s_rank0'][v]:.0f} per "
+            "CPU-s)" for v in done), flush=True)
     return {v: merge_repeats(a) for v, a in attempts.items()}, rounds
 
 
 def merge_repeats(attempts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One variant's runs as one: the first run's records, each rank's `tokens_per_s_median_step` now the median
-    over the runs (every run's in `tokens_per_s_repeats`), every run's losses in `repeat_losses`; the first failed
-    run instead if any failed."""
+    """One variant's runs as one: the first run's records, each rank's rates (RATES) now the medians over the runs
+    (every run's in `<rate>_repeats`), every run's losses in `repeat_losses`; the first failed run instead if any
+    failed."""
     failed = next((a for a in attempts if "error" in a), None)
     if failed is not None:
         return failed
     run = {**attempts[0], "repeat_losses": [[r["losses"] for r in a["ranks"]] for a in attempts]}
     for rank, record in enumerate(run["ranks"]):
-        rates = [a["ranks"][rank]["tokens_per_s_median_step"] for a in attempts]
-        record["tokens_per_s_repeats"] = rates
-        record["tokens_per_s_median_step"] = statistics.median(rates)
+        for key, name in RATES.items():
+            rates = [a["ranks"][rank][key] for a in attempts]
+            record[f"{name}_repeats"] = rates
+            record[key] = statistics.median(rates)
     return run
 
 
-def speed_ratio(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """hfdist TP (sequence parallel) over native TP, rank 0: the median of each round's ratio (paired, so a load
-    change between rounds cancels) and each round's."""
-    ratios = [r["tokens_per_s_rank0"]["hfdist_sp"] / r["tokens_per_s_rank0"]["native"] for r in rounds
-              if {"hfdist_sp", "native"} <= r["tokens_per_s_rank0"].keys()]
+def speed_ratio(rounds: list[dict[str, Any]], rate: str = "tokens_per_s") -> dict[str, Any] | None:
+    """hfdist TP (sequence parallel) over native TP, rank 0, by `rate` (a RATES name): the median of each round's
+    ratio (paired, so a load change between rounds cancels) and each round's."""
+    ratios = [r[f"{rate}_rank0"]["hfdist_sp"] / r[f"{rate}_rank0"]["native"] for r in rounds
+              if {"hfdist_sp", "native"} <= r[f"{rate}_rank0"].keys()]
     return {"median_of_rounds": statistics.median(ratios), "per_round": ratios} if ratios else None
 
 
@@ -191,8 +197,8 @@ def summarize(runs: dict[str, dict[str, Any]], rtol: float) -> dict[str, dict[st
             "logits_local_shape": ranks[0]["logits_local_shape"],
             "params_viewing_larger_storage": ranks[0]["layout"]["params_viewing_larger_storage"],
             "collectives_per_step": ranks[0]["collectives_per_step"],
-            "tokens_per_s": [r["tokens_per_s_median_step"] for r in ranks],
-            "tokens_per_s_repeats": [r["tokens_per_s_repeats"] for r in ranks],
+            **{name: [r[key] for r in ranks] for key, name in RATES.items()},
+            **{f"{name}_repeats": [r[f"{name}_repeats"] for r in ranks] for name in RATES.values()},
         }
     return rows
 
@@ -213,7 +219,7 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     header = ("run", "final loss", "max loss diff vs reference, all steps: abs (rel)", "grad norm, last step",
               "peak RSS per rank (MB)", "RSS growth after imports (MB)", "params: storage held / local elements (MB)",
               "grads (MB)", "optimizer state (MB)", "saved activations (MB)", "logits per rank",
-              "collectives per fwd+bwd", "tokens/s per rank")
+              "collectives per fwd+bwd", "tokens/s per rank", "tokens per CPU-second per rank")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for variant, row in rows.items():
         if "error" in row:
@@ -229,7 +235,7 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
                  _per_rank(row["peak_rss_mb"], ".1f"), _per_rank(row["rss_growth_mb"], ".1f"), params,
                  _per_rank(row["grad_mb"], ".3f"), _per_rank(row["optimizer_mb"], ".3f"),
                  _per_rank(row["saved_activation_mb"], ".2f"), "x".join(map(str, row["logits_local_shape"])), comms,
-                 _per_rank(row["tokens_per_s"], ".0f"))
+                 _per_rank(row["tokens_per_s"], ".0f"), _per_rank(row["tokens_per_cpu_s"], ".0f"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -332,16 +338,20 @@ def interpretation(rows: dict[str, dict[str, Any]], args: argparse.Namespace) ->
 
 def speed_lines(result: dict[str, Any]) -> list[str]:
     """The paired speed comparison and every round's rates with the machine's load."""
-    ratio, rounds = result["speed_ratio_hfdist_sp_over_native"], result["rounds"]
+    ratio, cpu_ratio = result["speed_ratio_hfdist_sp_over_native"], result["cpu_speed_ratio_hfdist_sp_over_native"]
     lines = []
     if ratio is not None:
         lines += [f"**hfdist TP with sequence parallel at {ratio['median_of_rounds']:.2f}x native TP tokens/s** "
                   "(rank 0, median of the rounds' paired ratios: "
-                  + ", ".join(f"{r:.2f}" for r in ratio["per_round"]) + ").", ""]
+                  + ", ".join(f"{r:.2f}" for r in ratio["per_round"]) + f"); per CPU-second "
+                  f"{cpu_ratio['median_of_rounds']:.2f}x (" + ", ".join(f"{r:.2f}" for r in cpu_ratio["per_round"])
+                  + ").", ""]
     header = ["round", "order", "load before / after", *(RUNS[v] for v in RUNS)]
-    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for i, r in enumerate(rounds, 1):
-        rates = [f"{r['tokens_per_s_rank0'][v]:.0f}" if v in r["tokens_per_s_rank0"] else "failed" for v in RUNS]
+    lines += ["Rank 0's tokens/s (tokens per CPU-second) per round:", "",
+              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, r in enumerate(result["rounds"], 1):
+        rates = [f"{r['tokens_per_s_rank0'][v]:.0f} ({r['tokens_per_cpu_s_rank0'][v]:.0f})"
+                 if v in r["tokens_per_s_rank0"] else "failed" for v in RUNS]
         lines.append(f"| {i} | {' > '.join(r['order'])} | {r['load_before']:.1f} / {r['load_after']:.1f} | "
                      + " | ".join(rates) + " |")
     return lines
@@ -364,7 +374,9 @@ def markdown(result: dict[str, Any], runs: dict[str, dict[str, Any]], args: argp
         "every TP rank's model processes whole, divided by the rank's wall time of forward + backward + optimizer "
         f"step; a run's rate is its median over steps 2..{s['steps']} (step 1 is an untimed warm-up), the table's the "
         f"median over the {s['repeats']} rounds' runs (the JSON has every run's, every step's time and the "
-        "total-based rate). *Peak RSS* = the process's VmHWM at the end "
+        "total-based rate); *tokens per CPU-second* = the same with the CPU time of the rank's process (all its "
+        "threads: gloo's too) in place of wall time, which waiting for a core shared with other jobs does not "
+        "inflate, while waiting for the other rank in a collective (blocking) does not count. *Peak RSS* = the process's VmHWM at the end "
         "(libraries included); *RSS growth* = that minus VmHWM right after the imports (torch, transformers, hfdist), "
         "i.e. what loading and training the model added. *params / grads / optimizer state* = bytes of the tensors "
         "this rank holds, measured before the last optimizer step with `hfdist.metrics.memory.rank_state_bytes` "
@@ -417,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     settings.update(vocab_size=vocab, load_before=load_before, load_after=load_after,
                     wall_minutes=(time.perf_counter() - started) / 60)
     result = {"command": command, "hardware": hardware, "settings": settings, "all_within_tol": all_ok,
-              "speed_ratio_hfdist_sp_over_native": speed_ratio(rounds), "rounds": rounds, "rows": rows, "runs": runs}
+              "speed_ratio_hfdist_sp_over_native": speed_ratio(rounds),
+              "cpu_speed_ratio_hfdist_sp_over_native": speed_ratio(rounds, "tokens_per_cpu_s"), "rounds": rounds, "rows": rows, "runs": runs}
     out.mkdir(parents=True, exist_ok=True)
     (out / "tp_vs_native.json").write_text(json.dumps(result, indent=1))
     md = markdown(result, runs, args)
