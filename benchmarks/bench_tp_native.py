@@ -5,11 +5,14 @@
 
 The preset is built once (seed 0) and saved with save_pretrained; the packed embedded default data gives one global
 batch per step, saved once. Four runs then load both, each in processes of its own (peak RSS cannot be reset
-within a process), with OMP_NUM_THREADS=--threads per rank:
+within a process), with OMP_NUM_THREADS=--threads per rank, --repeats times in alternating rounds (each round runs
+every variant once, odd rounds in reverse order, so a load change on a shared machine hits all variants alike):
 - reference: one process, no parallelism;
 - hfdist TP with and without sequence parallel (`apply_tp`, loss parallel on): torchrun, --tp processes, gloo;
 - native TP (`from_pretrained(distributed_config=DistributedConfig(tp_size=--tp))`): the same launch.
-Every run takes one AdamW step per batch; the first step is a warm-up left out of the throughput. After writing its
+Every run takes one AdamW step per batch; the first step is a warm-up left out of the throughput. A run's rate is
+its median step; a variant's is the median of its runs' rates (one run per variant swung 0.36x-0.80x between
+hfdist and native on this shared machine). Memory and collectives are the first round's. After writing its
 results the script checks that every step's loss of every TP run is within --loss-rtol of the reference's, and exits
 non-zero if not (or if the reference or an hfdist run failed; a native failure is reported, not fatal).
 """
@@ -20,9 +23,11 @@ import argparse
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +41,9 @@ RUNS = {  # variant -> label in the table
     "native": "transformers native TP",
 }
 MB = 1e6
+# A run's rates, each its median step: tokens per wall second, and per CPU second of the rank's process (all its
+# threads), which other jobs on the cores inflate far less than wall time.
+RATES = {"tokens_per_s_median_step": "tokens_per_s", "tokens_per_cpu_s_median_step": "tokens_per_cpu_s"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,6 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
+    p.add_argument("--repeats", type=int, default=5, help="rounds of runs (every variant once per round)")
     p.add_argument("--loss-rtol", type=float, default=1e-5,
                    help="largest |loss - reference| / reference allowed at any step (fp32; the TP tests' bound)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per run before it counts as hung")
@@ -55,6 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.steps < 2:
         p.error("--steps must be >= 2: the first step is a warm-up and is not timed")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
     return args
 
 
@@ -107,6 +118,53 @@ def launch(variant: str, args: argparse.Namespace, model_dir: Path, batches: Pat
     return run
 
 
+def run_rounds(args: argparse.Namespace, model_dir: Path, batches: Path,
+               workdir: Path) -> tuple[dict[str, dict[str, Any]], list[dict[str, Any]]]:
+    """Every variant --repeats times in alternating rounds; returns the merged run per variant and, per round, its
+    order, the 1-minute load average before and after, and each variant's rank-0 rate."""
+    attempts: dict[str, list[dict[str, Any]]] = {v: [] for v in RUNS}
+    rounds = []
+    for i in range(args.repeats):
+        order = list(RUNS) if i % 2 == 0 else list(reversed(RUNS))
+        out = workdir / f"round{i}"
+        out.mkdir()
+        load_before = os.getloadavg()[0]
+        for variant in order:
+            attempts[variant].append(launch(variant, args, model_dir, batches, out))
+        done = [v for v in order if "error" not in attempts[v][-1]]
+        rounds.append({"order": order, "load_before": load_before, "load_after": os.getloadavg()[0],
+                       **{f"{name}_rank0": {v: attempts[v][-1]["ranks"][0][key] for v in done}
+                          for key, name in RATES.items()}})
+        print(f"round {i + 1}/{args.repeats}: " + ", ".join(
+            f"{v} {rounds[-1]['tokens_per_s_rank0'][v]:.0f} ({rounds[-1]['tokens_per_cpu_s_rank0'][v]:.0f} per "
+            "CPU-s)" for v in done), flush=True)
+    return {v: merge_repeats(a) for v, a in attempts.items()}, rounds
+
+
+def merge_repeats(attempts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's runs as one: the first run's records, each rank's rates (RATES) now the medians over the runs
+    (every run's in `<rate>_repeats`), every run's losses in `repeat_losses`; the first failed run instead if any
+    failed."""
+    failed = next((a for a in attempts if "error" in a), None)
+    if failed is not None:
+        return failed
+    run = {**attempts[0], "repeat_losses": [[r["losses"] for r in a["ranks"]] for a in attempts]}
+    for rank, record in enumerate(run["ranks"]):
+        for key, name in RATES.items():
+            rates = [a["ranks"][rank][key] for a in attempts]
+            record[f"{name}_repeats"] = rates
+            record[key] = statistics.median(rates)
+    return run
+
+
+def speed_ratio(rounds: list[dict[str, Any]], rate: str = "tokens_per_s") -> dict[str, Any] | None:
+    """hfdist TP (sequence parallel) over native TP, rank 0, by `rate` (a RATES name): the median of each round's
+    ratio (paired, so a load change between rounds cancels) and each round's."""
+    ratios = [r[f"{rate}_rank0"]["hfdist_sp"] / r[f"{rate}_rank0"]["native"] for r in rounds
+              if {"hfdist_sp", "native"} <= r[f"{rate}_rank0"].keys()]
+    return {"median_of_rounds": statistics.median(ratios), "per_round": ratios} if ratios else None
+
+
 def summarize(runs: dict[str, dict[str, Any]], rtol: float) -> dict[str, dict[str, Any]]:
     """Per-run figures for the table; `loss_max_*_diff` and `within_tol` compare every step with the reference."""
     ref = runs["reference"]["ranks"][0]["losses"] if "error" not in runs["reference"] else None
@@ -117,10 +175,11 @@ def summarize(runs: dict[str, dict[str, Any]], rtol: float) -> dict[str, dict[st
             continue
         ranks = run["ranks"]
         losses = ranks[0]["losses"]
-        # TP ranks compute the same loss; a difference between them would be a bug of its own.
-        rank_spread = max(abs(a - b) / abs(a) for r in ranks for a, b in zip(r["losses"], losses))
-        diffs = [abs(a - b) for a, b in zip(losses, ref)] if ref is not None else None
-        rel = max(d / abs(b) for d, b in zip(diffs, ref)) if diffs is not None else None
+        every = [r for repeat in run["repeat_losses"] for r in repeat]  # every rank of every repeat
+        # TP ranks (and repeats) compute the same loss; a difference between them would be a bug of its own.
+        rank_spread = max(abs(a - b) / abs(a) for r in every for a, b in zip(r, losses))
+        diffs = [abs(a - b) for r in every for a, b in zip(r, ref)] if ref is not None else None
+        rel = max(abs(a - b) / abs(b) for r in every for a, b in zip(r, ref)) if ref is not None else None
         rows[variant] = {
             "losses": losses, "final_loss": losses[-1], "loss_max_abs_diff": max(diffs) if diffs else None,
             "loss_max_rel_diff": rel, "loss_rank_spread_rel": rank_spread,
@@ -138,7 +197,8 @@ def summarize(runs: dict[str, dict[str, Any]], rtol: float) -> dict[str, dict[st
             "logits_local_shape": ranks[0]["logits_local_shape"],
             "params_viewing_larger_storage": ranks[0]["layout"]["params_viewing_larger_storage"],
             "collectives_per_step": ranks[0]["collectives_per_step"],
-            "tokens_per_s": [r["tokens_per_s_median_step"] for r in ranks],
+            **{name: [r[key] for r in ranks] for key, name in RATES.items()},
+            **{f"{name}_repeats": [r[f"{name}_repeats"] for r in ranks] for name in RATES.values()},
         }
     return rows
 
@@ -159,7 +219,7 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
     header = ("run", "final loss", "max loss diff vs reference, all steps: abs (rel)", "grad norm, last step",
               "peak RSS per rank (MB)", "RSS growth after imports (MB)", "params: storage held / local elements (MB)",
               "grads (MB)", "optimizer state (MB)", "saved activations (MB)", "logits per rank",
-              "collectives per fwd+bwd", "tokens/s per rank")
+              "collectives per fwd+bwd", "tokens/s per rank", "tokens per CPU-second per rank")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for variant, row in rows.items():
         if "error" in row:
@@ -175,7 +235,7 @@ def table(rows: dict[str, dict[str, Any]]) -> list[str]:
                  _per_rank(row["peak_rss_mb"], ".1f"), _per_rank(row["rss_growth_mb"], ".1f"), params,
                  _per_rank(row["grad_mb"], ".3f"), _per_rank(row["optimizer_mb"], ".3f"),
                  _per_rank(row["saved_activation_mb"], ".2f"), "x".join(map(str, row["logits_local_shape"])), comms,
-                 _per_rank(row["tokens_per_s"], ".0f"))
+                 _per_rank(row["tokens_per_s"], ".0f"), _per_rank(row["tokens_per_cpu_s"], ".0f"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -246,19 +306,18 @@ def interpretation(rows: dict[str, dict[str, Any]], args: argparse.Namespace) ->
             "with sequence parallel an all-gather / reduce-scatter pair). Native's one all-gather is the full logits.")
         tps = {v: ok[v]["tokens_per_s"][0] for v in ok}
         notes.append(
-            "- Throughput, rank 0: " + ", ".join(f"{RUNS[v]} {t:.0f} tokens/s" for v, t in tps.items())
+            "- Throughput, rank 0, median over the rounds: " + ", ".join(f"{RUNS[v]} {t:.0f} tokens/s"
+                                                                       for v, t in tps.items())
             + f". With {args.threads} thread(s) per rank on CPU/gloo and a model this small, collectives and per-op "
             "dispatch weigh about as much as the matmuls, so these rates compare the implementations' overheads "
-            "here, not TP's scaling on GPUs; with other jobs on the cores (load average above), differences under "
-            "~20% are not meaningful.")
-        if tps["native"] > tps["hfdist_sp"]:
-            notes.append(
-                f"  Native TP ran {tps['native'] / tps['hfdist_sp']:.2f}x the tokens/s of hfdist with sequence "
-                "parallel. A likely cause (not profiled here): hfdist keeps the residual stream a DTensor, so every "
-                "norm, residual add and attention op goes through DTensor dispatch, while native converts to local "
-                "tensors after each split linear. The number of collectives is no explanation on its own: "
-                f"{sum(native['collectives_per_step'].values())} per step for native vs "
-                f"{sum(ours['collectives_per_step'].values())} for hfdist with sequence parallel.")
+            "here, not TP's scaling on GPUs; read them with the load averages of the rounds below.")
+        notes.append(
+            "- hfdist computes each decoder layer on local tensors (residual stream, residual adds and RMSNorms off "
+            "DTensor's per-op dispatch; `hfdist.parallel.tensor_styles`), keeps a DTensor between layers (HF reads "
+            "the global sequence length from it), and sums the norms' tp-partial weight gradients in one all-reduce "
+            "per backward rather than in every optimizer op that reads them. Native TP has no sequence parallel and "
+            "runs one all-reduce per split linear's input gradient instead of hfdist's all-gather / reduce-scatter "
+            "pairs.")
     norms = {v: r["grad_norm_last_step"][0] for v, r in ok.items()}
     failing = [v for v, probe in norms.items() if "error" in probe]
     if failing:
@@ -277,6 +336,27 @@ def interpretation(rows: dict[str, dict[str, Any]], args: argparse.Namespace) ->
     return notes
 
 
+def speed_lines(result: dict[str, Any]) -> list[str]:
+    """The paired speed comparison and every round's rates with the machine's load."""
+    ratio, cpu_ratio = result["speed_ratio_hfdist_sp_over_native"], result["cpu_speed_ratio_hfdist_sp_over_native"]
+    lines = []
+    if ratio is not None:
+        lines += [f"**hfdist TP with sequence parallel at {ratio['median_of_rounds']:.2f}x native TP tokens/s** "
+                  "(rank 0, median of the rounds' paired ratios: "
+                  + ", ".join(f"{r:.2f}" for r in ratio["per_round"]) + f"); per CPU-second "
+                  f"{cpu_ratio['median_of_rounds']:.2f}x (" + ", ".join(f"{r:.2f}" for r in cpu_ratio["per_round"])
+                  + ").", ""]
+    header = ["round", "order", "load before / after", *(RUNS[v] for v in RUNS)]
+    lines += ["Rank 0's tokens/s (tokens per CPU-second) per round:", "",
+              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for i, r in enumerate(result["rounds"], 1):
+        rates = [f"{r['tokens_per_s_rank0'][v]:.0f} ({r['tokens_per_cpu_s_rank0'][v]:.0f})"
+                 if v in r["tokens_per_s_rank0"] else "failed" for v in RUNS]
+        lines.append(f"| {i} | {' > '.join(r['order'])} | {r['load_before']:.1f} / {r['load_after']:.1f} | "
+                     + " | ".join(rates) + " |")
+    return lines
+
+
 def markdown(result: dict[str, Any], runs: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
     """The report: settings, definitions, tolerance verdict, table, interpretation, layouts, failures, commands."""
     s, rows = result["settings"], result["rows"]
@@ -289,11 +369,14 @@ def markdown(result: dict[str, Any], runs: dict[str, dict[str, Any]], args: argp
         f"{s['weight_decay']}, no clipping in the update), TP={s['tp']} on {s['tp']} processes (torchrun, gloo), "
         f"OMP_NUM_THREADS={s['threads']} per process. Each run has processes of its own. The machine's 1-minute load "
         f"average was {s['load_before']:.1f} before and {s['load_after']:.1f} after the runs on {os.cpu_count()} cores "
-        "(other jobs shared it).", "",
-        "Definitions: *tokens/s per rank* = non-padding tokens (attention_mask sum) of the global batch, which every "
-        "TP rank's model processes whole, divided by the rank's wall time of forward + backward + optimizer step; "
-        f"the median over steps 2..{s['steps']} (step 1 is an untimed warm-up; the JSON also has every step's "
-        "time and the total-based rate). *Peak RSS* = the process's VmHWM at the end "
+        f"(other jobs shared it); the benchmark took {s['wall_minutes']:.1f} minutes.", "",
+        "Definitions: *tokens/s per rank* = positions of the global batch (packed rows, padding included), which "
+        "every TP rank's model processes whole, divided by the rank's wall time of forward + backward + optimizer "
+        f"step; a run's rate is its median over steps 2..{s['steps']} (step 1 is an untimed warm-up), the table's the "
+        f"median over the {s['repeats']} rounds' runs (the JSON has every run's, every step's time and the "
+        "total-based rate); *tokens per CPU-second* = the same with the CPU time of the rank's process (all its "
+        "threads: gloo's too) in place of wall time, which waiting for a core shared with other jobs does not "
+        "inflate, while waiting for the other rank in a collective (blocking) does not count. *Peak RSS* = the process's VmHWM at the end "
         "(libraries included); *RSS growth* = that minus VmHWM right after the imports (torch, transformers, hfdist), "
         "i.e. what loading and training the model added. *params / grads / optimizer state* = bytes of the tensors "
         "this rank holds, measured before the last optimizer step with `hfdist.metrics.memory.rank_state_bytes` "
@@ -306,7 +389,7 @@ def markdown(result: dict[str, Any], runs: dict[str, dict[str, Any]], args: argp
         "reference (fp32; the bound of hfdist's TP tests: sharded matmuls and all-reduces sum in another order), "
         "and both TP ranks' losses equal within the same bound: "
         f"**{'passed' if result['all_within_tol'] else 'FAILED'}**.", "",
-        *table(rows), "",
+        *table(rows), "", *speed_lines(result), "",
         "Loss per step: " + "; ".join(f"{RUNS[v]}: " + ", ".join(f"{x:.6f}" for x in r["losses"])
                                       for v, r in rows.items() if "error" not in r), "",
         "## Interpretation", "", *interpretation(rows, args), "",
@@ -331,20 +414,23 @@ def main(argv: list[str] | None = None) -> int:
     hardware = hardware_name()
     out = results_dir(args.out)
     command = shlex.join(["python", "benchmarks/bench_tp_native.py", *(sys.argv[1:] if argv is None else argv)])
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tp_native_") as tmp:
         workdir = Path(tmp)
         model_dir, batches, vocab = prepare(args, workdir)
         load_before = os.getloadavg()[0]
-        runs = {v: launch(v, args, model_dir, batches, workdir) for v in RUNS}
+        runs, rounds = run_rounds(args, model_dir, batches, workdir)
         load_after = os.getloadavg()[0]
     rows = summarize(runs, args.loss_rtol)
     checked = {v: r for v, r in rows.items() if v != "reference"}
     all_ok = "error" not in rows["reference"] and all(r.get("within_tol") for r in checked.values() if "error" not in r)
     settings = {k: getattr(args, k) for k in ("preset", "tp", "global_batch", "seq_len", "steps", "lr", "weight_decay",
-                                              "threads", "loss_rtol")}
-    settings.update(vocab_size=vocab, load_before=load_before, load_after=load_after)
-    result = {"command": command, "hardware": hardware, "settings": settings,
-              "all_within_tol": all_ok, "rows": rows, "runs": runs}
+                                              "threads", "repeats", "loss_rtol")}
+    settings.update(vocab_size=vocab, load_before=load_before, load_after=load_after,
+                    wall_minutes=(time.perf_counter() - started) / 60)
+    result = {"command": command, "hardware": hardware, "settings": settings, "all_within_tol": all_ok,
+              "speed_ratio_hfdist_sp_over_native": speed_ratio(rounds),
+              "cpu_speed_ratio_hfdist_sp_over_native": speed_ratio(rounds, "tokens_per_cpu_s"), "rounds": rounds, "rows": rows, "runs": runs}
     out.mkdir(parents=True, exist_ok=True)
     (out / "tp_vs_native.json").write_text(json.dumps(result, indent=1))
     md = markdown(result, runs, args)

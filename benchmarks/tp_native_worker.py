@@ -49,6 +49,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="folder for <variant>-rank<r>.json")
     p.add_argument("--lr", type=float, required=True)
     p.add_argument("--weight-decay", type=float, required=True)
+    p.add_argument("--profile", type=Path, default=None,
+                   help="write torch.profiler's table of the timed steps' top ops (self CPU time) to "
+                        "<this>-<variant>-rank<r>.txt; the profiler's hooks slow the steps, so the rates are not kept")
     return p.parse_args()
 
 
@@ -127,22 +130,26 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    losses, seconds, tokens = [], [], []
+    losses, seconds, cpu_seconds, tokens = [], [], [], []
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) if args.profile else None
     for step, batch in enumerate(batches):
+        if profiler is not None and step == 1:
+            profiler.start()
         warmup, last = step == 0, step == len(batches) - 1
         optimizer.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with ExitStack() as probes:
             if warmup:  # measured on the untimed step only: the hooks cost time
                 saved = probes.enter_context(saved_tensor_bytes(model))
                 comm = probes.enter_context(CommDebugMode())
             loss, logits_shape = step_loss(args.variant, model, batch)
         if last:  # gradients and (from the second step on) optimizer state are both live here
-            pause = time.perf_counter()
+            pause, cpu_pause = time.perf_counter(), time.process_time()
             record["state_bytes"] = rank_state_bytes(model, optimizer)
             record["grad_norm_last_step"] = grad_norm_probe(params)
             record["layout"] = layout(model)
             start += time.perf_counter() - pause  # not part of the training step being timed
+            cpu_start += time.process_time() - cpu_pause
         optimizer.step()
         losses.append(float(loss))
         if warmup:
@@ -151,12 +158,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             record["logits_local_shape"] = logits_shape
         else:
             seconds.append(time.perf_counter() - start)
+            # CPU time of the whole process (every thread): unlike wall time, not inflated by waiting for a core.
+            cpu_seconds.append(time.process_time() - cpu_start)
             # Every TP rank runs its model on the whole global batch: all of its tokens pass through each rank.
             tokens.append(batch["input_ids"].numel())  # positions computed (packed rows' padding included)
+    if profiler is not None:
+        profiler.stop()
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        table = profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        Path(f"{args.profile}-{args.variant}-rank{rank}.txt").write_text(table)
     record.update({
         "losses": losses, "step_seconds": seconds, "step_tokens": tokens, "tokens_per_s": sum(tokens) / sum(seconds),
         # The median step resists the other jobs sharing this machine's cores better than the total does.
         "tokens_per_s_median_step": statistics.median(n / t for n, t in zip(tokens, seconds)),
+        "step_cpu_seconds": cpu_seconds,
+        "tokens_per_cpu_s_median_step": statistics.median(n / t for n, t in zip(tokens, cpu_seconds)),
         "peak_rss_bytes": peak_memory_bytes(torch.device("cpu")), "param_shard_bytes": param_shard_bytes(model),
     })
     return record

@@ -13,21 +13,27 @@ Layout (tp = mesh size, "residual" = Shard(1) on the sequence dim with sequence 
   transformers 5.23's LlamaAttention reshapes with `view(*input_shape, -1, head_dim)` and
   `reshape(*input_shape, -1)` and only keeps the ratio `num_key_value_groups`, which tp leaves unchanged, so no
   head count on the module has to be patched;
-- o/down: RowwiseParallel, output in the residual layout (all-reduce, or reduce-scatter under sequence parallel);
-- input_layernorm / post_attention_layernorm / norm: SequenceParallel (or replicated without it);
-- per-head norms (Qwen3's q_norm / k_norm): their input is the rank's heads, so they take it as sharded on the
-  head dim (SequenceParallel on dim 2) and their replicated weight gets the sum of every rank's gradient;
+- o/down: RowwiseParallel, output a local shard of the residual layout (all-reduce, or reduce-scatter under
+  sequence parallel);
+- decoder layers: LocalResidual, attention / mlp inputs: GatherSequence (all-gather under sequence parallel);
+- input_layernorm / post_attention_layernorm / norm: LocalNorm on the local shard (1/tp of the tokens under
+  sequence parallel, all of them without), weight replicated;
+- per-head norms (Qwen3's q_norm / k_norm): LocalNorm on the rank's heads; their replicated weight gets the sum of
+  every rank's gradient;
 - lm_head: ColwiseParallel on the vocab dim; with loss parallelism its output stays a vocab-sharded DTensor that
   `tp_causal_lm_loss` feeds to cross-entropy under `loss_parallel()`, so no rank materialises full logits.
 
-The residual stream between layers stays a DTensor (not a local tensor as in torchtitan) because HF's LlamaModel
-derives position ids and the causal mask from `inputs_embeds.shape[1]`: a DTensor reports the global sequence
-length even when its local shard holds 1/tp of it.
+Inside a decoder layer everything is a local tensor except the split linears' DTensor weights (no per-op DTensor
+dispatch on norms and residual adds; hfdist.parallel.tensor_styles). Between layers the residual stream is a
+DTensor because HF's LlamaModel derives position ids and the causal mask from `inputs_embeds.shape[1]`: a DTensor
+reports the global sequence length even when its local shard holds 1/tp of it.
 
 Every parameter ends up a DTensor on the tp mesh (Replicate where not sharded). That keeps
 `torch.nn.utils.clip_grad_norm_` and FSDP2 on one mesh: a mix of DTensor and plain-tensor gradients is what breaks
-clipping under TP. Replicated weights whose inputs are sequence- or hidden-sharded (norms under sequence
-parallel, LoRA A matrices) get Partial gradients; DTensor reduces them when the optimizer or clipping reads them.
+clipping under TP. Replicated weights whose inputs are sequence- or head-sharded (norms under sequence parallel,
+per-head norms) get tp-partial gradients, summed in one all-reduce when each backward finishes
+(tensor_styles.PartialGradReducer; FSDP2 reduces them itself); LoRA A matrices' Partial gradients DTensor reduces
+when the optimizer or clipping reads them.
 
 Order of steps in a training script (mesh = ParallelDims(...).build_mesh(device_type), axes ("dp_shard", "tp")):
     validate_tp(config, dims.tp)                 # before building anything big
@@ -46,24 +52,30 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
-    PrepareModuleInput,
+    PrepareModuleOutput,
     RowwiseParallel,
-    SequenceParallel,
     parallelize_module,
 )
 
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, VocabShardedLogitsError, causal_lm_loss
 from hfdist.models.registry import ModelFacts, facts_for
 from hfdist.parallel.tensor_check import TPError, valid_tp_degrees, validate_tp
+from hfdist.parallel.tensor_styles import (
+    GatherSequence,
+    LocalNorm,
+    LocalResidual,
+    PartialGradReducer,
+    ReplicateParallel,
+    SequenceSpec,
+)
 
 __all__ = [
     "TPError",
@@ -78,44 +90,12 @@ __all__ = [
 ]
 
 
-class ReplicateParallel(ParallelStyle):
-    """Replicate a module's parameters as DTensors on the tp mesh; plain-tensor inputs are taken as replicated.
-
-    Used where a module must compute on the full tensor (LoRA's small A/B matrices, norms without sequence
-    parallel) but its parameters should still be DTensors, so their gradients are reduced correctly and every
-    parameter lives on one mesh.
-
-    Args:
-        use_local_output: return the local tensor; the next style's `from_local` then all-reduces the partial
-            gradient coming back, at that point (Megatron's "f" operator) rather than lazily further up.
-    """
-
-    def __init__(self, *, use_local_output: bool = False):
-        super().__init__()
-        self.use_local_output = use_local_output
-
-    @staticmethod
-    def _as_replicated(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        return tuple(
-            DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
-            for t in inputs
-        )
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # partition_fn=None: distribute_module replicates (broadcasts from rank 0) every parameter.
-        output_fn = (lambda mod, out, mesh: out.to_local()) if self.use_local_output else None
-        return distribute_module(module, device_mesh, None, input_fn=self._as_replicated, output_fn=output_fn)
-
-    def __repr__(self) -> str:
-        return f"ReplicateParallel(use_local_output={self.use_local_output})"
-
-
 def _lora_entries(path: str, colwise: bool, residual) -> dict[str, ParallelStyle]:
     """Styles for a LoRA-wrapped linear at `path`: base layer as without LoRA, A/B chosen so B(A(x)) matches it.
 
     Colwise base (y_local = x W_local): A stays replicated, B is split like the base's output dim.
-    Rowwise base (x is split on its last dim): A is split on its input dim and reduced, B stays replicated.
+    Rowwise base (x is split on its last dim): A is split on its input dim and reduced, B stays replicated; the
+    sum leaves the wrapper as a local shard of the residual stream, as a plain rowwise linear's output does.
     """
     if colwise:
         return {f"{path}.base_layer": ColwiseParallel(), f"{path}.lora_A.*": ReplicateParallel(),
@@ -124,6 +104,7 @@ def _lora_entries(path: str, colwise: bool, residual) -> dict[str, ParallelStyle
         f"{path}.base_layer": RowwiseParallel(output_layouts=residual, use_local_output=False),
         f"{path}.lora_A.*": RowwiseParallel(output_layouts=residual, use_local_output=False),
         f"{path}.lora_B.*": ReplicateParallel(),
+        path: PrepareModuleOutput(output_layouts=residual, desired_output_layouts=residual, use_local_output=True),
     }
 
 
@@ -144,11 +125,11 @@ def tp_plan(
         lora_targets: short names of the projections wrapped by peft LoRA layers.
     """
     residual = Shard(1) if sequence_parallel else Replicate()
-    # Without sequence parallel the norms hand a local tensor on, so the partial input-gradients of the column-split
-    # linears after them are all-reduced right there (Megatron's pattern). Left as DTensors they would stay Partial
-    # along the residual stream, and a vocab-parallel (tied) embedding's backward cannot take a Partial gradient:
-    # "Redistribution from P(sum) to MaskP(sum) is unsupported" (torch 2.13).
-    norm = SequenceParallel() if sequence_parallel else ReplicateParallel(use_local_output=True)
+    # A norm's weight gradient is a partial sum where the norm sees 1/tp of the tokens (sequence parallel); without
+    # sequence parallel every rank sees all tokens and computes the same gradient.
+    reducer = PartialGradReducer()
+    norm = LocalNorm(weight_grad=Partial() if sequence_parallel else Replicate(), reducer=reducer)
+    spec = SequenceSpec()  # the running layer's residual shape, shared by the styles below (see tensor_styles)
     layer = f"{facts.layers}.*"
     if tied_embeddings:
         # lm_head must split the vocab dim, so a weight shared with it is vocab-split too. torch 2.13's DTensor
@@ -161,14 +142,14 @@ def tp_plan(
         embed = ColwiseParallel(input_layouts=Replicate(), output_layouts=residual, use_local_output=False)
     plan: dict[str, ParallelStyle] = {
         facts.embed: embed,
+        # Between layers a DTensor (HF reads the global sequence length from it), inside a layer local tensors.
+        layer: LocalResidual(residual, spec),
         **{f"{layer}.{norm_name}": norm for norm_name in facts.layer_norms},
-        # HF calls self_attn(hidden_states=...) by keyword and mlp(x) positionally; both compute on the full sequence.
-        f"{layer}.self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": residual},
-                                                 desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-        f"{layer}.mlp": PrepareModuleInput(input_layouts=(residual,), desired_input_layouts=(Replicate(),)),
-        # (batch, seq, heads, head_dim) with this rank's heads: sharded on dim 2.
-        **{f"{layer}.{head_norm}": SequenceParallel(sequence_dim=2, use_local_output=True)
-           for head_norm in facts.head_norms},
+        # Attention and the MLP compute on the full sequence.
+        f"{layer}.self_attn": GatherSequence(residual, spec),
+        f"{layer}.mlp": GatherSequence(residual, spec),
+        # (batch, seq, heads, head_dim) with this rank's heads: each rank's weight gradient covers its heads only.
+        **{f"{layer}.{head_norm}": LocalNorm(weight_grad=Partial(), reducer=reducer) for head_norm in facts.head_norms},
         facts.final_norm: norm,
         facts.head: ColwiseParallel(input_layouts=residual,
                                     output_layouts=Shard(-1) if loss_parallel else Replicate(),
@@ -182,7 +163,7 @@ def tp_plan(
         elif colwise:
             plan[path] = ColwiseParallel()
         else:
-            plan[path] = RowwiseParallel(output_layouts=residual, use_local_output=False)
+            plan[path] = RowwiseParallel(output_layouts=residual)  # a local shard of the residual stream
     return plan
 
 

@@ -3,7 +3,7 @@
 
 One launch of 4 ranks on a (dp_shard=2, tp=2) mesh runs every multi-rank tensor-parallel case, so the suite pays the
 process start-up once: TP=2 alone (on the tp sub-mesh; both dp groups run it), TP=2 with LoRA, FSDP2 x TP = 2 x 2
-(with and without LoRA), collective counts, per-rank bytes, checkpoint round trips. Rank 0 trains the
+(with and without LoRA), Qwen2 and Qwen3 under TP, collective counts, per-rank bytes, checkpoint round trips. Rank 0 trains the
 single-process references and shares them, and writes the measurements to OUT.json; the test asserts on them. A
 case that raises is recorded with its traceback instead of aborting the launch.
 """
@@ -157,6 +157,18 @@ def case_tp(mesh, batch, refs: dict) -> dict:
     return out
 
 
+def case_architectures(mesh, batch) -> dict:
+    """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, whose replicated weights get tp-partial gradients) under
+    TP=2 with sequence parallel, 2 accumulated micro-batches per step, against one process."""
+    out = {}
+    micro = [split(batch, 2, 0), split(batch, 2, 1)]
+    for preset in ("qwen2-tiny", "qwen3-tiny"):
+        ref = train(build_model(preset, vocab_size=VOCAB, seed=0).to(DEVICE), [batch])
+        model = apply_tp(build_model(preset, vocab_size=VOCAB, seed=0).to(DEVICE), mesh["tp"])
+        out[preset] = compare(train(model, micro), ref)
+    return out
+
+
 def case_lora(mesh, batch, refs: dict, path: str) -> dict:
     """TP=2 + LoRA on all seven linears, with and without sequence parallel; then the adapter is gathered, saved
     (rank 0) and loaded both into one process and under TP."""
@@ -284,6 +296,7 @@ def main(out_path: str) -> None:
     tmp = str(Path(out_path).parent)  # rank 0 writes the checkpoints there, all ranks read them
     cases = {
         "tp": lambda: case_tp(mesh, batch, refs),
+        "architectures": lambda: case_architectures(mesh, batch),
         "lora": lambda: case_lora(mesh, batch, refs, f"{tmp}/adapter"),
         "fsdp_tp": lambda: case_fsdp_tp(mesh, batch, refs, f"{tmp}/full"),
         "counts": lambda: case_counts(mesh, batch),

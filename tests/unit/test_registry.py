@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor.parallel import SequenceParallel
+from torch.distributed.tensor import Partial
 
 from hfdist.models.build import build_model
 from hfdist.models.presets import PRESETS, load_config
@@ -17,6 +17,7 @@ from hfdist.parallel.fsdp import fsdp_unit_class
 from hfdist.parallel.pipeline.plan import split_stages
 from hfdist.parallel.pipeline.stage import build_stage_module
 from hfdist.parallel.tensor import apply_tp, tp_plan
+from hfdist.parallel.tensor_styles import LocalNorm
 
 from helpers import fake_world
 
@@ -62,7 +63,8 @@ def test_qwen3_plan_splits_head_norms_over_heads():
     plan = tp_plan(REGISTRY["qwen3"])
     for norm in ("self_attn.q_norm", "self_attn.k_norm"):
         style = plan[f"model.layers.*.{norm}"]
-        assert type(style) is SequenceParallel and style.sequence_sharding[0].dim == 2 and style.use_local_output
+        # Computed on the rank's heads; the replicated weight's gradient is a partial sum over tp.
+        assert type(style) is LocalNorm and style.weight_grad == (Partial(),)
     assert not any("q_norm" in key for key in tp_plan(REGISTRY["llama"]))
 
 

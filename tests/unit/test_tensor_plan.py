@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
 
 from hfdist.models.build import build_model
 from hfdist.models.loss import count_loss_tokens
@@ -23,6 +23,7 @@ from hfdist.parallel.tensor import (
     valid_tp_degrees,
     validate_tp,
 )
+from hfdist.parallel.tensor_styles import GatherSequence, LocalNorm, LocalResidual
 
 from helpers import fake_world
 
@@ -72,13 +73,16 @@ def test_plan_is_data_with_megatron_layout():
         style = plan[f"{layer}.{name}"]
         assert type(style) is RowwiseParallel and style.output_layouts == (Shard(1),)  # reduce-scatter under SP
     for norm in (f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "model.norm"):
-        assert type(plan[norm]) is SequenceParallel
+        assert type(plan[norm]) is LocalNorm and plan[norm].weight_grad == (Partial(),)  # 1/tp of the tokens
+    # Local tensors inside a layer, a DTensor between layers; attention and MLP gather the sequence.
+    assert type(plan[layer]) is LocalResidual and plan[layer].residual == Shard(1)
+    assert all(type(plan[f"{layer}.{block}"]) is GatherSequence for block in ("self_attn", "mlp"))
     assert plan["lm_head"].output_layouts == (Shard(-1),) and not plan["lm_head"].use_local_output
     assert type(plan["model.embed_tokens"]) is ColwiseParallel  # untied: hidden-split, gradient stays sharded
 
     plain = tp_plan(REGISTRY["llama"], sequence_parallel=False, loss_parallel=False, tied_embeddings=True)
     assert plain[f"{layer}.self_attn.o_proj"].output_layouts == (Replicate(),)  # all-reduce without SP
-    assert type(plain["model.norm"]) is ReplicateParallel
+    assert type(plain["model.norm"]) is LocalNorm and plain["model.norm"].weight_grad == (Replicate(),)
     assert plain["lm_head"].output_layouts == (Replicate(),) and plain["lm_head"].use_local_output
     assert type(plain["model.embed_tokens"]) is RowwiseParallel  # tied: shares lm_head's vocab split
 
@@ -86,11 +90,12 @@ def test_plan_is_data_with_megatron_layout():
 def test_plan_splits_lora_adapters_like_their_base():
     plan = tp_plan(REGISTRY["llama"], lora_targets=frozenset({"q_proj", "o_proj"}))
     q, o = "model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.o_proj"
-    assert q not in plan and o not in plan
+    assert q not in plan  # the wrapper of a colwise base needs no style: its parts do the splitting
     assert type(plan[f"{q}.base_layer"]) is ColwiseParallel
     assert type(plan[f"{q}.lora_A.*"]) is ReplicateParallel and type(plan[f"{q}.lora_B.*"]) is ColwiseParallel
     assert type(plan[f"{o}.base_layer"]) is RowwiseParallel
     assert type(plan[f"{o}.lora_A.*"]) is RowwiseParallel and type(plan[f"{o}.lora_B.*"]) is ReplicateParallel
+    assert type(plan[o]) is PrepareModuleOutput and plan[o].use_local_output  # the sum leaves as a local shard
     assert type(plan["model.layers.*.self_attn.k_proj"]) is ColwiseParallel  # not a LoRA target: unchanged
 
 
