@@ -10,15 +10,16 @@ import pytest
 # start, before anything imports torch (GPU code paths are tested through a mocked device API instead).
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from helpers import finetune
+from helpers import SharedRuns
 
 
 @pytest.fixture(scope="session")
-def references(tmp_path_factory) -> dict[str, dict]:
+def shared_runs(tmp_path_factory) -> SharedRuns:
+    """The checkpointed runs several modules read (helpers.SHARED_RUNS), each launched once per session."""
+    return SharedRuns(tmp_path_factory.mktemp("shared_runs"))
+
+
+@pytest.fixture(scope="session")
+def references(shared_runs) -> dict[str, dict]:
     """The single-process runs every strategy is compared with: {"single": summary, "lora_single": summary}."""
-    root = tmp_path_factory.mktemp("references")
-    out = {"single": finetune(root / "single", via="python"),
-           "lora_single": finetune(root / "lora_single", "--lora", via="python")}
-    for name, summary in out.items():
-        summary["_dir"] = root / name
-    return out
+    return {name: shared_runs[name] for name in ("single", "lora_single")}

@@ -96,6 +96,46 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
     return summary
 
 
+# Runs several test modules read, each launched once per session (on first use) and checkpointed at steps 2 and 4:
+# the ladder, pipeline, byo and fault tests compare their losses, bytes and saved models; test_resume resumes their
+# checkpoint-2 on the same layout, test_resume_reshard on another, test_checkpoint_export exports their checkpoint-4.
+# name -> (finetune arguments, accelerate config file under accelerate_configs/ or None, via).
+SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
+    "single": ((), None, "python"),
+    "lora_single": (("--lora",), None, "python"),
+    "ddp": (("--config", "ddp.yaml"), None, "accelerate"),
+    "fsdp_full_shard": (("--config", "fsdp_full_shard.yaml"), None, "accelerate"),
+    "fsdp_tp": (("--config", "fsdp_tp.yaml"), None, "accelerate"),
+    "zero3": (("--config", "zero3.yaml"), None, "accelerate"),
+    "lora_fsdp_full_shard": (("--config", "fsdp_full_shard", "--lora"), None, "accelerate"),
+    # `accelerate launch --config_file` (hfdist finds the rung through the launcher) ...
+    "fsdp_hybrid": ((), "fsdp_hybrid.yaml", "accelerate"),
+    "pp": ((), "pp.yaml", "accelerate"),
+    # ... and the README's form, which hands over to accelerate itself.
+    "3d": (("--config", "3d.yaml"), None, "accelerate"),
+}
+SHARED_SAVE_STEPS = ("--save-steps", "2")
+
+
+class SharedRuns:
+    """The SHARED_RUNS of one test session under `root`: `runs[name]` is that run's summary (finetune's, plus
+    "_dir": its output folder), launched the first time a test asks for it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._done: dict[str, dict] = {}
+
+    def __getitem__(self, name: str) -> dict:
+        if name not in self._done:
+            args, config_file, via = SHARED_RUNS[name]
+            folder = self.root / name
+            config = None if config_file is None else str(REPO / "accelerate_configs" / config_file)
+            summary = finetune(folder, *args, *SHARED_SAVE_STEPS, config_file=config, via=via)
+            summary["_dir"] = folder
+            self._done[name] = summary
+        return self._done[name]
+
+
 def check_batch(summary: dict):
     """The packed blocks a run scored after training (summary["check_batch_loss"]), as a model input batch (sdpa's
     block mask: the attention a reloaded model runs on CPU)."""

@@ -1,6 +1,7 @@
 """`hfdist checkpoint export DIR --to hf OUT`: a training checkpoint of any layout written as a HF model (or LoRA
 adapter) that from_pretrained loads with the trained loss: from a 3d checkpoint (DCP shards of 8 ranks:
-dp_shard x pp x tp), a zero3 one (DeepSpeed partitions) and a one-process LoRA run's."""
+dp_shard x pp x tp), a zero3 one (DeepSpeed partitions) and a one-process LoRA run's. The runs are the session's
+shared ones (helpers.SHARED_RUNS: checkpoints at steps 2 and 4), whose losses the ladder and pipeline tests check."""
 
 from __future__ import annotations
 
@@ -9,26 +10,26 @@ import sys
 import pytest
 import torch
 
-from helpers import check_batch, finetune, run_cmd
+from helpers import check_batch, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
-RUNS = {"3d": ["--config", "3d"], "zero3": ["--config", "zero3"], "lora_single": ["--lora"]}
+RUNS = ["3d", "zero3", "lora_single"]
 LOSS_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, shared_runs):
     """{name: (summary, export folder)}: each run's final checkpoint (step 4) exported."""
     root = tmp_path_factory.mktemp("export")
     out = {}
-    for name, args in RUNS.items():
-        summary = finetune(root / name, "--save-steps", "4", "--no-wandb", *args)
-        target = root / f"{name}-hf"
-        proc = run_cmd([sys.executable, "-m", "hfdist.cli", "checkpoint", "export", str(root / name / "checkpoint-4"),
-                        "--to", "hf", str(target)], timeout=600)
+    for name in RUNS:
+        summary = shared_runs[name]
+        checkpoint, target = summary["_dir"] / "checkpoint-4", root / f"{name}-hf"
+        proc = run_cmd([sys.executable, "-m", "hfdist.cli", "checkpoint", "export", str(checkpoint), "--to", "hf",
+                        str(target)], timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        assert f"hfdist: exported {root / name / 'checkpoint-4'} -> {target}" in proc.stdout
+        assert f"hfdist: exported {checkpoint} -> {target}" in proc.stdout
         out[name] = (summary, target)
     return out
 
@@ -60,10 +61,10 @@ def test_exported_lora_adapter_loads_with_the_trained_loss(exported):
 
 
 def test_export_refuses_a_folder_without_checkpoints_and_a_non_empty_target(exported, tmp_path):
-    _, target = exported["zero3"]
+    summary, target = exported["zero3"]
     proc = run_cmd([sys.executable, "-m", "hfdist.cli", "checkpoint", "export", str(tmp_path), "--to", "hf",
                     str(tmp_path / "x")], timeout=120)
     assert proc.returncode == 2 and "neither a complete hfdist checkpoint" in proc.stderr
-    proc = run_cmd([sys.executable, "-m", "hfdist.cli", "checkpoint", "export", str(target.parent / "zero3"), "--to",
+    proc = run_cmd([sys.executable, "-m", "hfdist.cli", "checkpoint", "export", str(summary["_dir"]), "--to",
                     "hf", str(target)], timeout=120)
     assert proc.returncode == 2 and "is not empty" in proc.stderr

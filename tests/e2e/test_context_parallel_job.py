@@ -27,7 +27,7 @@ def cp_runs(tmp_path_factory):
     runs = {}
     for name, extra in (("single", ()), ("fsdp_cp", ("--config", "fsdp_cp")),
                         ("lora_single", ("--lora",)), ("lora_fsdp_cp", ("--config", "fsdp_cp", "--lora"))):
-        runs[name] = finetune(root / name, *CP_ARGS, *extra, via="python" if "single" in name else "accelerate")
+        runs[name] = finetune(root / name, *CP_ARGS, *extra, via="python")
         runs[name]["_dir"] = root / name
     return runs
 

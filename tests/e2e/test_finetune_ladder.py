@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import REPO, check_batch, finetune, finished_offline_run
+from helpers import REPO, SHARED_RUNS, check_batch, finetune, finished_offline_run
 
 pytestmark = pytest.mark.multiproc
 
@@ -28,20 +28,22 @@ VIA_CONFIG_FILE = {"fsdp_hybrid", "zero1", "zero2_tp", "zero3_offload_cpu"}
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, references):
-    """All runs once: {name: summary}; "single" and "lora_single" are the references."""
+def runs(tmp_path_factory, references, shared_runs):
+    """All runs once: {name: summary}; "single" and "lora_single" are the references. Rungs other modules also read
+    come from the session's shared runs (helpers.SHARED_RUNS: the same launch, plus checkpoints at steps 2 and 4)."""
     root = tmp_path_factory.mktemp("ladder")
     out = {}
-    for name in FULL:
-        if name in VIA_CONFIG_FILE:
+    for name in FULL + [f"lora_{n}" for n in LORA]:
+        if name in SHARED_RUNS:
+            out[name] = shared_runs[name]
+            continue
+        if name.startswith("lora_"):
+            out[name] = finetune(root / name, "--config", name.removeprefix("lora_"), "--lora")
+        elif name in VIA_CONFIG_FILE:
             out[name] = finetune(root / name, config_file=str(REPO / "accelerate_configs" / f"{name}.yaml"))
         else:
-            out[name] = finetune(root / name, "--config", f"{name}.yaml",
-                                 "--nvme-path", str(root / "nvme"))
-    for name in LORA:
-        out[f"lora_{name}"] = finetune(root / f"lora_{name}", "--config", name, "--lora")
-    for name, summary in out.items():
-        summary["_dir"] = root / name
+            out[name] = finetune(root / name, "--config", f"{name}.yaml", "--nvme-path", str(root / "nvme"))
+        out[name]["_dir"] = root / name
     return {**references, **out}
 
 

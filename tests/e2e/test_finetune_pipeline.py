@@ -11,37 +11,38 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import REPO, check_batch, finetune
+from helpers import check_batch, finetune
 
 pytestmark = pytest.mark.multiproc
 
 LOSS_RTOL = 1e-5  # as in test_finetune_ladder.py
 SCHEDULES = ["GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]  # pp.yaml itself runs 1F1B
 WORLD = {"3d": 8}
+ACCUM_AC_SCHEDULE = "GPipe"
+ACCUM_AC = ("--micro-batch-size", "4", "--pp-microbatches", "2", "--activation-checkpointing")
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, references):
-    """{name: summary} of every pipeline run, plus the single-process references."""
+def runs(tmp_path_factory, references, shared_runs):
+    """{name: summary} of every pipeline run, plus the single-process references. pp (`accelerate launch
+    --config_file pp.yaml`: hfdist finds the pipeline YAML through the launcher) and 3d (the README's form, which hands
+    over to accelerate itself) are the session's shared runs (helpers.SHARED_RUNS), which test_resume and
+    test_checkpoint_export also read."""
     root = tmp_path_factory.mktemp("pipeline")
-    out = {
-        # `accelerate launch --config_file pp.yaml` (hfdist finds the pipeline YAML through the launcher) ...
-        "pp": finetune(root / "pp", config_file=str(REPO / "accelerate_configs" / "pp.yaml")),
-        # ... and the README's form, which hands over to accelerate itself.
-        "3d": finetune(root / "3d", "--config", "3d.yaml"),
-        "lora_pp": finetune(root / "lora_pp", "--config", "pp", "--lora"),
-        # 2 accumulation steps of 4 sequences, each split into 2 pipeline micro-batches; layers recomputed.
-        "pp_accum_ac": finetune(root / "pp_accum_ac", "--config", "pp", "--micro-batch-size", "4",
-                                "--pp-microbatches", "2", "--activation-checkpointing"),
-    }
+    out = {"pp": shared_runs["pp"], "3d": shared_runs["3d"],
+           "lora_pp": finetune(root / "lora_pp", "--config", "pp", "--lora", via="python")}
     for schedule in SCHEDULES:
-        out[f"pp_{schedule}"] = finetune(root / f"pp_{schedule}", "--config", "pp", "--pp-schedule", schedule)
+        # GPipe also runs 2 accumulation steps of 4 sequences, each split into 2 pipeline micro-batches, with layers
+        # recomputed: one launch answers the schedule's tests and accumulation's.
+        extra = ACCUM_AC if schedule == ACCUM_AC_SCHEDULE else ()
+        out[f"pp_{schedule}"] = finetune(root / f"pp_{schedule}", "--config", "pp", "--pp-schedule", schedule, *extra,
+                                         via="python")
     for name, summary in out.items():
-        summary["_dir"] = root / name
+        summary.setdefault("_dir", root / name)
     return {**references, **out}
 
 
-NAMES = ["pp", "3d", "pp_accum_ac"] + [f"pp_{s}" for s in SCHEDULES]
+NAMES = ["pp", "3d"] + [f"pp_{s}" for s in SCHEDULES]
 
 
 @pytest.mark.parametrize("name", NAMES + ["lora_pp"])
@@ -58,10 +59,11 @@ def test_pipeline_recorded_as_asked(runs, name):
     s = runs[name]["strategy"]
     assert s["world_size"] == WORLD.get(name, 2) == len(runs[name]["ranks"])
     assert s["pp"] == 2 and s["dp_replicate"] * s["dp_shard"] * s["pp"] * s["tp"] == s["world_size"]
-    want = name.split("_", 1)[1] if name.startswith("pp_") and name != "pp_accum_ac" else "1F1B"
+    want = name.split("_", 1)[1] if name.startswith("pp_") else "1F1B"
     assert s["pp_schedule"] == want
-    if name == "pp_accum_ac":
+    if name == f"pp_{ACCUM_AC_SCHEDULE}":
         assert (s["grad_accum"], s["micro_batch"], s["pp_microbatches"]) == (2, 4, 2)
+        assert runs[name]["config"]["activation_checkpointing"] is True
 
 
 def test_stages_split_the_model_states(runs):

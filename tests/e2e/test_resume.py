@@ -1,10 +1,11 @@
 """Checkpoint and resume through scripts/finetune.py: a run stopped after step 2 and resumed equals the
 uninterrupted run; checkpoints are atomic and self-describing; damaged or foreign ones are refused clearly.
 
-Each rung trains llama-tiny for 4 steps with a checkpoint every 2 (the uninterrupted run). Its checkpoint-2 is
-copied into a fresh output folder and `--resume` continues from it: the resumed run's step-3/4 losses must equal
-the uninterrupted run's (same optimizer moments, LR schedule position, RNG and data position), and the final
-models must score the same.
+Each rung trains llama-tiny for 4 steps with a checkpoint every 2 (the uninterrupted run: the session's shared run of
+that rung, helpers.SHARED_RUNS, whose losses and saved model tests/e2e/test_finetune_ladder.py and
+test_finetune_pipeline.py check). Its checkpoint-2 is copied into a fresh output folder and `--resume` continues from
+it: the resumed run's step-3/4 losses must equal the uninterrupted run's (same optimizer moments, LR schedule
+position, RNG and data position), and the final models must score the same.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 
 import pytest
 
-from helpers import FINETUNE, TINY_ARGS, finetune, run_cmd
+from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
@@ -27,17 +28,17 @@ RTOL = 1e-6  # same ranks, same reduction order: resumed steps are bit-identical
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, shared_runs):
     """{rung: (uninterrupted summary, resumed summary)} plus their folders."""
     root = tmp_path_factory.mktemp("resume")
     out = {}
     for name in RUNGS:
-        full, resumed = root / name / "full", root / name / "resumed"
-        args = ["--config", name.removeprefix("lora_"), "--save-steps", "2"] + (["--lora"] if "lora" in name else [])
-        first = finetune(full, *args)
+        first = shared_runs[name]
+        full, resumed = first["_dir"], root / name / "resumed"
+        args = ["--config", name.removeprefix("lora_"), *SHARED_SAVE_STEPS] + (["--lora"] if "lora" in name else [])
         resumed.mkdir(parents=True)
         shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-        second = finetune(resumed, *args, "--resume")
+        second = finetune(resumed, *args, "--resume", via="python")
         out[name] = (first, second, full, resumed)
     return out
 
