@@ -1,6 +1,6 @@
 """End-to-end: `--mixed-precision bf16` really runs bf16 on CPU, by one mechanism per rung, on llama-tiny.
 
-ddp (accelerate's CPU autocast over fp32 weights), fsdp_full_shard / pp / 3d (FSDP2's MixedPrecisionPolicy: bf16
+ddp (accelerate's CPU autocast over fp32 weights), fsdp_full_shard / fsdp_tp / pp / 3d (FSDP2's MixedPrecisionPolicy: bf16
 compute, fp32 parameters and gradient reduction; the pipeline on its 1-rank dp mesh too, so the stages hand each
 other bf16 activations) and zero3 (DeepSpeed's bf16 section, gradients accumulated and reduced in fp32). What
 must hold: losses within 2e-2 relative of the single-process bf16 run; the summary says bf16; the dtypes every rank
@@ -19,9 +19,7 @@ from helpers import finetune
 pytestmark = pytest.mark.multiproc
 
 BF16_RTOL = 2e-2
-# fsdp_tp is left out: hfdist.parallel.parallelize gives it the policy on the whole-model branch (fsdp_full_shard's)
-# over tensor-parallel DTensors (3d's: dp_shard x pp x tp), so both halves of its path are checked here already.
-RUNGS = ["ddp", "fsdp_full_shard", "zero3", "pp", "3d"]
+RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp", "3d"]
 
 
 @pytest.fixture(scope="module")
