@@ -59,6 +59,7 @@ class FinetuneConfig:
     dp_replicate: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
+    compile: bool = False
     mixed_precision: str = "auto"
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
@@ -98,6 +99,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help="Pipeline micro-batches per step; must divide the per-rank batch (default: the YAML's).")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="Recompute each decoder layer in backward instead of keeping its activations.")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (regional; inductor on CPU and GPU). Runs on single, ddp "
+                        "and the FSDP2 / TP rungs; refused on pipeline, context-parallel and DeepSpeed rungs.")
     g.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme.")
     g = p.add_argument_group("Model and data")
     g.add_argument("--model", default=d.model,
