@@ -1,0 +1,162 @@
+"""hfdist's overhead against the libraries it wraps: tokens/s of hfdist's ddp and zero2 rungs and of a plain
+`accelerate launch` + transformers.Trainer script (benchmarks/plain_trainer.py), side by side in one run.
+
+    python benchmarks/bench_overhead.py       # writes results/<hardware>/overhead.{json,md}
+
+Held equal: the model (the embedded default's shape and seeded weights, saved as one HF folder both load), the text
+(one JSON Lines file), tokens per optimizer step (global batch x --seq-len, no accumulation), fp32, the optimizer,
+schedule and clipping, the launcher (`accelerate launch` with the ladder's ddp.yaml / zero2.yaml and DeepSpeed JSON,
+2 processes, one thread each), no checkpoints, no W&B. Both are timed by one clock (benchmarks/step_clock.py: the
+end of every optimizer step, on rank 0); the first --warmup steps are left out. Variants alternate within every
+repeat (the order rotating), and each figure is the median over repeats. What still differs: hfdist packs whole
+documents into blocks (padding the rest, a block-diagonal attention mask) where the plain script concatenates the
+text and cuts it (no padding, plain causal attention); hfdist's callbacks (memory, throughput, progress) run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from measure import REPO, recorded, results_dir, worker_env
+
+FINETUNE = REPO / "scripts" / "finetune.py"
+PLAIN = REPO / "benchmarks" / "plain_trainer.py"
+CLOCK = REPO / "benchmarks" / "step_clock.py"
+CONFIGS = REPO / "hfdist" / "configs"
+RUNGS = ("ddp", "zero2")
+NPROC = 2
+
+
+def _model_and_data(folder: Path) -> tuple[Path, Path]:
+    """The embedded default model (seeded init) with its tokenizer as an HF folder, and the embedded conversations
+    as a JSON Lines file of plain text (one conversation per line)."""
+    from hfdist.data import load_raw_dataset, load_tokenizer
+    from hfdist.models.build import build_model
+    from hfdist.models.presets import DEFAULT_PRESET
+
+    tokenizer = load_tokenizer(None, is_preset=True)
+    model_dir, data = folder / "model", folder / "text.jsonl"
+    build_model(DEFAULT_PRESET, vocab_size=len(tokenizer), seed=0).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    with data.open("w") as f:
+        for row in load_raw_dataset(None):
+            text = "\n".join(f"{m['role']}: {m['content']}" for m in row["messages"])
+            f.write(json.dumps({"text": text}) + "\n")
+    return model_dir, data
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _command(variant: str, args, model: Path, data: Path, out: Path) -> list[str]:
+    """`accelerate launch` of the step clock around hfdist's job or the plain script, in the rung's world."""
+    tool, rung = variant.split("-")
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(CONFIGS / "accelerate_configs" / f"{rung}.yaml"), "--num_processes", str(NPROC),
+              "--num_machines", "1", "--main_process_port", str(_free_port())]
+    ds_json = CONFIGS / "ds_configs" / f"{rung}.json"
+    launch += ["--deepspeed_config_file", str(ds_json)] if rung == "zero2" else ["--mixed_precision", "no"]
+    common = ["--seq-len", str(args.seq_len), "--max-steps", str(args.steps), "--learning-rate", "1e-3",
+              "--warmup-steps", "10", "--output-dir", str(out)]
+    if tool == "hfdist":
+        script = [str(FINETUNE), "--config", rung, "--model", str(model), "--dataset", str(data),
+                  "--global-batch-size", str(args.global_batch), "--save-steps", "0", "--no-wandb", *common]
+    else:
+        script = [str(PLAIN), "--model", str(model), "--data", str(data),
+                  "--per-device-batch-size", str(args.global_batch // NPROC), *common]
+        script += ["--deepspeed", str(ds_json)] if rung == "zero2" else []
+    return [*launch, str(CLOCK), *script]
+
+
+def _tokens_per_s(variant: str, args, model: Path, data: Path, work: Path) -> float:
+    """One run: tokens per second over the steps after the warm-up, by rank 0's step clock."""
+    out = work / variant
+    clock = out / "clock"
+    clock.mkdir(parents=True)
+    env = {**worker_env(1), "STEP_CLOCK_DIR": str(clock), "WANDB_MODE": "offline"}
+    proc = subprocess.run(_command(variant, args, model, data, out / "run"), cwd=REPO, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        raise SystemExit(f"{variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    ends = json.loads((clock / "rank-0.json").read_text())["step_ends"]
+    assert len(ends) == args.steps, (variant, len(ends))
+    measured = args.steps - args.warmup
+    return measured * args.global_batch * args.seq_len / (ends[-1] - ends[args.warmup - 1])
+
+
+def _write(out: Path, result: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "overhead.json").write_text(json.dumps(result, indent=2))
+    med = result["median_tokens_per_s"]
+    rows = "".join(
+        f"| {rung} | {med[f'hfdist-{rung}']:,.0f} | {med[f'plain-{rung}']:,.0f} | "
+        f"{result['hfdist_vs_plain'][rung]:.3f} | "
+        f"{', '.join(f'{x:,.0f}' for x in result['runs'][f'hfdist-{rung}'])} | "
+        f"{', '.join(f'{x:,.0f}' for x in result['runs'][f'plain-{rung}'])} |\n" for rung in RUNGS)
+    load = result["load_average"]
+    (out / "overhead.md").write_text(
+        f"# hfdist against plain accelerate + Trainer ({out.name})\n\n`{result['command']}` "
+        f"({result['wall_seconds'] / 60:.0f} min)\n\n"
+        f"{result['model']}, seq {result['seq_len']} x global batch {result['global_batch']} tokens per step, "
+        f"fp32, {NPROC} processes x 1 thread, {result['steps']} steps of which the first {result['warmup']} are "
+        f"left out, {result['repeats']} alternating repeats; tokens/s = tokens per step x steps / time between "
+        f"step ends (rank 0).\n\n"
+        f"| rung | hfdist tokens/s (median) | plain Trainer tokens/s (median) | hfdist / plain | hfdist runs | "
+        f"plain runs |\n|---|---|---|---|---|---|\n{rows}\n"
+        f"What differs: {result['differences']}\n\n"
+        f"Load average (1/5/15 min) on {result['cpu_count']} cores: "
+        f"{' / '.join(f'{v:.2f}' for v in load['before'])} before, "
+        f"{' / '.join(f'{v:.2f}' for v in load['after'])} after.\n")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    import time
+
+    start, load_before = time.perf_counter(), os.getloadavg()
+    variants = [f"{tool}-{rung}" for rung in RUNGS for tool in ("hfdist", "plain")]
+    runs: dict[str, list[float]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        model, data = _model_and_data(Path(tmp))
+        for i in range(args.repeats):
+            order = variants[i % len(variants):] + variants[:i % len(variants)]
+            for variant in order:
+                runs[variant].append(_tokens_per_s(variant, args, model, data, Path(tmp) / f"repeat-{i}"))
+            print(f"repeat {i + 1}/{args.repeats}: " + ", ".join(f"{v} {runs[v][-1]:,.0f}" for v in variants),
+                  flush=True)
+    median = {v: statistics.median(r) for v, r in runs.items()}
+    command = [sys.executable, str(Path(__file__).resolve()), "--steps", str(args.steps), "--warmup",
+               str(args.warmup), "--repeats", str(args.repeats), "--seq-len", str(args.seq_len), "--global-batch",
+               str(args.global_batch)]
+    result = {"command": recorded(command), "model": "llama-small (embedded default shape, seeded init)",
+              "seq_len": args.seq_len, "global_batch": args.global_batch, "steps": args.steps,
+              "warmup": args.warmup, "repeats": args.repeats, "processes": NPROC, "cpu_count": os.cpu_count(),
+              "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+              "wall_seconds": time.perf_counter() - start, "runs": runs, "median_tokens_per_s": median,
+              "hfdist_vs_plain": {r: median[f"hfdist-{r}"] / median[f"plain-{r}"] for r in RUNGS},
+              "differences": __doc__.split("What still differs: ")[1].strip().replace("\n", " ")}
+    _write(results_dir(args.out), result)
+    print("hfdist / plain: " + ", ".join(f"{r} {v:.3f}" for r, v in result["hfdist_vs_plain"].items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
