@@ -15,43 +15,34 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from measure import REPO, recorded, results_dir, worker_env
+from step_clock import CLOCK, add_run_arguments, clocked_run, load_line, tokens_per_s
+
+from measure import REPO, recorded, results_dir
 
 FINETUNE = REPO / "scripts" / "finetune.py"
-CLOCK = REPO / "benchmarks" / "step_clock.py"
 VARIANTS = ("eager", "compile")
 
 
 def _run(variant: str, args, work: Path) -> dict[str, float]:
     """One run: tokens/s after the warm-up and the seconds from the start of training to the first step's end."""
     out = work / variant
-    clock = out / "clock"
-    clock.mkdir(parents=True)
     cmd = [sys.executable, str(CLOCK), str(FINETUNE), "--config", args.config, "--seq-len", str(args.seq_len),
            "--global-batch-size", str(args.global_batch), "--max-steps", str(args.steps), "--save-steps", "0",
            "--no-wandb", "--output-dir", str(out / "run"), *(["--compile"] if variant == "compile" else [])]
-    env = {**worker_env(1), "STEP_CLOCK_DIR": str(clock), "WANDB_MODE": "offline"}
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    record = json.loads((clock / "rank-0.json").read_text())
-    ends = record["step_ends"]
-    assert len(ends) == args.steps, (variant, len(ends))
-    tokens = (args.steps - args.warmup) * args.global_batch * args.seq_len
-    return {"tokens_per_s": tokens / (ends[-1] - ends[args.warmup - 1]),
-            "first_step_seconds": ends[0] - record["train_begin"]}
+    record = clocked_run(cmd, out)
+    return {"tokens_per_s": tokens_per_s(record, args),
+            "first_step_seconds": record["step_ends"][0] - record["train_begin"]}
 
 
 def _write(out: Path, result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "compile.json").write_text(json.dumps(result, indent=2))
-    med, load = result["median"], result["load_average"]
+    med = result["median"]
     rows = "".join(f"| {v} | {med[v]['tokens_per_s']:,.0f} | {med[v]['first_step_seconds']:.1f} | "
                    f"{', '.join(format(r['tokens_per_s'], ',.0f') for r in result['runs'][v])} |\n"
                    for v in VARIANTS)
@@ -63,20 +54,13 @@ def _write(out: Path, result: dict) -> None:
         f"(medians).\n\n| | tokens/s (median) | start of training to first step end, s (median) | runs, tokens/s |\n"
         f"|---|---|---|---|\n{rows}\n"
         f"compile / eager: **{result['compile_vs_eager']:.3f}** in tokens/s.\n\n"
-        f"Load average (1/5/15 min) on {result['cpu_count']} cores: "
-        f"{' / '.join(f'{v:.2f}' for v in load['before'])} before, "
-        f"{' / '.join(f'{v:.2f}' for v in load['after'])} after.\n")
+        f"{load_line(result['load_average'], result['cpu_count'])}\n")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="single")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--out", type=Path, default=None)
+    add_run_arguments(p)
     args = p.parse_args()
     start, load_before = time.perf_counter(), os.getloadavg()
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}

@@ -20,16 +20,17 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
-from measure import REPO, recorded, results_dir, worker_env
+from step_clock import CLOCK, add_run_arguments, clocked_run, load_line, tokens_per_s
+
+from measure import REPO, recorded, results_dir
 
 FINETUNE = REPO / "scripts" / "finetune.py"
 PLAIN = REPO / "benchmarks" / "plain_trainer.py"
-CLOCK = REPO / "benchmarks" / "step_clock.py"
 CONFIGS = REPO / "hfdist" / "configs"
 RUNGS = ("ddp", "zero2")
 NPROC = 2
@@ -79,22 +80,6 @@ def _command(variant: str, args, model: Path, data: Path, out: Path) -> list[str
     return [*launch, str(CLOCK), *script]
 
 
-def _tokens_per_s(variant: str, args, model: Path, data: Path, work: Path) -> float:
-    """One run: tokens per second over the steps after the warm-up, by rank 0's step clock."""
-    out = work / variant
-    clock = out / "clock"
-    clock.mkdir(parents=True)
-    env = {**worker_env(1), "STEP_CLOCK_DIR": str(clock), "WANDB_MODE": "offline"}
-    proc = subprocess.run(_command(variant, args, model, data, out / "run"), cwd=REPO, env=env,
-                          capture_output=True, text=True)
-    if proc.returncode:
-        raise SystemExit(f"{variant} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    ends = json.loads((clock / "rank-0.json").read_text())["step_ends"]
-    assert len(ends) == args.steps, (variant, len(ends))
-    measured = args.steps - args.warmup
-    return measured * args.global_batch * args.seq_len / (ends[-1] - ends[args.warmup - 1])
-
-
 def _write(out: Path, result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "overhead.json").write_text(json.dumps(result, indent=2))
@@ -104,7 +89,6 @@ def _write(out: Path, result: dict) -> None:
         f"{result['hfdist_vs_plain'][rung]:.3f} | "
         f"{', '.join(f'{x:,.0f}' for x in result['runs'][f'hfdist-{rung}'])} | "
         f"{', '.join(f'{x:,.0f}' for x in result['runs'][f'plain-{rung}'])} |\n" for rung in RUNGS)
-    load = result["load_average"]
     (out / "overhead.md").write_text(
         f"# hfdist against plain accelerate + Trainer ({out.name})\n\n`{result['command']}` "
         f"({result['wall_seconds'] / 60:.0f} min)\n\n"
@@ -115,22 +99,13 @@ def _write(out: Path, result: dict) -> None:
         f"| rung | hfdist tokens/s (median) | plain Trainer tokens/s (median) | hfdist / plain | hfdist runs | "
         f"plain runs |\n|---|---|---|---|---|---|\n{rows}\n"
         f"What differs: {result['differences']}\n\n"
-        f"Load average (1/5/15 min) on {result['cpu_count']} cores: "
-        f"{' / '.join(f'{v:.2f}' for v in load['before'])} before, "
-        f"{' / '.join(f'{v:.2f}' for v in load['after'])} after.\n")
+        f"{load_line(result['load_average'], result['cpu_count'])}\n")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--global-batch", type=int, default=16)
-    p.add_argument("--out", type=Path, default=None)
+    add_run_arguments(p)
     args = p.parse_args()
-    import time
-
     start, load_before = time.perf_counter(), os.getloadavg()
     variants = [f"{tool}-{rung}" for rung in RUNGS for tool in ("hfdist", "plain")]
     runs: dict[str, list[float]] = {v: [] for v in variants}
@@ -139,7 +114,9 @@ def main() -> int:
         for i in range(args.repeats):
             order = variants[i % len(variants):] + variants[:i % len(variants)]
             for variant in order:
-                runs[variant].append(_tokens_per_s(variant, args, model, data, Path(tmp) / f"repeat-{i}"))
+                out = Path(tmp) / f"repeat-{i}" / variant
+                record = clocked_run(_command(variant, args, model, data, out / "run"), out)
+                runs[variant].append(tokens_per_s(record, args))
             print(f"repeat {i + 1}/{args.repeats}: " + ", ".join(f"{v} {runs[v][-1]:,.0f}" for v in variants),
                   flush=True)
     median = {v: statistics.median(r) for v, r in runs.items()}
