@@ -21,8 +21,10 @@ comes after the split because it must see the final module tree (stages) to pick
 Compilation (torchtitan's order: after TP and activation checkpointing, before FSDP): each decoder layer is compiled
 as it will run, with its TP plan's input/output redistributions and its checkpointed forward (HF checkpoints inside
 `forward`) in the traced region, and it stays the module FSDP2 makes one unit of, so the compiled region is exactly
-one FSDP unit. The compile is in place (`module.compile()`, as accelerate's `compile_regions_fsdp2`):
-`torch.compile(module)` would return a wrapper whose call bypasses the hooks `fully_shard` adds afterwards. DDP
+one FSDP unit; FSDP2's all-gather / reshard hooks on it run eagerly around the graph (torch marks them
+dynamo-disabled). The compile is in place (`module.compile()`, as accelerate's `compile_regions_fsdp2`):
+`torch.compile(module)` would return a wrapper whose call bypasses the hooks `fully_shard` adds afterwards, and
+would rename every parameter (`_orig_mod.`), which checkpoints and the weight loader key on. DDP
 and single-process runs compile the same way in hfdist.job.run, before the Trainer wraps the model in DDP.
 Pipeline, context-parallel and DeepSpeed rungs refuse --compile before launch (check_compile).
 
