@@ -61,6 +61,7 @@ class FinetuneConfig:
     nvme_path: str | None = None
     activation_checkpointing: bool = False
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    compile: bool = False
     mixed_precision: str = "auto"
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
@@ -104,6 +105,9 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Compute lm_head and the fp32 cross-entropy N sequence positions at a time, so the whole "
                         f"batch's logits never exist (default {d.loss_chunk_size}; the same loss). 0: unchunked, "
                         "as transformers does.")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (regional; inductor on CPU and GPU). Runs on single, ddp "
+                        "and the FSDP2 / TP rungs; refused on pipeline, context-parallel and DeepSpeed rungs.")
     g.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme.")
     g = p.add_argument_group("Model and data")
     g.add_argument("--model", default=d.model,

@@ -241,6 +241,10 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
     _check_output_dir(cfg)
     _check_gpu_settings(rung)
+    if cfg.compile:
+        from hfdist.parallel.parallelize import check_compile
+
+        check_compile(rung)
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
     check_model_fits_rung(config, rung)

@@ -117,7 +117,7 @@ def _build_model(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed:
         from hfdist.parallel.parallelize import parallelize
 
         model = parallelize(model, rung, device=args.device, mixed_precision=mixed,
-                            activation_checkpointing=cfg.activation_checkpointing, weights=plan)
+                            activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, weights=plan)
     elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
         model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed))
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -126,6 +126,10 @@ def _build_model(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed:
     else:
         materialize(model, args.device)
         load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
+        if cfg.compile:  # before the Trainer wraps it in DDP (the recipe's order: compile, then the data-parallel wrap)
+            from hfdist.parallel.parallelize import apply_compile
+
+            apply_compile(model)
     cost = {"baseline_memory_bytes": baseline, "load_peak_memory_bytes": peak_memory_bytes(args.device),
             "load_seconds": time.perf_counter() - start}
     return model, cost
@@ -198,7 +202,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
-                "device": "cuda" if on_gpu else "cpu"}
+                "compile": cfg.compile, "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
@@ -212,7 +216,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                             checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
-                            skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None)
+                            skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
+                            compile=cfg.compile)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
@@ -256,11 +261,20 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
 
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
-                                                  "precision": precision})
+                                                  "precision": precision, **_compile_record(cfg, rung, run)})
     if _is_rank0():
         write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
     _leave_process_group()
     return 0
+
+
+def _compile_record(cfg: FinetuneConfig, rung: Rung, run: Run) -> dict[str, Any]:
+    """Under --compile, this rank's compiled layers and dynamo's graphs after training ({} otherwise)."""
+    if not cfg.compile:
+        return {}
+    from hfdist.parallel.parallelize import compile_record
+
+    return {"compile": compile_record(run.trainer.model, rung.fsdp.layer_cls_to_wrap if rung.fsdp else None)}
 
 
 def _arm_watch(cfg: FinetuneConfig) -> CollectiveWatch:

@@ -8,6 +8,7 @@ before the last two steps, and then only this rank's shards:
     apply_tp(model, mesh["tp"])             Megatron TP + sequence parallel + vocab-parallel loss (tp > 1)
     apply_cp(model, mesh["cp"])             attention over sequences sharded across cp ranks (Ulysses, cp > 1)
     apply_ac(model)                         activation checkpointing per decoder layer (asked for or in the YAML)
+    apply_compile(model)                    torch.compile per decoder layer, in place (--compile)
     split into pipeline stages              this rank's stages only; the rest of the model is dropped (pp > 1)
     apply_fsdp(module, dp_mesh)             FSDP2 per decoder layer + root, per stage under PP; over dp_shard x cp
     materialize(module, device)             only the local shards, allocated on the rank's device
@@ -16,6 +17,16 @@ before the last two steps, and then only this rank's shards:
 TP goes first because FSDP2 shards the TP-split DTensors further over dp (2-D parameters); activation
 checkpointing is set on the decoder layers before the split, where they are still reachable from the model; FSDP
 comes after the split because it must see the final module tree (stages) to pick its units.
+
+Compilation (torchtitan's order: after TP and activation checkpointing, before FSDP): each decoder layer is compiled
+as it will run, with its TP plan's input/output redistributions and its checkpointed forward (HF checkpoints inside
+`forward`) in the traced region, and it stays the module FSDP2 makes one unit of, so the compiled region is exactly
+one FSDP unit; FSDP2's all-gather / reshard hooks on it run eagerly around the graph (torch marks them
+dynamo-disabled). The compile is in place (`module.compile()`, as accelerate's `compile_regions_fsdp2`):
+`torch.compile(module)` would return a wrapper whose call bypasses the hooks `fully_shard` adds afterwards, and
+would rename every parameter (`_orig_mod.`), which checkpoints and the weight loader key on. DDP
+and single-process runs compile the same way in hfdist.job.run, before the Trainer wraps the model in DDP.
+Pipeline, context-parallel and DeepSpeed rungs refuse --compile before launch (check_compile).
 
 Precision: FSDP2's MixedPrecisionPolicy is the one mechanism (compute in bf16, parameters, gradient reduction
 and optimizer in fp32): a pipeline with one data-parallel rank gets FSDP2 on its 1-rank dp mesh under bf16, so
@@ -29,15 +40,86 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hfdist.job.config import ConfigError
 from hfdist.job.ladder import Rung
 
-__all__ = ["parallelize", "apply_ac", "uses_fsdp"]
+__all__ = ["parallelize", "apply_ac", "apply_compile", "check_compile", "compile_record", "verify_compiled",
+           "uses_fsdp"]
 
 
 def apply_ac(model: nn.Module) -> None:
     """Recompute every decoder layer in backward (HF's per-layer checkpointing, non-reentrant)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def check_compile(rung: Rung) -> None:
+    """Refuse --compile on the rungs it is not built or tested for, before any process starts.
+
+    Raises:
+        ConfigError: naming the rung and the rungs that take --compile.
+    """
+    if rung.uses_pipeline:
+        why = "pipeline stages run their layers through torch.distributed.pipelining's schedule, not built for it"
+    elif rung.uses_deepspeed:
+        why = "DeepSpeed's engine puts its own hooks on the layers (ZeRO-3 gathers parameters in them)"
+    elif rung.dims.cp > 1:
+        why = "context parallelism swaps the attention function for an all-to-all one the compiler would trace"
+    else:
+        return
+    raise ConfigError(f"--compile does not run on {rung.name}: {why}, and hfdist has not verified compiled layers "
+                      "there. Drop --compile, or use a rung that takes it: single, ddp, fsdp_full_shard, fsdp_hybrid, "
+                      "fsdp_tp (or a YAML of theirs).")
+
+
+def _decoder_layers(model: nn.Module, layer_cls_name: str | None = None) -> list[nn.Module]:
+    from hfdist.parallel.fsdp import find_layers, fsdp_unit_class
+
+    return find_layers(model, fsdp_unit_class(model, layer_cls_name))
+
+
+def apply_compile(model: nn.Module, layer_cls_name: str | None = None) -> int:
+    """torch.compile every decoder layer in place (regional compilation; see the module docstring for the order).
+
+    The model's KV cache is turned off (`use_cache`): training never reads it, and its per-layer state would make
+    the compiler specialise, and recompile, the layer for every layer index. With it off the layers share one
+    compiled graph. Returns the number of layers compiled.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.config.use_cache = False
+    layers = _decoder_layers(model, layer_cls_name)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compile_record(model: nn.Module, layer_cls_name: str | None = None) -> dict[str, int]:
+    """What this rank compiled: its decoder layers, how many of them run compiled, and the graphs dynamo built."""
+    from torch._dynamo.utils import counters
+
+    layers = _decoder_layers(model, layer_cls_name)
+    return {"decoder_layers": len(layers), "compiled_layers": sum(map(_is_compiled, layers)),
+            "graphs": int(counters["stats"]["unique_graphs"])}
+
+
+def verify_compiled(rung: Rung, model: nn.Module) -> None:
+    """Fail unless every decoder layer of `model` (unwrapped) runs compiled (--compile in effect).
+
+    Raises:
+        StrategyNotInEffect: naming how many layers are not.
+    """
+    from hfdist.parallel.verify import StrategyNotInEffect
+
+    record = compile_record(model, rung.fsdp.layer_cls_to_wrap if rung.fsdp else None)
+    if not record["decoder_layers"] or record["compiled_layers"] != record["decoder_layers"]:
+        raise StrategyNotInEffect(
+            f"--compile is not in effect on {rung.name}: {record['compiled_layers']} of {record['decoder_layers']} "
+            "decoder layers are compiled modules. hfdist stops rather than train eagerly when compiled training was "
+            "asked for.")
 
 
 def uses_fsdp(rung: Rung, mixed_precision: str) -> bool:
@@ -47,12 +129,13 @@ def uses_fsdp(rung: Rung, mixed_precision: str) -> bool:
 
 
 def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_precision: str,
-                activation_checkpointing: bool, weights=None) -> nn.Module:
+                activation_checkpointing: bool, compile: bool = False, weights=None) -> nn.Module:
     """Apply `rung`'s parallelism to `model` (on the meta device, LoRA already injected) on this rank; see the
     module docstring.
 
     Args:
         device: the rank's device (its type is the mesh's).
+        compile: torch.compile each decoder layer (check_compile must have accepted the rung).
         weights: a hfdist.models.load.WeightPlan made from the full model: the local shards are materialised on
             `device` and filled from it. None: the model stays on the meta device.
 
@@ -74,6 +157,8 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
         apply_cp(model, mesh["cp"], tp=dims.tp)
     if activation_checkpointing or rung.fsdp.activation_checkpointing:
         apply_ac(model)
+    if compile:
+        apply_compile(model, rung.fsdp.layer_cls_to_wrap)
 
     dp_mesh = dims.fsdp_mesh(mesh)
 

@@ -20,6 +20,7 @@ from transformers import Trainer, TrainingArguments
 from hfdist.job.ladder import Rung
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.context import cp_group_of, shard_batch
+from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
 from hfdist.train.checkpointing import CheckpointingMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
@@ -63,11 +64,12 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
         loss_chunk_size: sequence positions per lm_head + cross-entropy chunk (hfdist.models.chunked_loss), on
             every rung; None: the whole sequence at once.
+        compile: whether the decoder layers were compiled (--compile; verified before the first step).
     """
 
     def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
                  mixed_precision: str = "no", skeleton: torch.nn.Module | None = None,
-                 loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, **kwargs) -> None:
+                 loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, compile: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.loss_chunk_size = loss_chunk_size
         if rung.uses_pipeline:
@@ -78,6 +80,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         self.mixed_precision = mixed_precision
         self.precision = PrecisionProbe()
         self.skeleton = skeleton
+        self.compile = compile
         if rung.owns_sharding:
             # The Trainer's own switch for "the model already owns its placement and gradient reduction": with it,
             # accelerate prepares autocast only (no DDP wrap, no .to()) and saving joins all ranks.
@@ -217,6 +220,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         verify_strategy(self.rung, model, self.model, self.lora)
+        if self.compile:
+            verify_compiled(self.rung, self.model)
         check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model)
         self.precision.attach(self.model)
         return model, train_dataloader
