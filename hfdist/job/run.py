@@ -21,6 +21,7 @@ from hfdist.job.launch import HANDED_OVER_ENV, cpu_translation, ensure_world, se
 from hfdist.job.preflight import batch_layout, preflight
 from hfdist.job.summary import check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.job.world import resolve_rung
+from hfdist.metrics.memory import return_freed_memory_to_os
 from hfdist.train.resume import checkpoint_identity, resume_line, resume_point
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
@@ -243,6 +244,7 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     if handed_over is not None:
         return handed_over
     console.start(console.log_path(cfg.output_dir, f"rank-{os.environ.get('RANK', '0')}"), cfg.verbose)
+    return_freed_memory_to_os()  # before the model: the load and save figures count tensors, not glibc's heap
 
     watch = _arm_watch(cfg)
     run = _set_up(cfg, rung, micro, grad_accum, watch)

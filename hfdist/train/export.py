@@ -25,6 +25,8 @@ from __future__ import annotations
 import copy
 import json
 import struct
+import threading
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +42,7 @@ SAVED_DTYPE = torch.float32  # every rung saves its fp32 (master) weights
 DEFAULT_MAX_SHARD_BYTES = 50 * 10**9  # transformers' save_pretrained default ("50GB")
 _DTYPE_NAMES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _INDEX = "model.safetensors.index.json"
+_RELEASE_WAIT_S = 5.0  # bounds the wait for a collective's worker thread to drop a buffer (see _freed)
 
 
 @dataclass(frozen=True)
@@ -227,11 +230,18 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
     senders = _senders(checkpoint_entries(skeleton, adapter_only), local)
+    previous: list[threading.Event] = []
 
     def full_tensor(entry: ExportEntry) -> torch.Tensor | None:
+        if previous:  # the last tensor (dropped by the caller) must be gone before the next one is made
+            previous.pop().wait(_RELEASE_WAIT_S)
         if senders[entry.key] is None:  # ZeRO: every rank takes part in DeepSpeed's gather
-            return _zero_full(local[entry.name])
-        return _assemble(entry, senders[entry.key], local, rank)
+            full = _zero_full(local[entry.name])
+        else:
+            full = _assemble(entry, senders[entry.key], local, rank)
+        if full is not None:
+            previous.append(_freed(full))
+        return full
 
     stream_hf_checkpoint(folder, skeleton, full_tensor, adapter_only=adapter_only, writes=rank == 0,
                          max_shard_bytes=max_shard_bytes)
@@ -270,6 +280,7 @@ def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor
     """On rank 0 the full fp32 tensor of `entry`, filled from its own slice and the others' (received straight
     into place when the slice is contiguous); on the other ranks None, after sending their slice if asked."""
     full = torch.empty(entry.shape, dtype=SAVED_DTYPE, device=_comm_device()) if rank == 0 else None
+    staging = None  # one buffer for the slices that cannot be received in place (TP's rowwise under FSDP)
     for offsets, sizes, sender in pieces:
         if rank == sender:
             values = _local_piece(local[entry.name])[2].detach().to(SAVED_DTYPE)
@@ -279,11 +290,37 @@ def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor
                 dist.send(values.contiguous(), dst=0)
         elif rank == 0:
             view = full[_slices(offsets, sizes)]
-            target = view if view.is_contiguous() else torch.empty(sizes, dtype=SAVED_DTYPE, device=full.device)
+            target = view
+            if not view.is_contiguous():
+                if staging is None or staging.shape != view.shape:  # a new shape only where the split is uneven
+                    staging = torch.empty(sizes, dtype=SAVED_DTYPE, device=full.device)
+                target = staging
             dist.recv(target, src=sender)
             if target is not view:
                 view.copy_(target)
+    if staging is not None:  # gone before the next tensor is made (see _freed)
+        freed = _freed(staging)
+        del staging, target
+        freed.wait(_RELEASE_WAIT_S)
     return full
+
+
+def _freed(tensor: torch.Tensor) -> threading.Event:
+    """An event set once `tensor`'s memory is freed (its storage's last reference dropped, from any thread).
+
+    On CPU, gloo's collectives return once the work is marked done, and gloo's worker thread drops its own
+    reference to the buffers only after that (ProcessGroupGloo's run loop): on busy cores the caller can allocate
+    the next tensor while the last still lives (measured: 2 x the largest tensor on zero3's rank 1, a second staging
+    slice on fsdp_tp's rank 0; tests/e2e/test_scale_memory.py). Waiting for this event before making the next keeps
+    them one at a time; the wait is bounded (a tensor someone else keeps costs memory, never a hang). GPU tensors
+    are not waited for (set at once): NCCL hands its buffers back to CUDA's caching allocator on its own schedule.
+    """
+    event = threading.Event()
+    if tensor.device.type == "cpu":
+        weakref.finalize(tensor.untyped_storage(), event.set)
+    else:
+        event.set()
+    return event
 
 
 def _slices(offsets: tuple[int, ...], sizes: tuple[int, ...]) -> tuple[slice, ...]:

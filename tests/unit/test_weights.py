@@ -144,3 +144,17 @@ def test_streamed_lora_adapter_loads_in_peft(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert reloaded(input_ids=ids).logits.allclose(model(input_ids=ids).logits, atol=1e-6)
+
+
+def test_a_saved_tensor_counts_as_freed_only_when_its_last_reference_goes():
+    """The streamed save waits on this before making the next full tensor: a view (as a gloo worker thread keeps of
+    a collective's buffer for a moment after the call returns) keeps the memory alive, and so the event unset."""
+    from hfdist.train.export import _freed
+
+    full = torch.zeros(8)
+    view = full[2:]
+    freed = _freed(full)
+    del full
+    assert not freed.is_set()
+    del view
+    assert freed.wait(1.0)
