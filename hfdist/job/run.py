@@ -21,7 +21,6 @@ from hfdist.job.launch import HANDED_OVER_ENV, cpu_translation, ensure_world, se
 from hfdist.job.preflight import batch_layout, preflight
 from hfdist.job.summary import check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.job.world import resolve_rung
-from hfdist.metrics.memory import return_freed_memory_to_os
 from hfdist.train.resume import checkpoint_identity, resume_line, resume_point
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
@@ -105,6 +104,14 @@ def _build_model(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed:
     """This rank's model for its rung, weights loaded, from `model` (on the meta device): mesh rungs shard it and
     materialise their shards (hfdist.parallel.parallelize), ZeRO-3 builds under deepspeed.zero.Init, DDP /
     ZeRO-1/2 / single materialise it whole (hfdist.models.build). Returns (model, what loading it cost)."""
+    from hfdist.metrics.memory import freed_memory_returned_to_os
+
+    with freed_memory_returned_to_os():  # the load figures count tensors, not glibc's heap
+        return _build_and_load(cfg, rung, tokenizer, model, args, mixed)
+
+
+def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed: str):
+    """`_build_model`'s work, inside its allocator window."""
     import time
 
     from hfdist.metrics.memory import peak_memory_bytes, start_peak_window
@@ -244,7 +251,6 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     if handed_over is not None:
         return handed_over
     console.start(console.log_path(cfg.output_dir, f"rank-{os.environ.get('RANK', '0')}"), cfg.verbose)
-    return_freed_memory_to_os()  # before the model: the load and save figures count tensors, not glibc's heap
 
     watch = _arm_watch(cfg)
     run = _set_up(cfg, rung, micro, grad_accum, watch)
@@ -293,12 +299,13 @@ def _arm_watch(cfg: FinetuneConfig) -> CollectiveWatch:
 def _save_measured(run: Run, output_dir: str) -> dict[str, int]:
     """Save the trained model; what the save cost this rank: memory before it and at its peak (as the allocator or
     the OS sees it), and the peak bytes of the tensors the save itself created (the gathered full tensors)."""
-    from hfdist.metrics.memory import LiveTensorBytes, peak_memory_bytes, start_peak_window
+    from hfdist.metrics.memory import LiveTensorBytes, freed_memory_returned_to_os, peak_memory_bytes, start_peak_window
 
     device = run.trainer.args.device
-    before = start_peak_window(device)
-    with LiveTensorBytes() as created:
-        run.trainer.save_model(output_dir)
+    with freed_memory_returned_to_os():  # the save figures count tensors, not glibc's heap
+        before = start_peak_window(device)
+        with LiveTensorBytes() as created:
+            run.trainer.save_model(output_dir)
     return {"save_baseline_memory_bytes": before, "save_peak_memory_bytes": peak_memory_bytes(device),
             "save_tensor_peak_bytes": created.peak}
 

@@ -7,7 +7,7 @@ views) are counted once, storage size included, so alignment padding shows up as
 
 Process memory on CPU: the peak is Linux's VmHWM, never getrusage's ru_maxrss (which survives exec, so a rank
 started by a bigger launcher reports the launcher's peak); the current size is /proc/self/statm's resident pages.
-`return_freed_memory_to_os` makes those figures count tensors rather than glibc's heap.
+`freed_memory_returned_to_os` makes those figures count tensors rather than glibc's heap.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["held_tensor", "innermost_optimizer", "rank_state_bytes", "peak_memory_bytes", "current_memory_bytes",
            "reset_peak_memory", "start_peak_window", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes",
-           "return_freed_memory_to_os", "MMAP_THRESHOLD_BYTES"]
+           "freed_memory_returned_to_os", "MMAP_THRESHOLD_BYTES"]
 
 MMAP_THRESHOLD_BYTES = 1 << 20
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
+_GLIBC_MMAP_THRESHOLD_MAX = 32 << 20  # the ceiling of glibc's own sliding threshold on 64-bit (malloc.c)
 
 
 def held_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -141,24 +142,40 @@ def reset_peak_memory(device: torch.device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def return_freed_memory_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Have glibc serve every allocation of `threshold` bytes or more with its own mmap, unmapped when freed
-    (mallopt M_MMAP_THRESHOLD, as MALLOC_MMAP_THRESHOLD_ does; a value set in the environment wins). Call it early in
-    the process. Returns whether it was set (Linux with glibc only).
-
-    Left alone, glibc raises that threshold each time a large block is freed (up to 32 MiB), so later tensors of a
-    few MB come from its heap, where freed blocks between live ones stay resident: loading a 153 M-parameter model
-    under ZeRO-3 (one gathered buffer per parameter, freed while gloo's worker thread may still hold it) left
-    100-230 MB free but resident in the heap, more or less from run to run with the machine's load, so a rank's
-    peak RSS said more about the allocator than about the tensors it held (tests/e2e/test_scale_memory.py).
-    """
+def _set_mmap_threshold(nbytes: int) -> bool:
+    """glibc's mallopt(M_MMAP_THRESHOLD, nbytes), unless the environment set it (MALLOC_MMAP_THRESHOLD_ wins) or
+    this is not Linux with glibc. Returns whether it was set."""
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") is not None or not sys.platform.startswith("linux"):
         return False
     try:
         mallopt = ctypes.CDLL("libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (musl has no mallopt)
         return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
+    return bool(mallopt(_M_MMAP_THRESHOLD, nbytes))
+
+
+@contextmanager
+def freed_memory_returned_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> Iterator[bool]:
+    """Inside the block, glibc serves every allocation of `threshold` bytes or more with its own mmap, unmapped when
+    freed (mallopt M_MMAP_THRESHOLD); on leaving it, blocks up to glibc's own ceiling (32 MiB) come from its heap
+    again. Yields whether the setting took (Linux with glibc, and no MALLOC_MMAP_THRESHOLD_ in the environment,
+    which wins throughout).
+
+    Left alone, glibc raises that threshold each time a large block is freed (up to 32 MiB), so later tensors of a
+    few MB come from its heap, where freed blocks between live ones stay resident: loading a 153 M-parameter model
+    under ZeRO-3 (one gathered buffer per parameter, freed while gloo's worker thread may still hold it) left
+    100-230 MB free but resident in the heap, more or less from run to run with the machine's load, so a rank's
+    peak RSS said more about the allocator than about the tensors it held (tests/e2e/test_scale_memory.py).
+    Only around loading and saving, not the training loop: there every tensor of 1 MiB or more would be mapped,
+    page-faulted and unmapped once per step (measured on llama-small, one CPU thread: 40x the page faults and
+    20-30% slower steps).
+    """
+    active = _set_mmap_threshold(threshold)
+    try:
+        yield active
+    finally:
+        if active:
+            _set_mmap_threshold(_GLIBC_MMAP_THRESHOLD_MAX)
 
 
 def start_peak_window(device: torch.device) -> int:
