@@ -1,4 +1,4 @@
-"""Worker for tests/integration/test_chunked_loss.py:
+"""Worker for tests/integration/test_chunked_loss_parallel.py:
 `torchrun --nproc-per-node 4 tests/integration/chunked_loss_worker.py OUT.json`.
 
 On 4 gloo ranks, the chunked loss (hfdist.models.chunked_loss, sequence chunks of 7 positions, not dividing the
