@@ -67,3 +67,10 @@ def test_comments_cite_only_what_the_repository_holds():
     for path in re.findall(r"(?:hfdist|tests|scripts|benchmarks)/[\w/]+\.py",
                            "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))):
         assert (REPO / path).is_file(), f"a comment cites {path}, which does not exist"
+
+
+def test_test_modules_have_distinct_basenames():
+    """The test folders are not packages, so pytest imports each test module by its basename: two of one name in
+    tests/unit, tests/integration and tests/e2e stop the whole run at collection."""
+    names = [p.name for p in (REPO / "tests").glob("*/test_*.py")]
+    assert not {n for n in names if names.count(n) > 1}
