@@ -4,18 +4,19 @@
 The plan is data: `tp_plan` maps module globs of a causal LM to `torch.distributed.tensor.parallel` styles, built
 from the registry's facts (which projections are column- or row-split, which norms sit on the residual stream or
 per head); `apply_tp` validates the model, then hands the plan to `parallelize_module`. Nothing here re-implements a
-collective: DTensor inserts every all-reduce, all-gather and reduce-scatter.
+collective: every all-reduce, all-gather and reduce-scatter is a DTensor redistribution.
 
 Layout (tp = mesh size, "residual" = Shard(1) on the sequence dim with sequence parallel, else Replicate):
 - embed_tokens: ColwiseParallel (hidden dim split), output redistributed to the residual layout. With tied
   embeddings it is vocab-parallel instead (RowwiseParallel), because it then shares lm_head's vocab-split weight;
-- q/k/v/gate/up: ColwiseParallel, so each rank holds heads/tp query heads and kv_heads/tp key/value heads.
-  transformers 5.23's LlamaAttention reshapes with `view(*input_shape, -1, head_dim)` and
+- q/k/v/gate/up: LocalLinear(split=0), column-split, so each rank holds heads/tp query heads and kv_heads/tp
+  key/value heads. transformers 5.23's LlamaAttention reshapes with `view(*input_shape, -1, head_dim)` and
   `reshape(*input_shape, -1)` and only keeps the ratio `num_key_value_groups`, which tp leaves unchanged, so no
   head count on the module has to be patched;
-- o/down: RowwiseParallel, output a local shard of the residual layout (all-reduce, or reduce-scatter under
-  sequence parallel);
-- decoder layers: LocalResidual, attention / mlp inputs: GatherSequence (all-gather under sequence parallel);
+- o/down: LocalLinear(split=1), row-split, its partial sums reduced into a local shard of the residual layout
+  (all-reduce, or reduce-scatter under sequence parallel), bias added after the sum;
+- decoder layers: LocalResidual, attention / mlp inputs: GatherSequence (all-gather under sequence parallel; in
+  backward the one reduction of the block's input gradient);
 - input_layernorm / post_attention_layernorm / norm: LocalNorm on the local shard (1/tp of the tokens under
   sequence parallel, all of them without), weight replicated;
 - per-head norms (Qwen3's q_norm / k_norm): LocalNorm on the rank's heads; their replicated weight gets the sum of
@@ -23,17 +24,17 @@ Layout (tp = mesh size, "residual" = Shard(1) on the sequence dim with sequence 
 - lm_head: ColwiseParallel on the vocab dim; with loss parallelism its output stays a vocab-sharded DTensor that
   `tp_causal_lm_loss` feeds to cross-entropy under `loss_parallel()`, so no rank materialises full logits.
 
-Inside a decoder layer everything is a local tensor except the split linears' DTensor weights (no per-op DTensor
-dispatch on norms and residual adds; hfdist.parallel.tensor_styles). Between layers the residual stream is a
-DTensor because HF's LlamaModel derives position ids and the causal mask from `inputs_embeds.shape[1]`: a DTensor
-reports the global sequence length even when its local shard holds 1/tp of it.
+Inside a decoder layer every activation is a local tensor and every module computes with local views of its
+DTensor parameters (no per-op DTensor dispatch; hfdist.parallel.tensor_styles); DTensor's redistributions are the
+layer's collectives. Between layers the residual stream is a DTensor because HF's LlamaModel derives position ids
+and the causal mask from `inputs_embeds.shape[1]`: a DTensor reports the global sequence length even when its local
+shard holds 1/tp of it.
 
 Every parameter ends up a DTensor on the tp mesh (Replicate where not sharded). That keeps
 `torch.nn.utils.clip_grad_norm_` and FSDP2 on one mesh: a mix of DTensor and plain-tensor gradients is what breaks
-clipping under TP. Replicated weights whose inputs are sequence- or head-sharded (norms under sequence parallel,
-per-head norms) get tp-partial gradients, summed in one all-reduce when each backward finishes
-(tensor_styles.PartialGradReducer; FSDP2 reduces them itself); LoRA A matrices' Partial gradients DTensor reduces
-when the optimizer or clipping reads them.
+clipping under TP. Replicated weights whose gradient on a rank is a partial sum (norms under sequence parallel,
+per-head norms, LoRA's unsplit A or B, row-split biases under sequence parallel) are summed in one all-reduce when
+each backward finishes (tensor_styles.PartialGradReducer; FSDP2 reduces them itself).
 
 Order of steps in a training script (mesh = ParallelDims(...).build_mesh(device_type), axes ("dp_shard", "tp")):
     validate_tp(config, dims.tp)                 # before building anything big
@@ -56,30 +57,24 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    ParallelStyle,
-    PrepareModuleOutput,
-    RowwiseParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, VocabShardedLogitsError, causal_lm_loss
 from hfdist.models.registry import ModelFacts, facts_for
 from hfdist.parallel.tensor_check import TPError, valid_tp_degrees, validate_tp
 from hfdist.parallel.tensor_styles import (
     GatherSequence,
+    LocalLinear,
     LocalNorm,
     LocalResidual,
     PartialGradReducer,
-    ReplicateParallel,
+    ReduceOutput,
     SequenceSpec,
 )
 
 __all__ = [
     "TPError",
-    "ReplicateParallel",
     "valid_tp_degrees",
     "validate_tp",
     "tp_plan",
@@ -90,21 +85,22 @@ __all__ = [
 ]
 
 
-def _lora_entries(path: str, colwise: bool, residual) -> dict[str, ParallelStyle]:
+def _lora_entries(path: str, colwise: bool, residual: Placement,
+                  reducer: PartialGradReducer) -> dict[str, ParallelStyle]:
     """Styles for a LoRA-wrapped linear at `path`: base layer as without LoRA, A/B chosen so B(A(x)) matches it.
 
-    Colwise base (y_local = x W_local): A stays replicated, B is split like the base's output dim.
-    Rowwise base (x is split on its last dim): A is split on its input dim and reduced, B stays replicated; the
-    sum leaves the wrapper as a local shard of the residual stream, as a plain rowwise linear's output does.
+    Column-split base (y_local = x W_local^T): A stays replicated, B is split like the base's output dim.
+    Row-split base (x is split on its last dim): A is split on its input dim, so A x is a partial sum, and B, being
+    linear, maps it to a partial sum of the output; the wrapper sums base + adapter over tp once (ReduceOutput).
     """
     if colwise:
-        return {f"{path}.base_layer": ColwiseParallel(), f"{path}.lora_A.*": ReplicateParallel(),
-                f"{path}.lora_B.*": ColwiseParallel()}
+        return {f"{path}.base_layer": LocalLinear(split=0), f"{path}.lora_A.*": LocalLinear(split=None, reducer=reducer),
+                f"{path}.lora_B.*": LocalLinear(split=0)}
     return {
-        f"{path}.base_layer": RowwiseParallel(output_layouts=residual, use_local_output=False),
-        f"{path}.lora_A.*": RowwiseParallel(output_layouts=residual, use_local_output=False),
-        f"{path}.lora_B.*": ReplicateParallel(),
-        path: PrepareModuleOutput(output_layouts=residual, desired_output_layouts=residual, use_local_output=True),
+        f"{path}.base_layer": LocalLinear(split=1),
+        f"{path}.lora_A.*": LocalLinear(split=1),
+        f"{path}.lora_B.*": LocalLinear(split=None, reducer=reducer),
+        path: ReduceOutput(reduce_to=residual, reducer=reducer),
     }
 
 
@@ -159,11 +155,11 @@ def tp_plan(
         colwise = name in facts.colwise
         path = f"{layer}.{name}"
         if name.split(".")[-1] in lora_targets:
-            plan.update(_lora_entries(path, colwise, residual))
+            plan.update(_lora_entries(path, colwise, residual, reducer))
         elif colwise:
-            plan[path] = ColwiseParallel()
-        else:
-            plan[path] = RowwiseParallel(output_layouts=residual)  # a local shard of the residual stream
+            plan[path] = LocalLinear(split=0)
+        else:  # the partial sums become a local shard of the residual stream
+            plan[path] = LocalLinear(split=1, reduce_to=residual, reducer=reducer)
     return plan
 
 
@@ -186,6 +182,10 @@ def _lora_targets(causal_lm: nn.Module, facts: ModelFacts) -> frozenset[str]:
                 if not hasattr(module, "lora_A") or any(getattr(module, "lora_variant", {}).values()):
                     raise TPError(f"{name} carries a peft adapter other than plain LoRA ({type(module).__name__}); "
                                   "only plain LoRA (no DoRA, no other tuners) is split by the tensor-parallel plan.")
+                if any(isinstance(drop, nn.Dropout) and drop.p > 0 for drop in module.lora_dropout.values()):
+                    raise TPError(f"{name} has LoRA dropout > 0; under tensor parallelism each rank would drop "
+                                  "different entries of the same replicated input, which is not the single-"
+                                  "process computation. Set lora_dropout=0 (hfdist's own LoRA uses 0).")
                 wrapped.add(name.split(".")[-1])
         per_layer.append(frozenset(wrapped))
     for extra in (facts.embed, facts.head):

@@ -1,21 +1,30 @@
 """The parallel styles of hfdist's tensor-parallel plan (hfdist.parallel.tensor) that torch does not ship.
 
 Inside a decoder layer the layout of every activation is known, so the layer computes on local tensors, as in
-Megatron: the residual stream, its adds and the RMSNorms never go through DTensor's per-op dispatch (on a small
-model that dispatch cost more than the matmuls). DTensor stays where it earns its keep: the split linears (their
-weights are DTensors, and torch's Colwise/RowwiseParallel place the collectives), the redistributions at the
-attention / MLP inputs, and the residual stream *between* layers, because HF's model reads the global sequence
-length from `inputs_embeds.shape[1]` (positions, causal mask) and a DTensor reports the global shape while its
-local shard holds S/tp tokens under sequence parallelism. Pipeline stages pass the same DTensor on.
+Megatron: the split linears, the residual stream, its adds and the RMSNorms never go through DTensor's per-op
+dispatch (on a small model that dispatch cost more than the matmuls; measured in results/cpu-2core/tp_vs_native.md).
+DTensor stays where it earns its keep: every parameter is a DTensor on the tp mesh (a module computes with local
+views of them, each view's gradient declared in the placement it really has, so gradients arrive as DTensors for
+clipping, FSDP2 and checkpoints), DTensor's redistributions are the layer's collectives (an all-gather / reduce-
+scatter pair per block under sequence parallelism, an all-reduce pair without), and the residual stream stays a
+DTensor *between* layers, because HF's model reads the global sequence length from `inputs_embeds.shape[1]`
+(positions, causal mask) and a DTensor reports the global shape while its local shard holds S/tp tokens under
+sequence parallelism. Pipeline stages pass the same DTensor on.
 
     layer input (DTensor, residual layout)  --LocalResidual: to_local, remember the global shape-->
-        norm (LocalNorm, local)  --GatherSequence: all-gather (SP)-->  attention  --o_proj: reduce-scatter (SP)-->
-        residual add (local), norm (local)  --GatherSequence-->  MLP  --down_proj-->  residual add (local)
+        norm (LocalNorm)  --GatherSequence: all-gather (SP); backward: reduce-scatter / all-reduce-->
+        q/k/v (LocalLinear, column-split)  attention on this rank's heads  o_proj (LocalLinear, row-split:
+        reduce-scatter (SP) / all-reduce of the partial sums)  residual add, norm  --GatherSequence-->
+        gate/up (column-split)  down (row-split, reduced)  residual add
     layer output  --LocalResidual: from_local with the remembered global shape-->  (DTensor, residual layout)
 
-Every parameter stays a DTensor on the tp mesh (clipping and FSDP2 need one mesh); a norm computes with a local
-view of its replicated weight whose gradient is declared Partial where the norm saw only part of the tokens or
-heads, exactly the gradient DTensor itself would have produced.
+A column-split linear's input gradient on one rank is its share of the sum over ranks; GatherSequence declares its
+output's gradient Partial, so q, k and v (or gate and up) add their shares locally and the block's input gradient is
+reduced once, in GatherSequence's backward (Megatron's "f"): one collective per block, not one per linear.
+
+Replicated weights whose gradient on one rank is a partial sum (norms under sequence parallelism, per-head norms,
+LoRA's unsplit matrices, row-split biases under sequence parallelism) are summed over tp once per backward, together
+(PartialGradReducer).
 """
 
 from __future__ import annotations
@@ -25,42 +34,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-__all__ = ["ReplicateParallel", "SequenceSpec", "LocalResidual", "GatherSequence", "PartialGradReducer", "LocalNorm"]
-
-
-class ReplicateParallel(ParallelStyle):
-    """Replicate a module's parameters as DTensors on the tp mesh; plain-tensor inputs are taken as replicated.
-
-    Used where a module must compute on the full tensor (LoRA's small A/B matrices) but its parameters should still
-    be DTensors, so their gradients are reduced correctly and every parameter lives on one mesh.
-
-    Args:
-        use_local_output: return the local tensor; the next style's `from_local` then all-reduces the partial
-            gradient coming back, at that point (Megatron's "f" operator) rather than lazily further up.
-    """
-
-    def __init__(self, *, use_local_output: bool = False):
-        super().__init__()
-        self.use_local_output = use_local_output
-
-    @staticmethod
-    def _as_replicated(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
-        return tuple(
-            DTensor.from_local(t, mesh, (Replicate(),), run_check=False)
-            if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) else t
-            for t in inputs
-        )
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        # partition_fn=None: distribute_module replicates (broadcasts from rank 0) every parameter.
-        output_fn = (lambda mod, out, mesh: out.to_local()) if self.use_local_output else None
-        return distribute_module(module, device_mesh, None, input_fn=self._as_replicated, output_fn=output_fn)
-
-    def __repr__(self) -> str:
-        return f"ReplicateParallel(use_local_output={self.use_local_output})"
+__all__ = ["SequenceSpec", "LocalResidual", "GatherSequence", "PartialGradReducer", "LocalNorm", "LocalLinear",
+           "ReduceOutput"]
 
 
 class SequenceSpec:
@@ -134,15 +112,16 @@ class LocalResidual(_ResidualStyle):
 
 
 class GatherSequence(_ResidualStyle):
-    """The input of attention or the MLP: the local residual shard becomes a replicated DTensor (all-gather under
-    sequence parallelism; nothing without it). Its backward is the matching reduce-scatter (or all-reduce) of the
-    split linears' partial input gradients, once per block (Megatron's pattern)."""
+    """The input of attention or the MLP: the local residual shard becomes the full local tensor (all-gather under
+    sequence parallelism; nothing without it). Its gradient is declared Partial: the column-split linears that read
+    it each return their rank's share of the input gradient, which autograd adds up locally and this style's
+    backward sums over tp once per block (a reduce-scatter, or an all-reduce without sequence parallelism)."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
             key, local = _hidden_states(args, kwargs)
             full = self.spec.wrap(local, device_mesh, self.residual).redistribute(placements=(Replicate(),))
-            return _replace(args, kwargs, key, full)
+            return _replace(args, kwargs, key, full.to_local(grad_placements=(Partial(),)))
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
         return module
@@ -183,6 +162,35 @@ class PartialGradReducer:
             p.grad = DTensor.from_local(piece.view_as(p.grad.to_local()), mesh, (Replicate(),), run_check=False)
 
 
+def _call_with_local_params(
+    module: nn.Module, forward: Any, grads: dict[str, Placement | None], *args: Any
+) -> Any:
+    """`forward(*args)` with each named DTensor parameter of `module` replaced by a local view whose gradient comes
+    back as a DTensor of placement `grads[name]`; a name mapped to None is hidden (None) during the call.
+
+    The parameters are read at call time: FSDP2 swaps in its unsharded parameters just before a module's forward.
+    """
+    params = {name: module._parameters[name] for name in grads}
+    try:
+        for name, p in params.items():
+            grad = grads[name]
+            module._parameters[name] = None if grad is None else p.to_local(grad_placements=(grad,))
+        return forward(*args)
+    finally:
+        module._parameters.update(params)
+
+
+def _watch_partial(module: nn.Module, grads: dict[str, Placement | None], reducer: PartialGradReducer | None) -> None:
+    """Register with `reducer` every trainable parameter of `module` whose gradient `grads` declares Partial."""
+    partial = [name for name, grad in grads.items() if grad is not None and grad.is_partial()]
+    if partial and reducer is None:
+        raise ValueError(f"{type(module).__name__}: parameters {partial} get tp-partial gradients and need a "
+                         "PartialGradReducer")
+    for name in partial:
+        if module._parameters[name].requires_grad:  # a frozen weight (LoRA's base model) has no gradient to sum
+            reducer.watch(module._parameters[name])
+
+
 class LocalNorm(ParallelStyle):
     """A norm computed on local tensors with its weight replicated as a DTensor on the tp mesh.
 
@@ -192,7 +200,7 @@ class LocalNorm(ParallelStyle):
 
     Args:
         weight_grad: the placement of the weight's gradient on this rank: Partial() where the norm sees part of the
-            tokens (sequence parallel) or of the heads (per-head norms), so DTensor sums it over tp before use;
+            tokens (sequence parallel) or of the heads (per-head norms), so it is summed over tp after backward;
             Replicate() where every rank sees the same full input and so computes the same gradient.
         reducer: sums Partial weight gradients after each backward (required with weight_grad=Partial()).
     """
@@ -205,24 +213,14 @@ class LocalNorm(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         distribute_module(module, device_mesh, None)  # replicate the parameters (the input stays as it comes)
-        if self.weight_grad[0].is_partial():
-            for p in module.parameters(recurse=False):
-                if p.requires_grad:  # a frozen norm (LoRA's base model) has no gradient to sum
-                    self.reducer.watch(p)
+        grads = {name: self.weight_grad[0] for name, _ in module.named_parameters(recurse=False)}
+        _watch_partial(module, grads, self.reducer)
         forward = module.forward
-        names = [name for name, _ in module.named_parameters(recurse=False)]
 
         def local_forward(hidden_states: torch.Tensor) -> torch.Tensor:
             dtensor = hidden_states if isinstance(hidden_states, DTensor) else None
             x = dtensor.to_local() if dtensor is not None else hidden_states
-            # Read at call time: FSDP2 swaps in its unsharded parameters before the forward.
-            params = {name: module._parameters[name] for name in names}
-            try:
-                for name, p in params.items():
-                    module._parameters[name] = p.to_local(grad_placements=self.weight_grad)
-                out = forward(x)
-            finally:
-                module._parameters.update(params)
+            out = _call_with_local_params(module, forward, grads, x)
             if dtensor is None:
                 return out
             return DTensor.from_local(out, dtensor.device_mesh, dtensor.placements, run_check=False,
@@ -233,3 +231,106 @@ class LocalNorm(ParallelStyle):
 
     def __repr__(self) -> str:
         return f"LocalNorm(weight_grad={self.weight_grad[0]})"
+
+
+def _reduce_partial(partial: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
+    """Sum this rank's partial output over tp into the local tensor of `layout` (Shard(1): reduce-scatter on the
+    sequence; Replicate(): all-reduce). Backward: the matching all-gather, or nothing."""
+    summed = DTensor.from_local(partial, mesh, (Partial(),), run_check=False).redistribute(placements=(layout,))
+    return summed.to_local()
+
+
+def _bias_grad(layout: Placement) -> Placement:
+    """The gradient placement of a bias added after reduction to the residual layout: a partial sum over the
+    sequence shards under sequence parallelism, the full sum on every rank otherwise."""
+    return Partial() if layout.is_shard() else Replicate()
+
+
+class LocalLinear(ParallelStyle):
+    """A linear computed on local tensors: input, output and weight view all plain tensors; the weight a DTensor.
+
+    Args:
+        split: 0: column-split (output features; each rank computes its heads / its share of the MLP's width and
+            returns its share of the input gradient); 1: row-split (input features; each rank's output is a partial
+            sum); None: replicated (LoRA's unsplit A or B matrix next to a split one; its gradient on a rank is a
+            partial sum, summed by `reducer`).
+        reduce_to: a row-split linear's output is summed over tp into this residual layout here (Shard(1): reduce-
+            scatter, Replicate(): all-reduce) and its bias added after the sum. None: the caller reduces (a LoRA
+            wrapper sums base and adapter once: ReduceOutput), and the bias is left to it.
+        reducer: sums the Partial gradients (replicated weights; row-split biases under sequence parallelism).
+    """
+
+    def __init__(self, *, split: int | None, reduce_to: Placement | None = None,
+                 reducer: PartialGradReducer | None = None):
+        super().__init__()
+        if split not in (0, 1, None) or (reduce_to is not None and split != 1):
+            raise ValueError(f"LocalLinear: split must be 0, 1 or None and only a row split (1) reduces; got "
+                             f"split={split}, reduce_to={reduce_to}")
+        self.split, self.reduce_to, self.reducer = split, reduce_to, reducer
+
+    def _placements(self) -> tuple[Placement, Placement]:
+        """(weight, bias) placements; nn.Linear's weight is (out_features, in_features)."""
+        if self.split is None:
+            return Replicate(), Replicate()
+        return Shard(self.split), Shard(0) if self.split == 0 else Replicate()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        weight_layout, bias_layout = self._placements()
+
+        def partition(name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                layout = weight_layout if pname == "weight" else bias_layout
+                mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [layout]), p.requires_grad))
+
+        distribute_module(module, device_mesh, partition)
+        has_bias = module._parameters.get("bias") is not None
+        # A row-split linear's bias belongs to the summed output: hidden from the local matmul, added after the sum
+        # (here, or by the LoRA wrapper's ReduceOutput).
+        grads: dict[str, Placement | None] = {"weight": weight_layout if self.split is not None else Partial()}
+        if has_bias:
+            grads["bias"] = bias_layout if self.split == 0 else None
+        reduce_to = self.reduce_to
+        bias_grad = _bias_grad(reduce_to) if has_bias and reduce_to is not None else None
+        _watch_partial(module, {**grads, "bias": bias_grad} if bias_grad is not None else grads, self.reducer)
+        forward = module.forward
+
+        def local_forward(x: torch.Tensor) -> torch.Tensor:
+            out = _call_with_local_params(module, forward, grads, x)
+            if reduce_to is None:
+                return out
+            out = _reduce_partial(out, device_mesh, reduce_to)
+            if bias_grad is None:
+                return out
+            return out + module._parameters["bias"].to_local(grad_placements=(bias_grad,))
+
+        module.forward = local_forward
+        return module
+
+    def __repr__(self) -> str:
+        return f"LocalLinear(split={self.split}, reduce_to={self.reduce_to})"
+
+
+class ReduceOutput(ParallelStyle):
+    """A LoRA-wrapped row-split linear: base and adapter each return a partial sum; their sum is reduced over tp
+    once, into the residual layout, and the base layer's bias added after (see LocalLinear's reduce_to)."""
+
+    def __init__(self, *, reduce_to: Placement, reducer: PartialGradReducer):
+        super().__init__()
+        self.reduce_to, self.reducer = reduce_to, reducer
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        base = module.base_layer
+        bias_grad = _bias_grad(self.reduce_to)
+        if base._parameters.get("bias") is not None:
+            _watch_partial(base, {"bias": bias_grad}, self.reducer)
+
+        def reduce(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+            out = _reduce_partial(output, device_mesh, self.reduce_to)
+            bias = base._parameters.get("bias")
+            return out if bias is None else out + bias.to_local(grad_placements=(bias_grad,))
+
+        module.register_forward_hook(reduce)
+        return module
+
+    def __repr__(self) -> str:
+        return f"ReduceOutput({self.reduce_to})"

@@ -53,11 +53,17 @@ def test_tp2_matches_single_process(tp_results, sp):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("preset", ["qwen2-tiny", "qwen3-tiny", "llama-biases", "llama-biases-lora"])
 def test_tp_matches_single_process_on_every_architecture(tp_results, preset):
-    """The plan computes each decoder layer on local tensors; Qwen2's q/k/v biases and Qwen3's per-head norms (their
-    weights' gradients summed over tp once per backward) keep TP=2 + sequence parallel at one process's numbers."""
-    _assert_matches_reference(_case(tp_results, "architectures")[preset], tp_results["max_norm"])
+    """The plan computes each decoder layer on local tensors; Qwen2's q/k/v biases, Qwen3's per-head norms (their
+    weights' gradients summed over tp once per backward) and o/down biases (added once, after the reduce-scatter;
+    under LoRA after base + adapter are summed) keep TP=2 + sequence parallel at one process's numbers."""
+    run = _case(tp_results, "architectures")[preset]
+    if preset != "llama-biases-lora":
+        _assert_matches_reference(run, tp_results["max_norm"])
+    else:  # the adapters' gradient norm (0.13) stays under max_norm: no clipping to check; fp64 (see tp_worker)
+        assert run["loss_rel_err"] < RTOL and run["grad_rel_err"][0] < RTOL and run["param_abs_err"] < PARAM_ATOL
+        assert run["losses"][-1] < run["losses"][0]
 
 
 @pytest.mark.multiproc

@@ -57,16 +57,22 @@ def split(batch: dict[str, torch.Tensor], parts: int, index: int) -> dict[str, t
     return {k: v.chunk(parts)[index] for k, v in batch.items()}
 
 
-def make_model(lora: bool = False, tied: bool = False):
-    if not tied:
+def make_model(lora: bool = False, tied: bool = False, biases: bool = False):
+    """llama-tiny; `tied`: tied embeddings; `biases`: every linear of the layers with a (non-zero) bias, so a
+    row-split linear's bias added on every rank instead of once after the sum shows from the first step."""
+    if not (tied or biases):
         model = build_model("llama-tiny", vocab_size=VOCAB, seed=0)
     else:
         from transformers import AutoModelForCausalLM
 
         config = load_config("llama-tiny", VOCAB)
-        config.tie_word_embeddings = True
+        config.tie_word_embeddings = tied
+        config.attention_bias = config.mlp_bias = biases
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                torch.nn.init.normal_(p, std=0.1)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -159,13 +165,20 @@ def case_tp(mesh, batch, refs: dict) -> dict:
 
 def case_architectures(mesh, batch) -> dict:
     """Qwen2 (q/k/v biases) and Qwen3 (per-head q/k norms, whose replicated weights get tp-partial gradients) under
-    TP=2 with sequence parallel, 2 accumulated micro-batches per step, against one process."""
+    TP=2 with sequence parallel, 2 accumulated micro-batches per step, against one process; then Llama with a bias
+    on every linear (row-split o/down biases are added after the reduce-scatter), with and without LoRA."""
     out = {}
     micro = [split(batch, 2, 0), split(batch, 2, 1)]
     for preset in ("qwen2-tiny", "qwen3-tiny"):
         ref = train(build_model(preset, vocab_size=VOCAB, seed=0).to(DEVICE), [batch])
         model = apply_tp(build_model(preset, vocab_size=VOCAB, seed=0).to(DEVICE), mesh["tp"])
         out[preset] = compare(train(model, micro), ref)
+    # With LoRA only the adapters train and their gradients here are small: fp32 rounding alone reached 1.5e-5 of
+    # the largest entry (k_proj's lora_B, measured), fp64 brings it to 9e-8; a bias added on every rank would not
+    # shrink with the precision. (The loss upcasts to fp32 either way.)
+    for name, lora, dtype in (("llama-biases", False, torch.float32), ("llama-biases-lora", True, torch.float64)):
+        ref = train(make_model(lora=lora, biases=True).to(dtype), [batch])
+        out[name] = compare(train(apply_tp(make_model(lora=lora, biases=True).to(dtype), mesh["tp"]), micro), ref)
     return out
 
 

@@ -8,14 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleOutput, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from hfdist.models.build import build_model
 from hfdist.models.loss import count_loss_tokens
 from hfdist.models.presets import load_config
 from hfdist.models.registry import COLWISE, LORA_TARGETS, REGISTRY, ROWWISE
 from hfdist.parallel.tensor import (
-    ReplicateParallel,
     TPError,
     apply_tp,
     tp_causal_lm_loss,
@@ -23,7 +22,7 @@ from hfdist.parallel.tensor import (
     valid_tp_degrees,
     validate_tp,
 )
-from hfdist.parallel.tensor_styles import GatherSequence, LocalNorm, LocalResidual
+from hfdist.parallel.tensor_styles import GatherSequence, LocalLinear, LocalNorm, LocalResidual, ReduceOutput
 
 from helpers import fake_world
 
@@ -67,11 +66,12 @@ def test_validate_tp_vocab_hint_and_bad_degree():
 def test_plan_is_data_with_megatron_layout():
     plan = tp_plan(REGISTRY["llama"])
     layer = "model.layers.*"
-    for name in COLWISE:
-        assert type(plan[f"{layer}.{name}"]) is ColwiseParallel
+    for name in COLWISE:  # local tensors, column-split weights
+        style = plan[f"{layer}.{name}"]
+        assert type(style) is LocalLinear and style.split == 0 and style.reduce_to is None
     for name in ROWWISE:
         style = plan[f"{layer}.{name}"]
-        assert type(style) is RowwiseParallel and style.output_layouts == (Shard(1),)  # reduce-scatter under SP
+        assert type(style) is LocalLinear and style.split == 1 and style.reduce_to == Shard(1)  # reduce-scatter
     for norm in (f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "model.norm"):
         assert type(plan[norm]) is LocalNorm and plan[norm].weight_grad == (Partial(),)  # 1/tp of the tokens
     # Local tensors inside a layer, a DTensor between layers; attention and MLP gather the sequence.
@@ -81,7 +81,7 @@ def test_plan_is_data_with_megatron_layout():
     assert type(plan["model.embed_tokens"]) is ColwiseParallel  # untied: hidden-split, gradient stays sharded
 
     plain = tp_plan(REGISTRY["llama"], sequence_parallel=False, loss_parallel=False, tied_embeddings=True)
-    assert plain[f"{layer}.self_attn.o_proj"].output_layouts == (Replicate(),)  # all-reduce without SP
+    assert plain[f"{layer}.self_attn.o_proj"].reduce_to == Replicate()  # all-reduce without SP
     assert type(plain["model.norm"]) is LocalNorm and plain["model.norm"].weight_grad == (Replicate(),)
     assert plain["lm_head"].output_layouts == (Replicate(),) and plain["lm_head"].use_local_output
     assert type(plain["model.embed_tokens"]) is RowwiseParallel  # tied: shares lm_head's vocab split
@@ -91,12 +91,16 @@ def test_plan_splits_lora_adapters_like_their_base():
     plan = tp_plan(REGISTRY["llama"], lora_targets=frozenset({"q_proj", "o_proj"}))
     q, o = "model.layers.*.self_attn.q_proj", "model.layers.*.self_attn.o_proj"
     assert q not in plan  # the wrapper of a colwise base needs no style: its parts do the splitting
-    assert type(plan[f"{q}.base_layer"]) is ColwiseParallel
-    assert type(plan[f"{q}.lora_A.*"]) is ReplicateParallel and type(plan[f"{q}.lora_B.*"]) is ColwiseParallel
-    assert type(plan[f"{o}.base_layer"]) is RowwiseParallel
-    assert type(plan[f"{o}.lora_A.*"]) is RowwiseParallel and type(plan[f"{o}.lora_B.*"]) is ReplicateParallel
-    assert type(plan[o]) is PrepareModuleOutput and plan[o].use_local_output  # the sum leaves as a local shard
-    assert type(plan["model.layers.*.self_attn.k_proj"]) is ColwiseParallel  # not a LoRA target: unchanged
+    parts = ("base_layer", "lora_A.*", "lora_B.*")
+    assert all(type(plan[f"{path}.{part}"]) is LocalLinear for path in (q, o) for part in parts)
+    # Column-split base: A replicated, B split like the base's outputs; nothing reduced inside.
+    assert [plan[f"{q}.{part}"].split for part in parts] == [0, None, 0]
+    # Row-split base: A split like the base's inputs, B replicated; base + adapter reduced once, by the wrapper.
+    assert [plan[f"{o}.{part}"].split for part in parts] == [1, 1, None]
+    assert all(plan[f"{o}.{part}"].reduce_to is None for part in parts)
+    assert type(plan[o]) is ReduceOutput and plan[o].reduce_to == Shard(1)  # the sum leaves as a local shard
+    k = plan["model.layers.*.self_attn.k_proj"]
+    assert type(k) is LocalLinear and k.split == 0  # not a LoRA target: unchanged
 
 
 # ---------------------------------------------------------------- one process: the loss is HF's loss
@@ -152,6 +156,9 @@ def test_apply_tp_shards_heads_and_refuses_misuse():
         base = build_model("llama-tiny", vocab_size=1024)
         with pytest.raises(TPError, match="other than plain LoRA"):
             apply_tp(get_peft_model(base, LoraConfig(r=2, target_modules=["v_proj"], use_dora=True)), mesh["tp"])
+        base = build_model("llama-tiny", vocab_size=1024)
+        with pytest.raises(TPError, match="LoRA dropout > 0.*lora_dropout=0"):
+            apply_tp(get_peft_model(base, LoraConfig(r=2, target_modules=["v_proj"], lora_dropout=0.1)), mesh["tp"])
         base = build_model("llama-tiny", vocab_size=1024)
         lora = get_peft_model(base, LoraConfig(r=2, target_modules=list(LORA_TARGETS), layers_to_transform=[0, 1]))
         with pytest.raises(TPError, match="differ between decoder layers"):
