@@ -312,12 +312,13 @@ def interpretation(rows: dict[str, dict[str, Any]], args: argparse.Namespace) ->
             "dispatch weigh about as much as the matmuls, so these rates compare the implementations' overheads "
             "here, not TP's scaling on GPUs; read them with the load averages of the rounds below.")
         notes.append(
-            "- hfdist computes each decoder layer on local tensors (residual stream, residual adds and RMSNorms off "
-            "DTensor's per-op dispatch; `hfdist.parallel.tensor_styles`), keeps a DTensor between layers (HF reads "
-            "the global sequence length from it), and sums the norms' tp-partial weight gradients in one all-reduce "
-            "per backward rather than in every optimizer op that reads them. Native TP has no sequence parallel and "
-            "runs one all-reduce per split linear's input gradient instead of hfdist's all-gather / reduce-scatter "
-            "pairs.")
+            "- hfdist computes each decoder layer on local tensors (split linears, residual stream, residual adds "
+            "and RMSNorms off DTensor's per-op dispatch, each module using local views of its DTensor parameters; "
+            "`hfdist.parallel.tensor_styles`), keeps a DTensor between layers (HF reads the global sequence length "
+            "from it), and sums the norms' tp-partial weight gradients in one all-reduce per backward rather than in "
+            "every optimizer op that reads them. Native TP runs every split linear through DTensor and has no "
+            "sequence parallel; it all-reduces each split linear's input gradient on its own instead of once per "
+            "block.")
     norms = {v: r["grad_norm_last_step"][0] for v, r in ok.items()}
     failing = [v for v, probe in norms.items() if "error" in probe]
     if failing:

@@ -22,6 +22,7 @@ what FSDP2 and DDP hold in total; 20 = DeepSpeed's own accounting (adds a 4-byte
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    from hfdist.job.config import non_negative_int
     from hfdist.plan import ADAM_BYTES_CHOICES, DTYPES, Workload
 
     d = Workload()
@@ -36,6 +37,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"sequences per rank per forward (default {d.micro_batch})")
     p.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each decoder layer in backward (keeps only layer inputs)")
+    p.add_argument("--loss-chunk-size", type=non_negative_int, default=d.loss_chunk_size, metavar="N",
+                   help=f"sequence positions per chunk of the chunked loss, as `hfdist finetune --loss-chunk-size` "
+                        f"(default {d.loss_chunk_size}): one chunk's logits are counted; 0: the whole sequence's")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
     p.add_argument("--bytes-per-param-adam", type=int, choices=ADAM_BYTES_CHOICES, default=d.bytes_per_param_adam,
                    help="mixed-precision Adam accounting: 16 (default; FSDP2/DDP totals, ZeRO paper) or 20 "
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         config, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_mem_bytes=int(args.gpu_mem_gb * GB),
         seq=args.seq, micro_batch=args.micro_batch, lora=args.lora, lora_r=args.lora_r,
         activation_checkpointing=args.activation_checkpointing, dtype=args.dtype,
-        bytes_per_param_adam=args.bytes_per_param_adam, model=args.model,
+        bytes_per_param_adam=args.bytes_per_param_adam, model=args.model, loss_chunk_size=args.loss_chunk_size or None,
     )
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     if plan.recommended is None:

@@ -101,7 +101,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help="Pipeline micro-batches per step; must divide the per-rank batch (default: the YAML's).")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="Recompute each decoder layer in backward instead of keeping its activations.")
-    g.add_argument("--loss-chunk-size", type=_non_negative_int, default=d.loss_chunk_size, metavar="N",
+    g.add_argument("--loss-chunk-size", type=non_negative_int, default=d.loss_chunk_size, metavar="N",
                    help=f"Compute lm_head and the fp32 cross-entropy N sequence positions at a time, so the whole "
                         f"batch's logits never exist (default {d.loss_chunk_size}; the same loss). 0: unchunked, "
                         "as transformers does.")
@@ -183,7 +183,8 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _non_negative_int(text: str) -> int:
+def non_negative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")

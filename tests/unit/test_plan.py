@@ -468,3 +468,18 @@ def test_pipeline_with_one_data_parallel_rank_gathers_only_under_bf16():
     bf16 = rung_rank_bytes(shape, load_rung("pp"), dims, Workload(dtype="bf16"))
     assert fp32.buffers == WORKSPACE_BYTES
     assert bf16.buffers - WORKSPACE_BYTES >= 2 * (shape.layers // 2) * shape.layer_linear_params  # bf16 stage copy
+
+
+def test_cli_loss_chunk_size_counts_one_chunk_or_the_whole_sequence(capsys):
+    """`--loss-chunk-size` plans what finetune's flag of the same name runs: one chunk's fp32 logits, or with 0 the
+    whole sequence's; Llama-3's 128256-entry vocabulary makes the difference (8192 - 512) x 128256 x 4 bytes."""
+    activations = {}
+    for chunk in ("512", "0"):
+        assert main(["plan", "--model", "llama-3.1-8b", "--seq", "8192", "--loss-chunk-size", chunk, "--json"]) == 0
+        data = json.loads(capsys.readouterr().out)
+        assert data["workload"]["loss_chunk_size"] == (int(chunk) or None)
+        activations[chunk] = data["rungs"][0]["per_rank_bytes"]["activations"]
+    assert activations["0"] - activations["512"] == (8192 - 512) * 128256 * 4
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--model", "llama-3.1-8b", "--loss-chunk-size", "-1"])
+    assert exit_info.value.code == 2 and "must be 0 or more, got -1" in capsys.readouterr().err
