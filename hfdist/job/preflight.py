@@ -14,7 +14,7 @@ from hfdist.job.config import ConfigError, FinetuneConfig
 from hfdist.job.ladder import Rung, StrategyKind, load_rung
 
 __all__ = ["batch_layout", "with_pipeline_overrides", "check_pipeline", "check_deepspeed_json", "plan_check",
-           "check_model_fits_rung", "check_context_parallel", "preflight"]
+           "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "preflight"]
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -223,6 +223,45 @@ def _check_layer_class(config, name: str) -> None:
     find_layers(model, name)
 
 
+def check_nvme_offload(rung: Rung) -> None:
+    """A rung that offloads to NVMe needs DeepSpeed's async I/O op, which DeepSpeed JIT-builds in the first rank that
+    swaps (minutes into the run) unless it was pre-built at install: check here that it can be built.
+
+    On a CUDA host DeepSpeed builds the op against the CUDA toolkit's headers and libraries (CUDA_HOME), which a
+    pip-installed torch does not bring; without them the build fails inside every rank with a TypeError.
+
+    Raises:
+        ConfigError: naming what is missing and the fixes (install it, pre-build the op, or offload to CPU).
+    """
+    from hfdist.plan.bytes import offload_device
+
+    if offload_device(rung) != "nvme":
+        return
+    from deepspeed.git_version_info import installed_ops
+
+    if installed_ops.get("async_io"):  # pre-built when DeepSpeed was installed (DS_BUILD_AIO=1)
+        return
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    missing = []
+    if not builder.is_compatible(verbose=False):
+        missing.append("libaio's headers and library (apt install libaio-dev, or yum install libaio-devel)")
+    if (isinstance(builder, CUDAOpBuilder) and torch.cuda.is_available() and not builder.is_rocm_pytorch()
+            and cpp.CUDA_HOME is None):
+        missing.append(f"the CUDA toolkit (nvcc and headers; torch.utils.cpp_extension.CUDA_HOME is unset, as with "
+                       f"a pip-installed torch): install the toolkit for CUDA {torch.version.cuda} and set CUDA_HOME")
+    if not cpp.is_ninja_available():
+        missing.append("ninja (pip install ninja)")
+    if missing:
+        raise ConfigError(f"{rung.name} offloads to NVMe through DeepSpeed's async I/O op, which is not pre-built "
+                          f"and cannot be built here: missing {'; '.join(missing)}. Install what is missing, or "
+                          "install DeepSpeed with the op pre-built (DS_BUILD_AIO=1 pip install deepspeed), or "
+                          "offload to CPU memory instead (--config zero3_offload_cpu).")
+
+
 def _check_gpu_settings(rung: Rung) -> None:
     """YAML settings hfdist does not implement on a GPU (hfdist.job.translate.refuse_on_gpu)."""
     if rung.yaml_path is None or not torch.cuda.is_available():
@@ -251,5 +290,6 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     check_context_parallel(config, rung, cfg.seq_len)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
+    check_nvme_offload(rung)
     check_checkpoint_weights(cfg.model)
     plan_check(cfg, rung, micro)

@@ -116,3 +116,24 @@ def test_streamed_save_exchanges_through_the_gpu_under_nccl(gpu_host, monkeypatc
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     assert export._comm_device() == torch.device("cuda", 3)
+
+
+def test_nvme_offload_without_the_cuda_toolkit_is_refused_before_launch(gpu_host, monkeypatch):
+    """On a GPU host DeepSpeed JIT-builds its async I/O op (NVMe offload) against CUDA_HOME; a pip-only torch has
+    none, and the build would fail inside every rank minutes in. The CUDA op builder is the one DeepSpeed's CUDA
+    accelerator hands out; here only torch.cuda and CUDA_HOME are simulated."""
+    import deepspeed.accelerator
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.ops.op_builder.async_io import AsyncIOBuilder
+
+    from hfdist.job.preflight import check_nvme_offload
+
+    cuda_accelerator = SimpleNamespace(create_op_builder=lambda name: AsyncIOBuilder())
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: cuda_accelerator)
+    monkeypatch.setattr(cpp, "CUDA_HOME", None)
+    with pytest.raises(ConfigError, match=r"zero3_offload_nvme offloads to NVMe.*the CUDA toolkit.*CUDA_HOME.*"
+                                          r"DS_BUILD_AIO=1.*zero3_offload_cpu"):
+        check_nvme_offload(load_rung("zero3_offload_nvme"))
+    check_nvme_offload(load_rung("zero3_offload_cpu"))  # no NVMe: nothing to build
+    monkeypatch.setattr(cpp, "CUDA_HOME", "/usr/local/cuda")
+    check_nvme_offload(load_rung("zero3_offload_nvme"))  # toolkit present (libaio and ninja are, on this machine)
