@@ -98,8 +98,10 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
 
 # Runs several test modules read, each launched once per session (on first use) and checkpointed at steps 2 and 4:
 # the ladder, pipeline, byo and fault tests compare their losses, bytes and saved models; test_resume resumes their
-# checkpoint-2 on the same layout, test_resume_reshard on another, test_checkpoint_export exports their checkpoint-4.
+# checkpoint-2 on the same layout, test_resume_reshard on another, test_checkpoint_export exports their checkpoint-4;
+# test_chunked_loss_job reads the two runs with the loss in sequence chunks (LOSS_CHUNKS).
 # name -> (finetune arguments, accelerate config file under accelerate_configs/ or None, via).
+LOSS_CHUNKS = ("--loss-chunk-size", "16")  # 4 chunks of the 64 positions (the default chunk holds all of them)
 SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "single": ((), None, "python"),
     "lora_single": (("--lora",), None, "python"),
@@ -113,6 +115,11 @@ SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "pp": ((), "pp.yaml", "accelerate"),
     # ... and the README's form, which hands over to accelerate itself.
     "3d": (("--config", "3d.yaml"), None, "accelerate"),
+    # The ladder's zero2 (the Trainer's loss through DeepSpeed's engine) and the pipeline module's Interleaved1F1B
+    # (the last stage's loss) compute the loss in chunks: each launch answers its own module's tests and the chunked
+    # loss's, since chunking changes no loss beyond the 1e-5 those modules allow against the unchunked single run.
+    "zero2": (("--config", "zero2.yaml", *LOSS_CHUNKS), None, "accelerate"),
+    "pp_Interleaved1F1B": (("--config", "pp", "--pp-schedule", "Interleaved1F1B", *LOSS_CHUNKS), None, "python"),
 }
 SHARED_SAVE_STEPS = ("--save-steps", "2")
 
