@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,7 +86,9 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
     """
     args = [str(FINETUNE), *TINY_ARGS, "--output-dir", str(out), *extra]
     if config_file is not None:
-        cmd = accelerate("--config_file", config_file, *args)
+        # A port of its own (hfdist's hand-over picks one too): launches run side by side (finetune_all), and
+        # accelerate's default port would be taken by the other one.
+        cmd = accelerate("--config_file", config_file, "--main_process_port", str(free_port()), *args)
     elif via == "accelerate":
         cmd = accelerate("--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
                          "--dynamo_backend", "no", *args)
@@ -94,6 +101,33 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
     summary = json.loads((out / "hfdist_summary.json").read_text())
     summary["_stdout"], summary["_stderr"] = proc.stdout, proc.stderr
     return summary
+
+
+# Launches at once in finetune_all: the suite's CI host has 2 cores, and one launch leaves a core idle for much of its
+# life (the launcher chain's imports before the ranks start, rank 0 alone saving and summarising, one-process runs).
+# Each launch is its own job (output folder, port, process group), so running two together changes no figure a test
+# asserts (losses, bytes, dtypes, saved weights); the one timed assertion (test_faults.py's stopped rank) runs alone.
+LAUNCHES_AT_ONCE = 2
+
+
+def side_by_side(calls: dict[Hashable, Callable[[], Any]]) -> dict[Hashable, Any]:
+    """Each call (one that starts processes and waits for them), LAUNCHES_AT_ONCE at a time: {key: its result}. A
+    call that raises (a failed launch) fails the test once the others have finished."""
+    with ThreadPoolExecutor(LAUNCHES_AT_ONCE) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def finetune_all(jobs: dict[Hashable, tuple[Path, tuple[str, ...], dict]]) -> dict[Hashable, dict]:
+    """`finetune(out, *args, **kwargs)` for each job {key: (out, args, kwargs)}, side by side: {key: summary}."""
+    return side_by_side({key: partial(finetune, out, *args, **kwargs) for key, (out, args, kwargs) in jobs.items()})
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # Runs several test modules read, each launched once per session (on first use) and checkpointed at steps 2 and 4:
@@ -133,14 +167,19 @@ class SharedRuns:
         self._done: dict[str, dict] = {}
 
     def __getitem__(self, name: str) -> dict:
-        if name not in self._done:
-            args, config_file, via = SHARED_RUNS[name]
-            folder = self.root / name
-            config = None if config_file is None else str(REPO / "accelerate_configs" / config_file)
-            summary = finetune(folder, *args, *SHARED_SAVE_STEPS, config_file=config, via=via)
-            summary["_dir"] = folder
-            self._done[name] = summary
+        self.launch([name])
         return self._done[name]
+
+    def launch(self, names: list[str]) -> None:
+        """Launch those of `names` not launched yet, side by side (finetune_all)."""
+        jobs = {}
+        for name in dict.fromkeys(n for n in names if n not in self._done):
+            args, config_file, via = SHARED_RUNS[name]
+            config = None if config_file is None else str(REPO / "accelerate_configs" / config_file)
+            jobs[name] = (self.root / name, (*args, *SHARED_SAVE_STEPS), {"config_file": config, "via": via})
+        for name, summary in finetune_all(jobs).items():
+            summary["_dir"] = self.root / name
+            self._done[name] = summary
 
 
 def check_batch(summary: dict):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import SHARED_RUNS, check_batch, finetune
+from helpers import SHARED_RUNS, check_batch, finetune_all
 
 pytestmark = pytest.mark.multiproc
 
@@ -30,19 +30,21 @@ def runs(tmp_path_factory, references, shared_runs):
     test_checkpoint_export also read; so is pp_Interleaved1F1B, whose loss in sequence chunks test_chunked_loss_job
     also checks."""
     root = tmp_path_factory.mktemp("pipeline")
-    out = {"pp": shared_runs["pp"], "3d": shared_runs["3d"],
-           "lora_pp": finetune(root / "lora_pp", "--config", "pp", "--lora", via="python")}
+    shared = ["pp", "3d"] + [f"pp_{s}" for s in SCHEDULES if f"pp_{s}" in SHARED_RUNS]
+    shared_runs.launch(shared)
+    jobs = {"lora_pp": (root / "lora_pp", ("--config", "pp", "--lora"), {"via": "python"})}
     for schedule in SCHEDULES:
         if f"pp_{schedule}" in SHARED_RUNS:
-            out[f"pp_{schedule}"] = shared_runs[f"pp_{schedule}"]
             continue
         # GPipe also runs 2 accumulation steps of 4 sequences, each split into 2 pipeline micro-batches, with layers
         # recomputed: one launch answers the schedule's tests and accumulation's.
         extra = ACCUM_AC if schedule == ACCUM_AC_SCHEDULE else ()
-        out[f"pp_{schedule}"] = finetune(root / f"pp_{schedule}", "--config", "pp", "--pp-schedule", schedule, *extra,
-                                         via="python")
+        jobs[f"pp_{schedule}"] = (root / f"pp_{schedule}", ("--config", "pp", "--pp-schedule", schedule, *extra),
+                                  {"via": "python"})
+    out = finetune_all(jobs)
     for name, summary in out.items():
-        summary.setdefault("_dir", root / name)
+        summary["_dir"] = root / name
+    out.update({name: shared_runs[name] for name in shared})
     return {**references, **out}
 
 
