@@ -170,16 +170,21 @@ class SharedRuns:
         self.launch([name])
         return self._done[name]
 
-    def launch(self, names: list[str]) -> None:
-        """Launch those of `names` not launched yet, side by side (finetune_all)."""
-        jobs = {}
-        for name in dict.fromkeys(n for n in names if n not in self._done):
-            args, config_file, via = SHARED_RUNS[name]
-            config = None if config_file is None else str(REPO / "accelerate_configs" / config_file)
-            jobs[name] = (self.root / name, (*args, *SHARED_SAVE_STEPS), {"config_file": config, "via": via})
-        for name, summary in finetune_all(jobs).items():
-            summary["_dir"] = self.root / name
-            self._done[name] = summary
+    def launch(self, names: list[str], also: dict[str, tuple[Path, tuple[str, ...], dict]] | None = None
+               ) -> dict[str, dict]:
+        """Launch those of `names` not launched yet and a module's own jobs `also` (as finetune_all's), all side by
+        side; returns the summaries of `also`, each with "_dir"."""
+        jobs = {("shared", name): (self.root / name, (*args, *SHARED_SAVE_STEPS),
+                                   {"config_file": None if file is None else str(REPO / "accelerate_configs" / file),
+                                    "via": via})
+                for name, (args, file, via) in ((n, SHARED_RUNS[n]) for n in dict.fromkeys(names))
+                if name not in self._done}
+        jobs.update({("own", name): job for name, job in (also or {}).items()})
+        own = {}
+        for (whose, name), summary in finetune_all(jobs).items():
+            summary["_dir"] = jobs[whose, name][0]
+            (self._done if whose == "shared" else own)[name] = summary
+        return own
 
 
 def check_batch(summary: dict):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import LOSS_CHUNKS, finetune
+from helpers import LOSS_CHUNKS
 
 pytestmark = pytest.mark.multiproc
 
@@ -22,8 +22,9 @@ SHARED = {"zero2": "zero2", "pp": "pp_Interleaved1F1B"}  # case -> the SHARED_RU
 @pytest.fixture(scope="module")
 def chunked_runs(tmp_path_factory, shared_runs) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("chunked")
-    return {"single": finetune(root / "single", *LOSS_CHUNKS, "--no-wandb", via="python"),
-            **{case: shared_runs[name] for case, name in SHARED.items()}}
+    own = shared_runs.launch(list(SHARED.values()),
+                             also={"single": (root / "single", (*LOSS_CHUNKS, "--no-wandb"), {"via": "python"})})
+    return {**own, **{case: shared_runs[name] for case, name in SHARED.items()}}
 
 
 @pytest.mark.parametrize("name", ["single", "zero2", "pp"])

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import REPO, SHARED_RUNS, check_batch, finetune_all, finished_offline_run
+from helpers import REPO, SHARED_RUNS, check_batch, finished_offline_run
 
 pytestmark = pytest.mark.multiproc
 
@@ -33,7 +33,6 @@ def runs(tmp_path_factory, references, shared_runs):
     come from the session's shared runs (helpers.SHARED_RUNS: the same launch, plus checkpoints at steps 2 and 4)."""
     root = tmp_path_factory.mktemp("ladder")
     names = FULL + [f"lora_{n}" for n in LORA]
-    shared_runs.launch([n for n in names if n in SHARED_RUNS])
     jobs = {}
     for name in names:
         if name in SHARED_RUNS:
@@ -44,9 +43,7 @@ def runs(tmp_path_factory, references, shared_runs):
             jobs[name] = (root / name, (), {"config_file": str(REPO / "accelerate_configs" / f"{name}.yaml")})
         else:
             jobs[name] = (root / name, ("--config", f"{name}.yaml", "--nvme-path", str(root / "nvme")), {})
-    own = finetune_all(jobs)
-    for name, summary in own.items():
-        summary["_dir"] = root / name
+    own = shared_runs.launch([n for n in names if n in SHARED_RUNS], also=jobs)
     return {**references, **{name: own[name] if name in own else shared_runs[name] for name in names}}
 
 

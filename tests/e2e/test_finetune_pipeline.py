@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import SHARED_RUNS, check_batch, finetune_all
+from helpers import SHARED_RUNS, check_batch
 
 pytestmark = pytest.mark.multiproc
 
@@ -31,7 +31,6 @@ def runs(tmp_path_factory, references, shared_runs):
     also checks."""
     root = tmp_path_factory.mktemp("pipeline")
     shared = ["pp", "3d"] + [f"pp_{s}" for s in SCHEDULES if f"pp_{s}" in SHARED_RUNS]
-    shared_runs.launch(shared)
     jobs = {"lora_pp": (root / "lora_pp", ("--config", "pp", "--lora"), {"via": "python"})}
     for schedule in SCHEDULES:
         if f"pp_{schedule}" in SHARED_RUNS:
@@ -41,9 +40,7 @@ def runs(tmp_path_factory, references, shared_runs):
         extra = ACCUM_AC if schedule == ACCUM_AC_SCHEDULE else ()
         jobs[f"pp_{schedule}"] = (root / f"pp_{schedule}", ("--config", "pp", "--pp-schedule", schedule, *extra),
                                   {"via": "python"})
-    out = finetune_all(jobs)
-    for name, summary in out.items():
-        summary["_dir"] = root / name
+    out = shared_runs.launch(shared, also=jobs)
     out.update({name: shared_runs[name] for name in shared})
     return {**references, **out}
 

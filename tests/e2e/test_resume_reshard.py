@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune, finetune_all, run_cmd
+from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
@@ -38,8 +38,9 @@ def sources(tmp_path_factory, shared_runs):
     """{source name: (summary, folder)}: each uninterrupted run once."""
     folder = tmp_path_factory.mktemp("reshard") / PP_ODD
     shared = [source for source, _ in CASES.values() if source != PP_ODD]
-    shared_runs.launch(shared)
-    out = {PP_ODD: (finetune(folder, *ODD, "--config", "pp", *SHARED_SAVE_STEPS, "--no-wandb", via="python"), folder)}
+    own = shared_runs.launch(shared, also={PP_ODD: (folder, (*ODD, "--config", "pp", *SHARED_SAVE_STEPS, "--no-wandb"),
+                                                    {"via": "python"})})
+    out = {PP_ODD: (own[PP_ODD], folder)}
     out.update({source: (shared_runs[source], shared_runs[source]["_dir"]) for source in shared})
     return out
 
