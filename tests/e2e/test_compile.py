@@ -1,13 +1,9 @@
 """End-to-end: `--compile` (torch.compile per decoder layer, inductor on CPU) trains what eager trains, on the rungs
 that take it, with every layer checked compiled; a rung that does not take it is refused before launch.
 
-One compiled run per rung on llama-tiny, compared with the single-process eager run every strategy is compared with
-(each rung's eager losses equal it at rel 1e-5: tests/e2e/test_finetune_ladder.py). The two rungs between them take
-both routes the compile has: ddp compiles in hfdist.job.run before the Trainer wraps the model (as the single
-process does; the layers' graphs over plain tensors), fsdp_tp inside hfdist.parallel.parallelize, after TP and
-before fully_shard (graphs over DTensors, FSDP2's hooks around each compiled layer). fsdp_full_shard and fsdp_hybrid
-take that same parallelize route without its TP step, so a compiled run of theirs would repeat what these two
-prove. Compiling on 2 CPU cores costs about a minute per run; the steps themselves are tiny.
+One compiled run per rung (ddp, fsdp_full_shard, fsdp_tp) on llama-tiny, compared with the single-process eager
+run every strategy is compared with (each rung's eager losses equal it at rel 1e-5: tests/e2e/
+test_finetune_ladder.py). Compiling on 2 CPU cores costs about a minute per run; the steps themselves are tiny.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ from helpers import FINETUNE, finetune_all, run_cmd
 pytestmark = pytest.mark.multiproc
 
 COMPILE_RTOL = 1e-4
-RUNGS = ["ddp", "fsdp_tp"]
+RUNGS = ["ddp", "fsdp_full_shard", "fsdp_tp"]
 
 
 @pytest.fixture(scope="module")
