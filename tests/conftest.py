@@ -22,4 +22,6 @@ def shared_runs(tmp_path_factory) -> SharedRuns:
 @pytest.fixture(scope="session")
 def references(shared_runs) -> dict[str, dict]:
     """The single-process runs every strategy is compared with: {"single": summary, "lora_single": summary}."""
-    return {name: shared_runs[name] for name in ("single", "lora_single")}
+    names = ["single", "lora_single"]
+    shared_runs.launch(names)
+    return {name: shared_runs[name] for name in names}

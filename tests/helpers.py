@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -81,7 +86,9 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
     """
     args = [str(FINETUNE), *TINY_ARGS, "--output-dir", str(out), *extra]
     if config_file is not None:
-        cmd = accelerate("--config_file", config_file, *args)
+        # A port of its own (hfdist's hand-over picks one too): launches run side by side (finetune_all), and
+        # accelerate's default port would be taken by the other one.
+        cmd = accelerate("--config_file", config_file, "--main_process_port", str(free_port()), *args)
     elif via == "accelerate":
         cmd = accelerate("--num_processes", "1", "--num_machines", "1", "--mixed_precision", "no",
                          "--dynamo_backend", "no", *args)
@@ -96,10 +103,39 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
     return summary
 
 
+# Launches at once in finetune_all: the suite's CI host has 2 cores, and one launch leaves a core idle for much of its
+# life (the launcher chain's imports before the ranks start, rank 0 alone saving and summarising, one-process runs).
+# Each launch is its own job (output folder, port, process group), so running two together changes no figure a test
+# asserts (losses, bytes, dtypes, saved weights); the one timed assertion (test_faults.py's stopped rank) runs alone.
+LAUNCHES_AT_ONCE = 2
+
+
+def side_by_side(calls: dict[Hashable, Callable[[], Any]]) -> dict[Hashable, Any]:
+    """Each call (one that starts processes and waits for them), LAUNCHES_AT_ONCE at a time: {key: its result}. A
+    call that raises (a failed launch) fails the test once the others have finished."""
+    with ThreadPoolExecutor(LAUNCHES_AT_ONCE) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+def finetune_all(jobs: dict[Hashable, tuple[Path, tuple[str, ...], dict]]) -> dict[Hashable, dict]:
+    """`finetune(out, *args, **kwargs)` for each job {key: (out, args, kwargs)}, side by side: {key: summary}."""
+    return side_by_side({key: partial(finetune, out, *args, **kwargs) for key, (out, args, kwargs) in jobs.items()})
+
+
+def free_port() -> int:
+    """A TCP port free on the loopback interface now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # Runs several test modules read, each launched once per session (on first use) and checkpointed at steps 2 and 4:
 # the ladder, pipeline, byo and fault tests compare their losses, bytes and saved models; test_resume resumes their
-# checkpoint-2 on the same layout, test_resume_reshard on another, test_checkpoint_export exports their checkpoint-4.
+# checkpoint-2 on the same layout, test_resume_reshard on another, test_checkpoint_export exports their checkpoint-4;
+# test_chunked_loss_job reads the two runs with the loss in sequence chunks (LOSS_CHUNKS).
 # name -> (finetune arguments, accelerate config file under accelerate_configs/ or None, via).
+LOSS_CHUNKS = ("--loss-chunk-size", "16")  # 4 chunks of the 64 positions (the default chunk holds all of them)
 SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "single": ((), None, "python"),
     "lora_single": (("--lora",), None, "python"),
@@ -113,6 +149,11 @@ SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "pp": ((), "pp.yaml", "accelerate"),
     # ... and the README's form, which hands over to accelerate itself.
     "3d": (("--config", "3d.yaml"), None, "accelerate"),
+    # The ladder's zero2 (the Trainer's loss through DeepSpeed's engine) and the pipeline module's Interleaved1F1B
+    # (the last stage's loss) compute the loss in chunks: each launch answers its own module's tests and the chunked
+    # loss's, since chunking changes no loss beyond the 1e-5 those modules allow against the unchunked single run.
+    "zero2": (("--config", "zero2.yaml", *LOSS_CHUNKS), None, "accelerate"),
+    "pp_Interleaved1F1B": (("--config", "pp", "--pp-schedule", "Interleaved1F1B", *LOSS_CHUNKS), None, "python"),
 }
 SHARED_SAVE_STEPS = ("--save-steps", "2")
 
@@ -126,14 +167,24 @@ class SharedRuns:
         self._done: dict[str, dict] = {}
 
     def __getitem__(self, name: str) -> dict:
-        if name not in self._done:
-            args, config_file, via = SHARED_RUNS[name]
-            folder = self.root / name
-            config = None if config_file is None else str(REPO / "accelerate_configs" / config_file)
-            summary = finetune(folder, *args, *SHARED_SAVE_STEPS, config_file=config, via=via)
-            summary["_dir"] = folder
-            self._done[name] = summary
+        self.launch([name])
         return self._done[name]
+
+    def launch(self, names: list[str], also: dict[str, tuple[Path, tuple[str, ...], dict]] | None = None
+               ) -> dict[str, dict]:
+        """Launch those of `names` not launched yet and a module's own jobs `also` (as finetune_all's), all side by
+        side; returns the summaries of `also`, each with "_dir"."""
+        jobs = {("shared", name): (self.root / name, (*args, *SHARED_SAVE_STEPS),
+                                   {"config_file": None if file is None else str(REPO / "accelerate_configs" / file),
+                                    "via": via})
+                for name, (args, file, via) in ((n, SHARED_RUNS[n]) for n in dict.fromkeys(names))
+                if name not in self._done}
+        jobs.update({("own", name): job for name, job in (also or {}).items()})
+        own = {}
+        for (whose, name), summary in finetune_all(jobs).items():
+            summary["_dir"] = jobs[whose, name][0]
+            (self._done if whose == "shared" else own)[name] = summary
+        return own
 
 
 def check_batch(summary: dict):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import finetune
+from helpers import finetune_all
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,13 +25,13 @@ RUNGS = ["3d"]
 def runs(tmp_path_factory) -> dict[tuple[str, str], dict]:
     """{(preset, rung or "single"): summary}."""
     root = tmp_path_factory.mktemp("architectures")
-    out = {}
+    jobs = {}
     for preset in PRESETS:
-        out[preset, "single"] = finetune(root / f"{preset}-single", "--model", preset, via="python")
+        jobs[preset, "single"] = (root / f"{preset}-single", ("--model", preset), {"via": "python"})
         for rung in RUNGS:
-            out[preset, rung] = finetune(root / f"{preset}-{rung}", "--model", preset, "--config", rung, "--no-wandb",
-                                         via="python")
-    return out
+            jobs[preset, rung] = (root / f"{preset}-{rung}", ("--model", preset, "--config", rung, "--no-wandb"),
+                                  {"via": "python"})
+    return finetune_all(jobs)
 
 
 @pytest.mark.parametrize("rung", RUNGS)

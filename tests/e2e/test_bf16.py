@@ -14,7 +14,7 @@ import json
 
 import pytest
 
-from helpers import finetune
+from helpers import finetune_all
 
 pytestmark = pytest.mark.multiproc
 
@@ -25,9 +25,9 @@ RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp", "3d"]
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("bf16")
-    out = {"single": finetune(root / "single", "--mixed-precision", "bf16", "--no-wandb", via="python")}
-    for name in RUNGS:
-        out[name] = finetune(root / name, "--config", name, "--mixed-precision", "bf16", "--no-wandb", via="python")
+    bf16 = ("--mixed-precision", "bf16", "--no-wandb")
+    out = finetune_all({name: (root / name, bf16 if name == "single" else ("--config", name, *bf16), {"via": "python"})
+                        for name in ["single", *RUNGS]})
     for name, summary in out.items():
         summary["_dir"] = root / name
     return out

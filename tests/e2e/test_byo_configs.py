@@ -10,7 +10,7 @@ import json
 import pytest
 import yaml
 
-from helpers import ACCELERATE_FSDP1_TEMPLATE, AXOLOTL_ZERO3_BF16, finetune
+from helpers import ACCELERATE_FSDP1_TEMPLATE, AXOLOTL_ZERO3_BF16, finetune_all
 
 pytestmark = pytest.mark.multiproc
 
@@ -55,7 +55,8 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                 "zero3_bf16": ("--config", "zero3_bf16.yaml"),
                 "zero3_fp16": ("--config", "zero3_fp16.yaml"),
                 "fsdp_one_process": ("--config", "fsdp_full_shard", "--num-processes", "1")}
-    out = {name: finetune(root / f"out_{name}", *args, via="python", cwd=root) for name, args in launches.items()}
+    out = finetune_all({name: (root / f"out_{name}", args, {"via": "python", "cwd": root})
+                        for name, args in launches.items()})
     for name in out:
         out[name]["_dir"] = root / f"out_{name}"
     return out

@@ -6,11 +6,12 @@ shared ones (helpers.SHARED_RUNS: checkpoints at steps 2 and 4), whose losses th
 from __future__ import annotations
 
 import sys
+from functools import partial
 
 import pytest
 import torch
 
-from helpers import check_batch, run_cmd
+from helpers import check_batch, run_cmd, side_by_side
 
 pytestmark = pytest.mark.multiproc
 
@@ -22,16 +23,15 @@ LOSS_RTOL = 1e-5
 def exported(tmp_path_factory, shared_runs):
     """{name: (summary, export folder)}: each run's final checkpoint (step 4) exported."""
     root = tmp_path_factory.mktemp("export")
-    out = {}
-    for name in RUNS:
-        summary = shared_runs[name]
-        checkpoint, target = summary["_dir"] / "checkpoint-4", root / f"{name}-hf"
-        proc = run_cmd([sys.executable, "-m", "hfdist.cli", "checkpoint", "export", str(checkpoint), "--to", "hf",
-                        str(target)], timeout=600)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        assert f"hfdist: exported {checkpoint} -> {target}" in proc.stdout
-        out[name] = (summary, target)
-    return out
+    shared_runs.launch(RUNS)
+    folders = {name: (shared_runs[name]["_dir"] / "checkpoint-4", root / f"{name}-hf") for name in RUNS}
+    procs = side_by_side({name: partial(run_cmd, [sys.executable, "-m", "hfdist.cli", "checkpoint", "export",
+                                                  str(checkpoint), "--to", "hf", str(target)], timeout=600)
+                          for name, (checkpoint, target) in folders.items()})
+    for name, (checkpoint, target) in folders.items():
+        assert procs[name].returncode == 0, procs[name].stderr[-4000:]
+        assert f"hfdist: exported {checkpoint} -> {target}" in procs[name].stdout
+    return {name: (shared_runs[name], target) for name, (_, target) in folders.items()}
 
 
 @pytest.mark.parametrize("name", ["3d", "zero3"])

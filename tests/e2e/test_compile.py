@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from helpers import FINETUNE, finetune, run_cmd
+from helpers import FINETUNE, finetune_all, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,7 +23,8 @@ RUNGS = ["ddp", "fsdp_full_shard", "fsdp_tp"]
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("compile")
-    return {name: finetune(root / name, "--config", name, "--compile", "--no-wandb") for name in RUNGS}
+    return finetune_all({name: (root / name, ("--config", name, "--compile", "--no-wandb"), {"via": "python"})
+                         for name in RUNGS})
 
 
 @pytest.mark.parametrize("name", RUNGS)

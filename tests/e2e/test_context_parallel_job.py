@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import REPO, finetune, run_cmd
+from helpers import REPO, finetune_all, run_cmd
 
 LOSS_RTOL = 1e-5
 CP_ARGS = ["--seq-len", "512", "--global-batch-size", "4", "--max-steps", "3", "--no-wandb"]
@@ -24,11 +24,11 @@ HFDIST = [sys.executable, "-m", "hfdist.cli"]
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_job")
-    runs = {}
-    for name, extra in (("single", ()), ("fsdp_cp", ("--config", "fsdp_cp")),
-                        ("lora_single", ("--lora",)), ("lora_fsdp_cp", ("--config", "fsdp_cp", "--lora"))):
-        runs[name] = finetune(root / name, *CP_ARGS, *extra, via="python")
-        runs[name]["_dir"] = root / name
+    runs = finetune_all({name: (root / name, (*CP_ARGS, *extra), {"via": "python"}) for name, extra in (
+        ("single", ()), ("fsdp_cp", ("--config", "fsdp_cp")),
+        ("lora_single", ("--lora",)), ("lora_fsdp_cp", ("--config", "fsdp_cp", "--lora")))})
+    for name, summary in runs.items():
+        summary["_dir"] = root / name
     return runs
 
 

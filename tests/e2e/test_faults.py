@@ -8,23 +8,17 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from helpers import FINETUNE, REPO, TINY_ARGS, finetune
+from helpers import FINETUNE, REPO, TINY_ARGS, finetune, free_port
 
 pytestmark = pytest.mark.multiproc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env() -> dict[str, str]:
@@ -59,26 +53,31 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     """SIGKILL rank 1 after the first checkpoint; torchrun restarts the workers, --resume picks the latest complete
     checkpoint, and the run finishes with every step logged once and the uninterrupted run's losses."""
     args = [*TINY_ARGS, *STEPS, "--no-wandb"]  # the later --max-steps wins: 4 steps would end before the kill
-    reference = finetune(tmp_path / "reference", *STEPS, "--config", "fsdp_full_shard", "--no-wandb")
-    out = tmp_path / "killed"
-    cmd = _torchrun("--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                    f"127.0.0.1:{_free_port()}", str(FINETUNE), *args, "--config", "fsdp_full_shard", "--resume",
-                    "--output-dir", str(out))
-    # torch 2.13's c10d rendezvous shares its store with the workers by default, and the restarted workers' gloo
-    # handshake then finds the dead workers' addresses in it ("connectFullMesh failed ... Connection refused").
-    # A store per restart avoids that (README, scripts/slurm_finetune.sbatch).
-    env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    killed_at = None
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-        if (out / "checkpoint-10" / "hfdist_checkpoint.json").exists() and killed_at is None:
-            pid = _pid_of_rank(1, str(out))
-            if pid is not None:
-                os.kill(pid, signal.SIGKILL)
-                killed_at = time.time()
-        time.sleep(0.05)
-    log = proc.communicate(timeout=600)[0]
+    # The uninterrupted run trains beside the killed one (its own folder and port): it only slows the killed run,
+    # which leaves the kill more time to land mid-training.
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(finetune, tmp_path / "reference", *STEPS, "--config", "fsdp_full_shard", "--no-wandb",
+                                via="python")
+        out = tmp_path / "killed"
+        cmd = _torchrun("--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                        f"127.0.0.1:{free_port()}", str(FINETUNE), *args, "--config", "fsdp_full_shard", "--resume",
+                        "--output-dir", str(out))
+        # torch 2.13's c10d rendezvous shares its store with the workers by default, and the restarted workers' gloo
+        # handshake then finds the dead workers' addresses in it ("connectFullMesh failed ... Connection refused").
+        # A store per restart avoids that (README, scripts/slurm_finetune.sbatch).
+        env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        killed_at = None
+        deadline = time.time() + 600
+        while time.time() < deadline and proc.poll() is None:
+            if (out / "checkpoint-10" / "hfdist_checkpoint.json").exists() and killed_at is None:
+                pid = _pid_of_rank(1, str(out))
+                if pid is not None:
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = time.time()
+            time.sleep(0.05)
+        log = proc.communicate(timeout=600)[0]
+        reference = reference.result()
     assert killed_at is not None, f"the run ended before rank 1 could be killed:\n{log[-3000:]}"
     assert proc.returncode == 0, log[-6000:]
     summary = json.loads((out / "hfdist_summary.json").read_text())
@@ -90,7 +89,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
 def test_two_nodes_on_loopback_shard_inside_and_replicate_across(tmp_path, references):
     """fsdp_hybrid on 2 "nodes" x 2 processes, started as two launchers (c10d rendezvous): the losses equal one
     process's, shard groups stay inside a node (hfdist.parallel.verify checks LOCAL_WORLD_SIZE), replicas span nodes."""
-    port = _free_port()
+    port = free_port()
     out = tmp_path / "two_nodes"
     procs = [subprocess.Popen(
         _torchrun("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import REPO, SHARED_RUNS, check_batch, finetune, finished_offline_run
+from helpers import REPO, SHARED_RUNS, check_batch, finished_offline_run
 
 pytestmark = pytest.mark.multiproc
 
@@ -32,19 +32,19 @@ def runs(tmp_path_factory, references, shared_runs):
     """All runs once: {name: summary}; "single" and "lora_single" are the references. Rungs other modules also read
     come from the session's shared runs (helpers.SHARED_RUNS: the same launch, plus checkpoints at steps 2 and 4)."""
     root = tmp_path_factory.mktemp("ladder")
-    out = {}
-    for name in FULL + [f"lora_{n}" for n in LORA]:
+    names = FULL + [f"lora_{n}" for n in LORA]
+    jobs = {}
+    for name in names:
         if name in SHARED_RUNS:
-            out[name] = shared_runs[name]
             continue
         if name.startswith("lora_"):
-            out[name] = finetune(root / name, "--config", name.removeprefix("lora_"), "--lora")
+            jobs[name] = (root / name, ("--config", name.removeprefix("lora_"), "--lora"), {})
         elif name in VIA_CONFIG_FILE:
-            out[name] = finetune(root / name, config_file=str(REPO / "accelerate_configs" / f"{name}.yaml"))
+            jobs[name] = (root / name, (), {"config_file": str(REPO / "accelerate_configs" / f"{name}.yaml")})
         else:
-            out[name] = finetune(root / name, "--config", f"{name}.yaml", "--nvme-path", str(root / "nvme"))
-        out[name]["_dir"] = root / name
-    return {**references, **out}
+            jobs[name] = (root / name, ("--config", f"{name}.yaml", "--nvme-path", str(root / "nvme")), {})
+    own = shared_runs.launch([n for n in names if n in SHARED_RUNS], also=jobs)
+    return {**references, **{name: own[name] if name in own else shared_runs[name] for name in names}}
 
 
 def _bytes(summary: dict, key: str) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import check_batch, finetune
+from helpers import SHARED_RUNS, check_batch
 
 pytestmark = pytest.mark.multiproc
 
@@ -27,18 +27,21 @@ def runs(tmp_path_factory, references, shared_runs):
     """{name: summary} of every pipeline run, plus the single-process references. pp (`accelerate launch
     --config_file pp.yaml`: hfdist finds the pipeline YAML through the launcher) and 3d (the README's form, which hands
     over to accelerate itself) are the session's shared runs (helpers.SHARED_RUNS), which test_resume and
-    test_checkpoint_export also read."""
+    test_checkpoint_export also read; so is pp_Interleaved1F1B, whose loss in sequence chunks test_chunked_loss_job
+    also checks."""
     root = tmp_path_factory.mktemp("pipeline")
-    out = {"pp": shared_runs["pp"], "3d": shared_runs["3d"],
-           "lora_pp": finetune(root / "lora_pp", "--config", "pp", "--lora", via="python")}
+    shared = ["pp", "3d"] + [f"pp_{s}" for s in SCHEDULES if f"pp_{s}" in SHARED_RUNS]
+    jobs = {"lora_pp": (root / "lora_pp", ("--config", "pp", "--lora"), {"via": "python"})}
     for schedule in SCHEDULES:
+        if f"pp_{schedule}" in SHARED_RUNS:
+            continue
         # GPipe also runs 2 accumulation steps of 4 sequences, each split into 2 pipeline micro-batches, with layers
         # recomputed: one launch answers the schedule's tests and accumulation's.
         extra = ACCUM_AC if schedule == ACCUM_AC_SCHEDULE else ()
-        out[f"pp_{schedule}"] = finetune(root / f"pp_{schedule}", "--config", "pp", "--pp-schedule", schedule, *extra,
-                                         via="python")
-    for name, summary in out.items():
-        summary.setdefault("_dir", root / name)
+        jobs[f"pp_{schedule}"] = (root / f"pp_{schedule}", ("--config", "pp", "--pp-schedule", schedule, *extra),
+                                  {"via": "python"})
+    out = shared_runs.launch(shared, also=jobs)
+    out.update({name: shared_runs[name] for name in shared})
     return {**references, **out}
 
 

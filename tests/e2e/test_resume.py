@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune, run_cmd
+from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
@@ -31,16 +31,16 @@ RTOL = 1e-6  # same ranks, same reduction order: resumed steps are bit-identical
 def runs(tmp_path_factory, shared_runs):
     """{rung: (uninterrupted summary, resumed summary)} plus their folders."""
     root = tmp_path_factory.mktemp("resume")
-    out = {}
+    shared_runs.launch(RUNGS)
+    jobs = {}
     for name in RUNGS:
-        first = shared_runs[name]
-        full, resumed = first["_dir"], root / name / "resumed"
+        full, resumed = shared_runs[name]["_dir"], root / name / "resumed"
         args = ["--config", name.removeprefix("lora_"), *SHARED_SAVE_STEPS] + (["--lora"] if "lora" in name else [])
         resumed.mkdir(parents=True)
         shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-        second = finetune(resumed, *args, "--resume", via="python")
-        out[name] = (first, second, full, resumed)
-    return out
+        jobs[name] = (resumed, (*args, "--resume"), {"via": "python"})
+    seconds = finetune_all(jobs)
+    return {name: (shared_runs[name], seconds[name], shared_runs[name]["_dir"], jobs[name][0]) for name in RUNGS}
 
 
 @pytest.mark.parametrize("name", RUNGS)

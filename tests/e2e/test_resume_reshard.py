@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 
-from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune, run_cmd
+from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
@@ -36,20 +37,31 @@ CASES = {
 def sources(tmp_path_factory, shared_runs):
     """{source name: (summary, folder)}: each uninterrupted run once."""
     folder = tmp_path_factory.mktemp("reshard") / PP_ODD
-    out = {PP_ODD: (finetune(folder, *ODD, "--config", "pp", *SHARED_SAVE_STEPS, "--no-wandb", via="python"), folder)}
-    for source, _ in CASES.values():
-        if source not in out:
-            out[source] = (shared_runs[source], shared_runs[source]["_dir"])
+    shared = [source for source, _ in CASES.values() if source != PP_ODD]
+    own = shared_runs.launch(shared, also={PP_ODD: (folder, (*ODD, "--config", "pp", *SHARED_SAVE_STEPS, "--no-wandb"),
+                                                    {"via": "python"})})
+    out = {PP_ODD: (own[PP_ODD], folder)}
+    out.update({source: (shared_runs[source], shared_runs[source]["_dir"]) for source in shared})
     return out
 
 
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory, sources) -> dict[str, tuple[dict, Path]]:
+    """{case: (resumed summary, its folder)}: each case's source checkpoint-2 resumed on the case's layout."""
+    root = tmp_path_factory.mktemp("resharded")
+    jobs = {}
+    for case, (source, target) in CASES.items():
+        shutil.copytree(sources[source][1] / "checkpoint-2", root / case / "checkpoint-2")
+        jobs[case] = (root / case, (*target, *SHARED_SAVE_STEPS, "--no-wandb", "--resume"), {"via": "python"})
+    return {case: (summary, root / case) for case, summary in finetune_all(jobs).items()}
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_resumed_on_another_layout_continues_the_uninterrupted_run(sources, case, tmp_path):
-    source, target = CASES[case]
-    first, folder = sources[source]
-    shutil.copytree(folder / "checkpoint-2", tmp_path / "checkpoint-2")
-    second = finetune(tmp_path, *target, *SHARED_SAVE_STEPS, "--no-wandb", "--resume", via="python")
-    assert second["resumed_from"] == str(tmp_path / "checkpoint-2")
+def test_resumed_on_another_layout_continues_the_uninterrupted_run(sources, resumed, case):
+    source, _ = CASES[case]
+    first, _ = sources[source]
+    second, folder = resumed[case]
+    assert second["resumed_from"] == str(folder / "checkpoint-2")
     assert second["loss_steps"] == first["loss_steps"] == [1, 2, 3, 4]
     assert second["losses"][2:] == pytest.approx(first["losses"][2:], rel=RTOL)
     assert second["losses"][:2] == first["losses"][:2]  # the record before the resume is the checkpoint's

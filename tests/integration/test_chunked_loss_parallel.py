@@ -4,19 +4,14 @@ loss and gradients with lm_head + cross-entropy in sequence chunks of 7 and unch
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-from helpers import torchrun_json
 
 CASES = ["ddp", "fsdp", "fsdp_tp", "pp"]
 
 
 @pytest.fixture(scope="module")
-def chunked_results(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("chunked") / "chunked.json"
-    return torchrun_json(Path(__file__).with_name("chunked_loss_worker.py"), 4, out, timeout=300)
+def chunked_results(worker_results) -> dict:
+    return worker_results["chunked_loss"]  # chunked_loss_worker.py on 4 ranks (tests/integration/conftest.py)
 
 
 @pytest.mark.multiproc

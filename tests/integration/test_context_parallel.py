@@ -9,11 +9,7 @@ Tolerances (fp32): losses within a relative 1e-5 of one process (observed <= 1e-
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-
-from helpers import torchrun_json
 
 pytestmark = pytest.mark.multiproc
 RTOL, LOGIT_ATOL = 1e-5, 1e-5
@@ -21,9 +17,8 @@ CASES = ["fsdp_cp", "cp4_gqa_eager", "lora_fsdp_cp", "tp_cp", "hsdp_cp"]
 
 
 @pytest.fixture(scope="module")
-def cp_results(tmp_path_factory) -> dict:
-    return torchrun_json(Path(__file__).with_name("cp_worker.py"), 4, tmp_path_factory.mktemp("cp") / "cp.json",
-                         timeout=600)
+def cp_results(worker_results) -> dict:
+    return worker_results["cp"]  # cp_worker.py on 4 ranks (tests/integration/conftest.py)
 
 
 def _case(results: dict, name: str) -> dict:

@@ -7,13 +7,9 @@ relative 1e-5 (fp32; micro-batching changes matmul shapes and summation order, o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from hfdist.parallel.pipeline.plan import ideal_bubble_fraction
-
-from helpers import torchrun_json
 
 RTOL = 1e-5
 SCHEDULE_NAMES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]
@@ -23,8 +19,8 @@ SCHEDULE_NAMES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "
 
 
 @pytest.fixture(scope="module")
-def pp_results(tmp_path_factory) -> dict:
-    return torchrun_json(Path(__file__).with_name("pp_worker.py"), 2, tmp_path_factory.mktemp("pp") / "pp.json", timeout=300)
+def pp_results(worker_results) -> dict:
+    return worker_results["pp"]  # pp_worker.py on 2 ranks (tests/integration/conftest.py)
 
 
 def _run(pp_results: dict, name: str) -> dict:
