@@ -233,11 +233,14 @@ class LocalNorm(ParallelStyle):
         return f"LocalNorm(weight_grad={self.weight_grad[0]})"
 
 
-def _reduce_partial(partial: torch.Tensor, mesh: DeviceMesh, layout: Placement) -> torch.Tensor:
+def _reduce_partial(partial: torch.Tensor, mesh: DeviceMesh, layout: Placement,
+                    bias: nn.Parameter | None) -> torch.Tensor:
     """Sum this rank's partial output over tp into the local tensor of `layout` (Shard(1): reduce-scatter on the
-    sequence; Replicate(): all-reduce). Backward: the matching all-gather, or nothing."""
+    sequence; Replicate(): all-reduce; backward: the matching all-gather, or nothing), then add `bias` (a row-split
+    linear's replicated bias, which belongs to the sum, not to each rank's part)."""
     summed = DTensor.from_local(partial, mesh, (Partial(),), run_check=False).redistribute(placements=(layout,))
-    return summed.to_local()
+    out = summed.to_local()
+    return out if bias is None else out + bias.to_local(grad_placements=(_bias_grad(layout),))
 
 
 def _bias_grad(layout: Placement) -> Placement:
@@ -290,18 +293,16 @@ class LocalLinear(ParallelStyle):
         if has_bias:
             grads["bias"] = bias_layout if self.split == 0 else None
         reduce_to = self.reduce_to
-        bias_grad = _bias_grad(reduce_to) if has_bias and reduce_to is not None else None
-        _watch_partial(module, {**grads, "bias": bias_grad} if bias_grad is not None else grads, self.reducer)
+        _watch_partial(module, grads, self.reducer)
+        if has_bias and reduce_to is not None:
+            _watch_partial(module, {"bias": _bias_grad(reduce_to)}, self.reducer)
         forward = module.forward
 
         def local_forward(x: torch.Tensor) -> torch.Tensor:
             out = _call_with_local_params(module, forward, grads, x)
             if reduce_to is None:
                 return out
-            out = _reduce_partial(out, device_mesh, reduce_to)
-            if bias_grad is None:
-                return out
-            return out + module._parameters["bias"].to_local(grad_placements=(bias_grad,))
+            return _reduce_partial(out, device_mesh, reduce_to, module._parameters.get("bias"))
 
         module.forward = local_forward
         return module
@@ -320,14 +321,11 @@ class ReduceOutput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         base = module.base_layer
-        bias_grad = _bias_grad(self.reduce_to)
         if base._parameters.get("bias") is not None:
-            _watch_partial(base, {"bias": bias_grad}, self.reducer)
+            _watch_partial(base, {"bias": _bias_grad(self.reduce_to)}, self.reducer)
 
         def reduce(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-            out = _reduce_partial(output, device_mesh, self.reduce_to)
-            bias = base._parameters.get("bias")
-            return out if bias is None else out + bias.to_local(grad_placements=(bias_grad,))
+            return _reduce_partial(output, device_mesh, self.reduce_to, base._parameters.get("bias"))
 
         module.register_forward_hook(reduce)
         return module
