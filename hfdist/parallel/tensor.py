@@ -4,7 +4,8 @@
 The plan is data: `tp_plan` maps module globs of a causal LM to `torch.distributed.tensor.parallel` styles, built
 from the registry's facts (which projections are column- or row-split, which norms sit on the residual stream or
 per head); `apply_tp` validates the model, then hands the plan to `parallelize_module`. Nothing here re-implements a
-collective: every all-reduce, all-gather and reduce-scatter is a DTensor redistribution.
+collective: every all-reduce, all-gather and reduce-scatter is a DTensor redistribution or, inside a layer under
+sequence parallelism, the torch functional collective that a redistribution runs (tensor_styles says why).
 
 Layout (tp = mesh size, "residual" = Shard(1) on the sequence dim with sequence parallel, else Replicate):
 - embed_tokens: ColwiseParallel (hidden dim split), output redistributed to the residual layout. With tied
@@ -25,8 +26,7 @@ Layout (tp = mesh size, "residual" = Shard(1) on the sequence dim with sequence 
   `tp_causal_lm_loss` feeds to cross-entropy under `loss_parallel()`, so no rank materialises full logits.
 
 Inside a decoder layer every activation is a local tensor and every module computes with local views of its
-DTensor parameters (no per-op DTensor dispatch; hfdist.parallel.tensor_styles); DTensor's redistributions are the
-layer's collectives. Between layers the residual stream is a DTensor because HF's LlamaModel derives position ids
+DTensor parameters (no per-op DTensor dispatch; hfdist.parallel.tensor_styles). Between layers the residual stream is a DTensor because HF's LlamaModel derives position ids
 and the causal mask from `inputs_embeds.shape[1]`: a DTensor reports the global sequence length even when its local
 shard holds 1/tp of it.
 

@@ -5,11 +5,17 @@ Megatron: the split linears, the residual stream, its adds and the RMSNorms neve
 dispatch (on a small model that dispatch cost more than the matmuls; measured in results/cpu-2core/tp_vs_native.md).
 DTensor stays where it earns its keep: every parameter is a DTensor on the tp mesh (a module computes with local
 views of them, each view's gradient declared in the placement it really has, so gradients arrive as DTensors for
-clipping, FSDP2 and checkpoints), DTensor's redistributions are the layer's collectives (an all-gather / reduce-
-scatter pair per block under sequence parallelism, an all-reduce pair without), and the residual stream stays a
-DTensor *between* layers, because HF's model reads the global sequence length from `inputs_embeds.shape[1]`
+clipping, FSDP2 and checkpoints), and the residual stream stays a DTensor *between* layers, because HF's model reads the global sequence length from `inputs_embeds.shape[1]`
 (positions, causal mask) and a DTensor reports the global shape while its local shard holds S/tp tokens under
 sequence parallelism. Pipeline stages pass the same DTensor on.
+
+The layer's collectives (an all-gather / reduce-scatter pair per block under sequence parallelism, an all-reduce
+pair without) are torch's: under sequence parallelism with a sequence that tp divides, the functional collectives
+with autograd (`all_gather_single` / `reduce_scatter_single`: what DTensor's redistribution calls underneath),
+applied to the local tensors directly; otherwise (no sequence parallelism, or an uneven split, which DTensor pads)
+a DTensor redistribution. The direct call does the same collective without the from_local / redistribute / to_local
+round trip, whose Python cost on the small model of results/cpu-2core/tp_vs_native.md made sequence parallelism
+about 13% slower per CPU-second (measured with `benchmarks/tp_native_worker.py` both ways).
 
     layer input (DTensor, residual layout)  --LocalResidual: to_local, remember the global shape-->
         norm (LocalNorm)  --GatherSequence: all-gather (SP); backward: reduce-scatter / all-reduce-->
@@ -32,6 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
@@ -120,11 +127,22 @@ class GatherSequence(_ResidualStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def gather(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]):
             key, local = _hidden_states(args, kwargs)
-            full = self.spec.wrap(local, device_mesh, self.residual).redistribute(placements=(Replicate(),))
-            return _replace(args, kwargs, key, full.to_local(grad_placements=(Partial(),)))
+            if self.residual.is_shard() and _splits_evenly(self.spec.shape[1], device_mesh):
+                # Backward: the reduce-scatter of the summed gradient (the functional collective's autograd).
+                full = funcol.all_gather_single(local, 1, device_mesh.get_group())
+            else:
+                dtensor = self.spec.wrap(local, device_mesh, self.residual).redistribute(placements=(Replicate(),))
+                full = dtensor.to_local(grad_placements=(Partial(),))
+            return _replace(args, kwargs, key, full)
 
         module.register_forward_pre_hook(gather, with_kwargs=True)
         return module
+
+
+def _splits_evenly(sequence_length: int, mesh: DeviceMesh) -> bool:
+    """Whether every tp rank holds the same number of tokens of the sequence: the functional collectives' one
+    requirement (module docstring); an uneven split goes through DTensor, which pads it."""
+    return sequence_length % mesh.size() == 0
 
 
 class PartialGradReducer:
@@ -238,8 +256,11 @@ def _reduce_partial(partial: torch.Tensor, mesh: DeviceMesh, layout: Placement,
     """Sum this rank's partial output over tp into the local tensor of `layout` (Shard(1): reduce-scatter on the
     sequence; Replicate(): all-reduce; backward: the matching all-gather, or nothing), then add `bias` (a row-split
     linear's replicated bias, which belongs to the sum, not to each rank's part)."""
-    summed = DTensor.from_local(partial, mesh, (Partial(),), run_check=False).redistribute(placements=(layout,))
-    out = summed.to_local()
+    if layout.is_shard() and _splits_evenly(partial.shape[1], mesh):
+        out = funcol.wait_tensor(funcol.reduce_scatter_single(partial, "sum", 1, mesh.get_group()))
+    else:
+        summed = DTensor.from_local(partial, mesh, (Partial(),), run_check=False).redistribute(placements=(layout,))
+        out = summed.to_local()
     return out if bias is None else out + bias.to_local(grad_placements=(_bias_grad(layout),))
 
 
