@@ -26,9 +26,9 @@ Layout (tp = mesh size, "residual" = Shard(1) on the sequence dim with sequence 
   `tp_causal_lm_loss` feeds to cross-entropy under `loss_parallel()`, so no rank materialises full logits.
 
 Inside a decoder layer every activation is a local tensor and every module computes with local views of its
-DTensor parameters (no per-op DTensor dispatch; hfdist.parallel.tensor_styles). Between layers the residual stream is a DTensor because HF's LlamaModel derives position ids
-and the causal mask from `inputs_embeds.shape[1]`: a DTensor reports the global sequence length even when its local
-shard holds 1/tp of it.
+DTensor parameters (no per-op DTensor dispatch; hfdist.parallel.tensor_styles). Between layers the residual stream
+is a DTensor because HF's LlamaModel derives position ids and the causal mask from `inputs_embeds.shape[1]`: a
+DTensor reports the global sequence length even when its local shard holds 1/tp of it.
 
 Every parameter ends up a DTensor on the tp mesh (Replicate where not sharded). That keeps
 `torch.nn.utils.clip_grad_norm_` and FSDP2 on one mesh: a mix of DTensor and plain-tensor gradients is what breaks

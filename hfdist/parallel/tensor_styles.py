@@ -5,9 +5,10 @@ Megatron: the split linears, the residual stream, its adds and the RMSNorms neve
 dispatch (on a small model that dispatch cost more than the matmuls; measured in results/cpu-2core/tp_vs_native.md).
 DTensor stays where it earns its keep: every parameter is a DTensor on the tp mesh (a module computes with local
 views of them, each view's gradient declared in the placement it really has, so gradients arrive as DTensors for
-clipping, FSDP2 and checkpoints), and the residual stream stays a DTensor *between* layers, because HF's model reads the global sequence length from `inputs_embeds.shape[1]`
-(positions, causal mask) and a DTensor reports the global shape while its local shard holds S/tp tokens under
-sequence parallelism. Pipeline stages pass the same DTensor on.
+clipping, FSDP2 and checkpoints), and the residual stream stays a DTensor *between* layers, because HF's model
+reads the global sequence length from `inputs_embeds.shape[1]` (positions, causal mask) and a DTensor reports the
+global shape while its local shard holds S/tp tokens under sequence parallelism. Pipeline stages pass the same
+DTensor on.
 
 The layer's collectives (an all-gather / reduce-scatter pair per block under sequence parallelism, an all-reduce
 pair without) are torch's: under sequence parallelism with a sequence that tp divides, the functional collectives
