@@ -9,8 +9,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import Rung
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import Rung
 
 if TYPE_CHECKING:
     from hfdist.job.run import Run

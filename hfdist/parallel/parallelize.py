@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfdist.job.config import ConfigError
-from hfdist.job.ladder import Rung
+from hfdist.config.finetune import ConfigError
+from hfdist.config.ladder import Rung
 
 __all__ = ["parallelize", "apply_ac", "apply_compile", "check_compile", "compile_record", "verify_compiled",
            "uses_fsdp"]

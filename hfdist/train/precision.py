@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfdist.job.ladder import Rung
+from hfdist.config.ladder import Rung
 
 __all__ = ["check_precision", "PrecisionProbe", "reduce_dtype", "fsdp_compute_dtype"]
 

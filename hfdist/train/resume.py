@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hfdist.job.config import ConfigError, FinetuneConfig
-from hfdist.job.ladder import Rung
+from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.ladder import Rung
+from hfdist.config.precision import effective_mixed_precision
 
 __all__ = ["checkpoint_identity", "resume_point", "resume_line", "LAYOUT_KEYS", "WORKLOAD_KEYS"]
 
@@ -36,7 +37,6 @@ def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
     layout, and an fp32 run continued in bf16 would silently change its numerics), and what it holds."""
     import torch
 
-    from hfdist.job.launch import effective_mixed_precision
     from hfdist.models.presets import DEFAULT_PRESET
 
     on_gpu = torch.cuda.is_available()

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
-from hfdist.job.ladder import Rung
+from hfdist.config.ladder import Rung
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.context import cp_group_of, shard_batch
 from hfdist.parallel.parallelize import verify_compiled

@@ -240,7 +240,7 @@ class CollectiveWatch:
         _write_atomically(logs / f"hang-rank-{self._rank}.txt", text + "\n")
         # The flight recorder's record, as NCCL dumps it on GPU (TORCH_NCCL_DUMP_ON_TIMEOUT), here as JSON.
         _write_atomically(logs / "flight_recorder" / f"rank_{self._rank}.json", json.dumps(self._record, indent=1))
-        from hfdist.job import console
+        from hfdist import console
 
         with contextlib.suppress(Exception):
             console.finish()

@@ -201,7 +201,7 @@ def bubble_cases(mesh, full: bool) -> list[dict]:
 def main() -> None:
     out_path = sys.argv[1]
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    from hfdist.parallel.dims import ParallelDims
+    from hfdist.config.dims import ParallelDims
 
     mesh = ParallelDims(pp=2).build_mesh("cpu")  # axes (dp_shard=1, pp=2)
     rank = dist.get_rank()

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hfdist.job.config import ConfigError, FinetuneConfig
-from hfdist.job.ladder import known_rung_names, load_rung
+from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.ladder import known_rung_names, load_rung
 
 from helpers import run_cmd
 

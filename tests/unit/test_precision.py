@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import load_rung
-from hfdist.job.launch import cpu_translation, effective_mixed_precision, settle_mixed_precision
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import load_rung
+from hfdist.config.precision import cpu_translation, effective_mixed_precision, settle_mixed_precision
 
 
 @pytest.mark.parametrize("asked, on_gpu, want", [("auto", True, "bf16"), ("auto", False, "no"), ("no", True, "no"),

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import load_rung
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import load_rung
 from hfdist.train.checkpoint import CheckpointError, write_marker
 from hfdist.train.resume import checkpoint_identity, resume_line, resume_point
 
