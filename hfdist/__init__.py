@@ -5,7 +5,8 @@ Sub-packages (import them; importing hfdist itself stays cheap):
     hfdist.job        the fine-tuning job: launching, preflight checks, the run (config -> launch -> run)
     hfdist.parallel   DeviceMesh parallelism: the parallelize recipe, TP, FSDP2, pipeline stages, verification
     hfdist.models     the model-facts registry (Llama, Mistral, Qwen2, Qwen3), shapes, presets, building
-    hfdist.train      the Trainer taught about hfdist's strategies; checkpoints and resume
+    hfdist.train      the Trainer taught about hfdist's strategies
+    hfdist.checkpoint checkpoints on disk, the Trainer's hooks, resume rules, HF export and conversion
     hfdist.data       datasets and tokenizers, packing
     hfdist.plan       the memory planner (`hfdist plan`)
     hfdist.metrics    FLOPs, MFU, memory readers, pipeline bubble

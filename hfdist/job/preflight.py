@@ -229,9 +229,9 @@ def _check_gpu_settings(rung: Rung) -> None:
 
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
+    from hfdist.checkpoint.resume import resume_point
     from hfdist.models.build import check_checkpoint_weights
     from hfdist.models.presets import load_config
-    from hfdist.train.resume import resume_point
 
     _check_output_dir(cfg)
     _check_gpu_settings(rung)

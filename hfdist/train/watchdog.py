@@ -207,7 +207,7 @@ class CollectiveWatch:
             lines.append(f"hfdist: -- rank {rank}: {_state_of(beat, now, group_key)}")
             lines += [f"hfdist:    {ln}" for frame in (beat or {}).get("stack", []) for ln in frame.splitlines()]
         ended = self._end_silent_neighbours(beats, silent)
-        from hfdist.train.checkpoint import remove_unfinished
+        from hfdist.checkpoint.format import remove_unfinished
 
         unfinished = remove_unfinished(self.output_dir)  # a save the missing rank was part of can never finish
         if unfinished:
