@@ -21,7 +21,7 @@ from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation, settle_mixed_precision
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import batch_layout, preflight
-from hfdist.job.summary import check_blocks, first_blocks, with_rank_records, write_summary
+from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.job.world import resolve_rung
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
@@ -172,6 +172,13 @@ class Run:
     flops_per_token: float
     load: dict[str, float]
 
+    def record(self) -> RunRecord:
+        """What the summary reports of this run, once it has trained."""
+        return RunRecord(strategy=self.strategy, losses=self.losses.losses, loss_steps=self.losses.steps,
+                         check_blocks=check_blocks(self.trainer.rung, len(self.dataset)),
+                         flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
+                         closing_table=self.metrics.closing_table)
+
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
     """Tokenizer, data, model, strategy and Trainer with hfdist's callbacks, on this rank."""
@@ -272,7 +279,7 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
                                                   "precision": precision, **_compile_record(cfg, rung, run)})
     if _is_rank0():
-        write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
+        write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
     _leave_process_group()
     return 0
 
