@@ -479,3 +479,22 @@ def test_page_opens_with_a_summary_and_commands(page):
         summary.append(line)
     assert lines[1] == "" and 0 < len(summary) <= 2, f"{page.name}: no one-line summary under the title"
     assert any(lang in SHELL_LANGS for lang, _, _ in _blocks(page)), f"{page.name} shows no command"
+
+
+def test_layout_tree_names_every_module():
+    """docs/architecture.md's layout tree names every module of the package, and only modules that exist."""
+    tree = next(body for lang, _, body in _blocks(REPO / "docs" / "architecture.md") if lang == "text")
+    named, folder = set(), ""
+    for line in tree.splitlines():
+        head = re.match(r"^( {0,2})(\S+)", line)
+        if head and head.group(2).endswith("/"):  # a folder's line: `hfdist/`, `  job/`, `scripts/`
+            folder = "hfdist/" + head.group(2) if head.group(1) else head.group(2)
+        elif head and head.group(1) == "  ":  # a module of the package's root: `  errors.py`
+            folder = "hfdist/"
+        named |= {folder + name for name in re.findall(r"(?<![\w*/.])(\w+\.py)\b", line)}
+    missing = sorted(p for p in named if not (REPO / p).is_file())
+    modules = {str(p.relative_to(REPO)) for p in (REPO / "hfdist").rglob("*.py")
+               if p.name not in ("__init__.py", "__main__.py")}
+    unnamed = sorted(modules - named)
+    assert not missing and not unnamed, (f"docs/architecture.md's layout names modules that do not exist: {missing}; "
+                                         f"leaves out: {unnamed}")
