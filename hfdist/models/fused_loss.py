@@ -49,7 +49,16 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(hidden.dtype, weight.dtype)
 
 
+def _holds_no_data(t: torch.Tensor) -> bool:
+    """A fake or meta tensor (the planner's simulated step): only shapes, so no check may read its values."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return t.is_meta or is_fake(t)
+
+
 def _check_targets(targets: torch.Tensor, vocab: int) -> None:
+    if _holds_no_data(targets):
+        return
     bad = (targets != IGNORE_INDEX) & ((targets < 0) | (targets >= vocab))
     if bool(bad.any()):
         raise FusedLossTargetError(
@@ -134,19 +143,32 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             loss, *grads = _token_sum_and_grads(hidden, weight, bias, targets, chunk_rows, vocab_start, group,
                                                 needs, dtype, grad_scale)
-        ctx.grads, ctx.grad_scale = grads, grad_scale
+        # Saved for backward (not kept on ctx), so that autograd releases them as soon as backward has run, and the
+        # weight's gradient can become its .grad without a copy.
+        ctx.save_for_backward(*grads)
+        ctx.grad_scale, ctx.ratio = grad_scale, None
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
-        grads, ctx.grads = ctx.grads, None  # handed over, so autograd may adopt them as .grad without a copy
-        if grads is None:
-            raise RuntimeError("The fused loss's backward ran twice (retain_graph): its gradients were computed "
-                               "once, in the forward, and handed over; compute the loss again instead.")
+        grads = ctx.saved_tensors
         ratio = grad_loss / ctx.grad_scale  # exactly 1 when the gradient is the one expected
-        scaled = [g.mul_(ratio.to(g.dtype)) if g is not None else None for g in grads]
-        return (*scaled, None, None, None, None, None)
+        if ctx.ratio is None:
+            # Scaled in place, once (no second weight-sized tensor). A zero-bubble pipeline schedule runs this
+            # backward twice on a retained graph (input gradients, then weight gradients), with the same incoming
+            # gradient: the second run returns the same tensors. `.data`, so the saved tensors' version (checked
+            # when they are unpacked again) stays that of the forward.
+            if _holds_no_data(ratio) or not bool(ratio == 1):
+                for g in grads:
+                    if g is not None:
+                        g.data.mul_(ratio.to(g.dtype))
+            ctx.ratio = ratio
+        elif not _holds_no_data(ratio) and not torch.equal(ratio, ctx.ratio):
+            raise RuntimeError("The fused loss's backward ran again with another incoming gradient: its gradients "
+                               "were computed once, in the forward, and already scaled; compute the loss again "
+                               "instead of retaining its graph.")
+        return (*grads, None, None, None, None, None)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

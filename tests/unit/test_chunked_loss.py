@@ -4,6 +4,8 @@ the model as it was; where the fused loss cannot read lm_head's weight it says w
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -108,27 +110,28 @@ def test_lora_and_bf16_keep_an_fp32_loss():
 
 
 def test_nothing_of_the_logits_is_saved_for_backward():
-    """The autograd graph of the fused loss keeps no tensor of the logits' size (it saves nothing for the loss at
-    all); the recomputing loss keeps less than one chunk's logits; the unchunked one does keep them (the checks can
-    fail)."""
+    """The autograd graph of the fused loss keeps only the gradients it computed (shaped like the hidden states
+    and lm_head's weight); the recomputing loss keeps less than one chunk's logits; the unchunked one does keep
+    them (the checks can fail)."""
     model = build_model("llama-tiny", vocab_size=VOCAB, seed=0)
     batch = _batch(seq=64)
     hidden = model.model(batch["input_ids"]).last_hidden_state.detach().requires_grad_()
 
-    def largest_saved(chunk_size, fused) -> int:
-        sizes = [0]
+    def saved(chunk_size, fused) -> list[tuple[int, ...]]:
+        shapes = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            sizes.append(t.numel())
+            shapes.append(tuple(t.shape))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             chunked_token_sum_cross_entropy(model.lm_head, hidden, batch["labels"], chunk_size, fused)
-        return max(sizes)
+        return shapes
 
-    assert largest_saved(16, True) == largest_saved(None, True) == 0
-    assert largest_saved(16, False) < 2 * 16 * VOCAB
-    assert largest_saved(None, False) >= 2 * 64 * VOCAB
+    gradients = sorted([(2 * 64, 64), (VOCAB, 64)])
+    assert sorted(saved(16, True)) == sorted(saved(None, True)) == gradients
+    assert max(math.prod(shape) for shape in saved(16, False)) < 2 * 16 * VOCAB
+    assert max(math.prod(shape) for shape in saved(None, False)) >= 2 * 64 * VOCAB
 
 
 def test_a_head_the_fused_loss_cannot_read_recomputes_and_says_why():

@@ -81,8 +81,9 @@ def test_fused_equals_unfused_loss_and_gradients(chunk_rows, grad_scale, bias):
 
 
 def test_backward_only_scales_the_stored_gradients():
-    """The backward runs no matmul (the unfused loss's runs two), the gradients follow the incoming one, and
-    nothing of the logits outlives the forward: what it leaves are the gradients (hidden and weight sized)."""
+    """The backward runs no matmul (the unfused loss's runs two) and allocates nothing, the gradients follow the
+    incoming one, and nothing of the logits outlives the forward: what it leaves are the gradients (hidden and
+    weight sized)."""
     hidden, weight, _, targets = _inputs()
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     live = LiveTensorBytes()
@@ -92,9 +93,11 @@ def test_backward_only_scales_the_stored_gradients():
     grads_bytes = (N * H + V * H) * 4
     assert left <= grads_bytes + 1024
     assert live.peak < grads_bytes + 2 * 16 * V * 4  # one chunk's logits (and a few vectors) at a time
-    with MatmulFlops() as counter:
+    live = LiveTensorBytes()
+    with MatmulFlops() as counter, live:
         (loss * 2.5).backward()
     assert counter.flops == 0
+    assert live.peak < 1024  # scaled in place and adopted as .grad: no weight- or hidden-sized copy
     _, ref_grads = _loss_and_grads(_unfused, hidden, weight, None, targets, scale=2.5)
     assert _rel(h.grad, ref_grads[0]) <= 1e-6 and _rel(w.grad, ref_grads[1]) <= 1e-6
     h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -102,10 +105,22 @@ def test_backward_only_scales_the_stored_gradients():
     with MatmulFlops() as counter:
         loss.backward()
     assert counter.flops == 2 * (2 * N * H * V)  # the check above can fail
-    with pytest.raises(RuntimeError, match="backward ran twice"):
-        fused = fused_linear_cross_entropy(h, w, None, targets, chunk_rows=16)
-        fused.backward(retain_graph=True)
-        fused.backward()
+
+
+
+def test_a_retained_graph_gives_its_gradients_again():
+    """A second backward through a retained graph with the same incoming gradient (a zero-bubble pipeline schedule
+    computes input and weight gradients in two passes) gives the same gradients again; with another gradient (they
+    were scaled in place by the first) it refuses."""
+    hidden, weight, _, targets = _inputs()
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fused_linear_cross_entropy(h, w, None, targets, chunk_rows=16) * 0.5
+    (dh,) = torch.autograd.grad(loss, [h], retain_graph=True)
+    (dw,) = torch.autograd.grad(loss, [w], retain_graph=True)
+    _, (ref_h, ref_w, _) = _loss_and_grads(_unfused, hidden, weight, None, targets, scale=0.5)
+    assert _rel(dh, ref_h) <= 1e-6 and _rel(dw, ref_w) <= 1e-6
+    with pytest.raises(RuntimeError, match="ran again with another incoming gradient"):
+        torch.autograd.grad(loss * 3, [w])
 
 
 @pytest.mark.parametrize("trainable", [(True, True), (True, False), (False, False)])

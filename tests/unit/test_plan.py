@@ -289,7 +289,8 @@ def test_activation_checkpointing_and_batch_scale_activations():
     assert shape.layer_activation_bytes(tokens, 2) / (tokens * shape.hidden) == pytest.approx(49, abs=0.1)
     double = _rung(plan_rungs(config, ["fsdp_full_shard"], seq=4096, micro_batch=2, **kw), "fsdp_full_shard")
     assert double.bytes.activations == pytest.approx(2 * full, rel=1e-6)
-    assert head == tokens * (4 * 4096 + 2 * 4096 + 2 * 4096) + 512 * 4 * 128256  # fp32 logits of one chunk
+    # Final norm, lm_head's input, the fused loss's hidden-state gradient; fp32 logits of one chunk.
+    assert head == tokens * (4 * 4096 + 2 * 4096 + 2 * 4096 + 2 * 4096) + 512 * 4 * 128256
 
 
 @pytest.mark.parametrize("rung, tp, micro_batch", [("fsdp_full_shard", 1, 1), ("fsdp_full_shard", 1, 2),
