@@ -3,8 +3,12 @@
 `fused_linear_cross_entropy` is a custom autograd function. Its forward runs, for `chunk_rows` tokens at a time,
 logits = hidden @ W^T (+ b) -> fp32 log-sum-exp -> the summed token loss, and straight away the gradient of that sum
 with respect to the logits (softmax - one-hot) and through it the gradients of the hidden states, of the weight and
-of the bias. Only those gradients outlive the chunk: no logits are kept and its backward recomputes nothing, it
-scales the stored gradients by the incoming one (1 / the token count). Against the plain loss (the whole batch's
+of the bias. Only those gradients outlive the chunk (saved for backward: a hidden-states-sized and a weight-sized
+tensor, the latter handed to the weight as its .grad without a copy): no logits are kept and its backward
+recomputes nothing, it only scales the stored gradients. The caller announces the gradient its sum will get
+(`grad_scale`: 1 / the token count it divides by), which the forward applies to the logits' gradient before the
+matmuls, where the unfused loss's backward applies it, so fp32 results round alike; the backward then multiplies
+by (the gradient it gets / the announced one), exactly 1 as a rule. Against the plain loss (the whole batch's
 logits and log-softmax held until backward) it does the same three matmuls and less elementwise work; against the
 chunked loss with activation checkpointing (hfdist.models.chunked_loss's recomputing path) it saves one matmul and
 the log-softmax per chunk.

@@ -282,17 +282,19 @@ def _simulated_step(model, rung: Rung, seq: int, micro_batch: int,
             # The job's loss (HfdistTrainer.causal_lm_loss): chunked over the sequence (the planner's default
             # chunk), each chunk's logits vocab-parallel under TP.
             loss = causal_lm_loss(model, {"input_ids": input_ids})
-            (forward,) = tracker.get_tracker_snapshot("current").values()
+            forward = [*tracker.get_tracker_snapshot("peak").values(), *tracker.get_tracker_snapshot("current").values()]
             loss.backward()
             optimizer.step()
         (peak,) = tracker.get_tracker_snapshot("peak").values()
         named = {getattr(k, "value", k): int(v) for k, v in peak.items()}
-        # The tracker keeps the breakdown at the step's total peak; where the optimizer step is that peak (small
-        # models, short sequences) the activations are gone by then, and their high-water mark is the end of forward.
-        activations = max(named["Activation"], *(int(v) for k, v in forward.items()
+        # The tracker keeps the breakdown at a total peak; where the optimizer step is the step's (small models,
+        # short sequences) the activations are gone by then, and their high-water mark is the forward's own peak
+        # (inside the loss, while a chunk's logits exist) or, where that peak came earlier (activation
+        # checkpointing: a layer's all-gather), the end of forward.
+        activations = max(named["Activation"], *(int(v) for snapshot in forward for k, v in snapshot.items()
                                                  if getattr(k, "value", k) == "Activation"))
-        # The fused loss computes lm_head's weight gradient in the forward, so the tracker files it under
-        # activations; the planner counts it with the gradients, where it ends up.
+        # The fused loss computes lm_head's weight gradient in the forward, so the tracker files it under activations
+        # (at the end of forward, hence in that maximum); the planner counts it with the gradients, where it ends up.
         activations -= _fused_head_grad_bytes(model, rung.dims.tp, 2 if mixed_precision == "bf16" else 4)
         return _state_bytes(params, optimizer), {**named, "Activation": activations}
 
