@@ -19,7 +19,7 @@ import torch
 from hfdist.job.config import ConfigError, FinetuneConfig
 from hfdist.job.ladder import known_rung_names, load_rung
 
-from helpers import run_cmd
+from helpers import REPO, run_cmd
 
 GB = 10**9
 
@@ -137,3 +137,41 @@ def test_nvme_offload_without_the_cuda_toolkit_is_refused_before_launch(gpu_host
     check_nvme_offload(load_rung("zero3_offload_cpu"))  # no NVMe: nothing to build
     monkeypatch.setattr(cpp, "CUDA_HOME", "/usr/local/cuda")
     check_nvme_offload(load_rung("zero3_offload_nvme"))  # toolkit present (libaio and ninja are, on this machine)
+
+
+def _prebuild_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prebuild_deepspeed_ops", REPO / "scripts" / "prebuild_deepspeed_ops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("toolkit", [None, "/usr/local/cuda"])
+def test_setup_prebuilds_cpu_adam_on_a_gpu_host_too(gpu_host, monkeypatch, toolkit):
+    """gpu-readiness C16: zero3_offload_cpu's optimizer (DeepSpeedCPUAdam) JIT-builds cpu_adam on first use, minutes
+    into the first run; setup.sh builds it on GPU hosts too (with or without the CUDA toolkit: on DeepSpeed's CUDA
+    accelerator it is the plain C++ builder), and NVMe's async_io where the toolkit is. The builders come from
+    DeepSpeed's own CUDA accelerator; only their compilation is replaced by a record."""
+    import deepspeed.accelerator
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    cuda = CUDA_Accelerator()
+    built = []
+    create = cuda.create_op_builder
+
+    def recording(name):
+        builder = create(name)
+        builder.load = lambda verbose=True: built.append(builder.NAME)
+        return builder
+
+    monkeypatch.setattr(cuda, "create_op_builder", recording)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: cuda)
+    monkeypatch.setattr(cpp, "CUDA_HOME", toolkit)
+    lines = _prebuild_module().prebuild()
+    assert built == (["cpu_adam"] if toolkit is None else ["cpu_adam", "async_io"])
+    assert "setup: DeepSpeed op cpu_adam built" in lines
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert "python scripts/prebuild_deepspeed_ops.py" in setup  # what setup.sh runs, on every host
