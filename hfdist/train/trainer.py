@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
 from hfdist.job.ladder import Rung
+from hfdist.metrics.memory import cuda_peaks_kept_through_resets
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.context import cp_group_of, shard_batch
 from hfdist.parallel.parallelize import verify_compiled
@@ -218,7 +219,11 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         return optimizer
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # DeepSpeed's engine resets CUDA's peak statistics while it builds (ZeRO-1/2, its bf16 optimizer): the
+        # setup peak the memory meter reads at the first step must still count what came before.
+        with cuda_peaks_kept_through_resets():
+            model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
+                                                                    resume_from_checkpoint)
         verify_strategy(self.rung, model, self.model, self.lora)
         if self.compile:
             verify_compiled(self.rung, self.model)
