@@ -24,17 +24,6 @@ from helpers import REPO, run_cmd
 GB = 10**9
 
 
-@pytest.fixture
-def gpu_host(monkeypatch):
-    """An 8 x H100 80GB node as torch.cuda describes it."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(total_memory=80 * GB, name="NVIDIA H100 80GB HBM3"))
-
-
 def test_the_suite_sees_no_gpu_and_neither_do_its_processes():
     assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
     assert not torch.cuda.is_available() and torch.cuda.device_count() == 0
@@ -175,3 +164,85 @@ def test_setup_prebuilds_cpu_adam_on_a_gpu_host_too(gpu_host, monkeypatch, toolk
     assert "setup: DeepSpeed op cpu_adam built" in lines
     setup = (REPO / "scripts" / "setup.sh").read_text()
     assert "python scripts/prebuild_deepspeed_ops.py" in setup  # what setup.sh runs, on every host
+
+
+class _FakeGpu:
+    """A device whose work runs after the host queues it: each queued action adds its milliseconds to the queue;
+    events record the queue's position; synchronize waits (sleeps) until the queue has run."""
+
+    def __init__(self) -> None:
+        self.queued_ms, self.done_ms, self.log = 0.0, 0.0, []
+
+    def queue(self, ms: float) -> None:
+        self.queued_ms += ms
+
+    def synchronize(self, device=None) -> None:
+        import time
+
+        time.sleep((self.queued_ms - self.done_ms) / 1000)
+        self.done_ms = self.queued_ms
+        self.log.append("synchronize")
+
+    def event_class(self):
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream=None) -> None:
+                self.at = gpu.queued_ms
+
+            def elapsed_time(self, end) -> float:
+                assert gpu.done_ms >= end.at, "an event read before the device reached it"
+                return end.at - self.at
+
+        return Event
+
+
+def test_bubble_meter_times_gpu_work_on_the_device(monkeypatch):
+    """gpu-readiness B11: on a GPU a stage's forward returns once its kernels are queued; the compute time must be
+    the device's (CUDA events around each action) and a step's wall time must end when the device has finished."""
+    import torch.distributed as dist
+
+    from hfdist.metrics.bubble import time_steps
+
+    gpu = _FakeGpu()
+    monkeypatch.setattr(torch.cuda, "Event", gpu.event_class())
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+
+    class Stage:
+        def forward_one_chunk(self, *args):
+            gpu.queue(2.0)
+
+        def backward_one_chunk(self, *args):
+            gpu.queue(4.0)
+
+        def backward_weight_one_chunk(self, *args):
+            gpu.queue(0.5)
+
+    class Runner:
+        device, pp_group = torch.device("cuda", 0), None
+
+        def __init__(self) -> None:
+            self.pipeline_stages = [Stage()]
+
+        def loss_fn(self, *args):
+            gpu.queue(1.0)
+
+        def step(self, *args):
+            gpu.log.append("step")
+            stage = self.pipeline_stages[0]
+            for _ in range(4):  # micro-batches
+                stage.forward_one_chunk()
+                self.loss_fn()
+                stage.backward_one_chunk()
+                stage.backward_weight_one_chunk()
+            gpu.queue(10.0)  # the step's own work outside the compute actions (communication): not compute
+
+    busy, wall = time_steps(Runner(), None, None, steps=3)
+    assert busy == pytest.approx(3 * 4 * 7.5 / 1000)  # the device's time inside the actions, not the host's ~0
+    assert wall >= 3 * (4 * 7.5 + 10) / 1000  # every step timed until the device finished it
+    assert gpu.log == ["synchronize", "step", "synchronize"] * 3 + ["synchronize"]
