@@ -259,14 +259,16 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         if not self._streams_its_save():
             return super()._save(output_dir, state_dict)
         from hfdist.train.export import local_tensors, save_hf_checkpoint
+        from hfdist.train.watchdog import solo_phase
 
         output_dir = output_dir or self.args.output_dir
         if self.rung.uses_pipeline:
             modules = [(stage, stage.original_name) for stage in self.model.runner.stages]
         else:
             modules = [(self.model, None)]
-        save_hf_checkpoint(output_dir, self.skeleton, local_tensors(modules), adapter_only=self.lora)
-        if self.args.should_save and self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        if dist.is_initialized():
-            dist.barrier()
+        with solo_phase("saving the model", "SAVE"):  # rank 0 writes every tensor while the others wait on it
+            save_hf_checkpoint(output_dir, self.skeleton, local_tensors(modules), adapter_only=self.lora)
+            if self.args.should_save and self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            if dist.is_initialized():
+                dist.barrier()

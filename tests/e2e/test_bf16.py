@@ -5,7 +5,8 @@ compute, fp32 parameters and gradient reduction; the pipeline on its 1-rank dp m
 other bf16 activations) and zero3 (DeepSpeed's bf16 section, gradients accumulated and reduced in fp32). What
 must hold: losses within 2e-2 relative of the single-process bf16 run; the summary says bf16; the dtypes every rank
 recorded while training (a decoder projection's output, the loss, the inter-stage activations, the gradient
-reduction, the parameters); and the saved model in the one documented dtype, fp32.
+reduction, the parameters); and the saved model in the one documented dtype, fp32. The ddp launch also runs with a
+3 s collective timeout and rank 0 held alone past it wherever it works alone (the run must still finish and save).
 """
 
 from __future__ import annotations
@@ -20,14 +21,22 @@ pytestmark = pytest.mark.multiproc
 
 BF16_RTOL = 2e-2
 RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp", "3d"]
+# The ddp run also holds rank 0 alone, past its short --collective-timeout, in each phase where it works alone
+# (hfdist.train.watchdog's test hold; gpu-readiness A2): the run must finish and save as the others do.
+HELD_PHASES = ("DATA", "SAVE", "SUMMARY")
+HOLD_S, SHORT_TIMEOUT_S = 5, 3
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("bf16")
     bf16 = ("--mixed-precision", "bf16", "--no-wandb")
-    out = finetune_all({name: (root / name, bf16 if name == "single" else ("--config", name, *bf16), {"via": "python"})
-                        for name in ["single", *RUNGS]})
+    held = {"env": {f"HFDIST_TEST_HOLD_{p}": str(HOLD_S) for p in HELD_PHASES}}
+    jobs = {name: (root / name, bf16 if name == "single" else ("--config", name, *bf16), {"via": "python"})
+            for name in ["single", *RUNGS]}
+    jobs["ddp"] = (root / "ddp", ("--config", "ddp", *bf16, "--collective-timeout", str(SHORT_TIMEOUT_S)),
+                   {"via": "python", **held})
+    out = finetune_all(jobs)
     for name, summary in out.items():
         summary["_dir"] = root / name
     return out
@@ -67,3 +76,15 @@ def test_saved_weights_are_fp32_on_every_rung(runs, name):
     assert json.loads((folder / "config.json").read_text())["dtype"] == "float32"
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+
+
+def test_rank0_alone_longer_than_the_collective_timeout_finishes_and_saves(runs):
+    """gpu-readiness A2: rank 0 prepares the data, writes the model and the summary alone while the other ranks wait
+    in a collective; held there longer than --collective-timeout, the run still finishes and saves (the timeout is
+    widened for those phases and restored after them, so training itself kept the short one)."""
+    summary = runs["ddp"]
+    log = summary["_stdout"] + summary["_stderr"]
+    for phase in ("preparing data", "saving the model", "writing the summary"):
+        assert f"hfdist: test hold: rank 0 alone in {phase} for {HOLD_S} s" in log, log[-3000:]
+    assert summary["config"]["collective_timeout"] == SHORT_TIMEOUT_S
+    assert (summary["_dir"] / "model.safetensors").is_file() and len(summary["losses"]) == 4
