@@ -4,8 +4,8 @@ DDP and DeepSpeed ZeRO go through the Trainer and accelerate unchanged. For FSDP
 itself; the Trainer then must neither wrap it in DDP nor move it, and must gather the shards to save. Under PP the
 Trainer's model is a PipelineModel (hfdist.parallel.pipeline.model) whose forward runs a whole schedule step, so
 the training step, gradient clipping and saving go through its runner. Before the first step the strategy in effect
-is verified (hfdist.parallel.verify), and its precision (hfdist.train.precision). Every rung but DeepSpeed AutoTP saves
-through hfdist.train.export: fp32, one tensor at a time.
+is verified (hfdist.parallel.verify), and its precision (hfdist.train.precision). Every rung saves through
+hfdist.train.export: fp32, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -244,20 +244,12 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def _streams_its_save(self) -> bool:
-        """Every rung saves through hfdist.train.export, but DeepSpeed AutoTP (zero2_tp): its split Linear layers
-        are DeepSpeed's own, gathered for saving by the Trainer (16-bit, whole state dict on rank 0)."""
-        return not (self.rung.uses_deepspeed and self.rung.uses_tp)
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not self._streams_its_save():
-            return super().save_model(output_dir, _internal_call)
         self._save(output_dir)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """The model (or LoRA adapter) in fp32 as a HF checkpoint, one tensor at a time (collective), + tokenizer."""
-        if not self._streams_its_save():
-            return super()._save(output_dir, state_dict)
+        """The model (or LoRA adapter) in fp32 as a HF checkpoint, one tensor at a time (collective), + tokenizer:
+        on every rung, DeepSpeed AutoTP's (zero2_tp) included (its split layers' fp32 master slices)."""
         from hfdist.train.export import local_tensors, save_hf_checkpoint
         from hfdist.train.watchdog import solo_phase
 
