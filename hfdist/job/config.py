@@ -81,7 +81,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Strategy", "Which rung of the ladder, on how many processes, with which degrees.")
     g.add_argument("--config", default=d.config,
                    help="Rung name (ddp, zero1, fsdp_full_shard, zero2, fsdp_hybrid, zero3, pp, fsdp_tp, zero2_tp, 3d, "
-                        "zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
+                        "fsdp_cp, zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
                         "YAML (FSDP1 keys are translated), or 'single'. Default: the world `accelerate launch "
                         "--config_file` started, else one process.")
     g.add_argument("--num-processes", type=int, default=d.num_processes,
@@ -157,7 +157,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                         "none); use it under launchers that restart failed jobs.")
     g.add_argument("--collective-timeout", type=_timeout_seconds, default=d.collective_timeout, metavar="SECONDS",
                    help=f"How long a rank waits in one collective before the job stops with a report naming the "
-                        f"ranks that never joined (default {d.collective_timeout:g}; README, Checkpoints ... hangs).")
+                        f"ranks that never joined (default {d.collective_timeout:g}; docs/troubleshooting.md).")
     g = p.add_argument_group("Metrics and console")
     g.add_argument("--no-wandb", dest="wandb", action="store_false",
                    help="No W&B run (default: one per run, offline unless you are logged in).")

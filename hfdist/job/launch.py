@@ -100,7 +100,7 @@ def accelerate_command(rung: Rung, entry: Sequence[str], script_args: list[str],
     """The launch command that starts `entry` (a script path, or ["-m", module, ...]) in the rung's world:
     `accelerate launch --config_file <rung yaml> ...` through hfdist.job.quiet_launch."""
     assert rung.yaml_path is not None
-    # One machine: hfdist starts every process on this node (several nodes: one launcher each, README Multi-node).
+    # One machine: hfdist starts every process on this node (several nodes: one launcher each, docs/multi-node.md).
     cmd = [sys.executable, "-m", "hfdist.job.quiet_launch", "--config_file", str(rung.yaml_path),
            "--num_processes", str(rung.num_processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
     translation = cpu_translation(rung, on_gpu)

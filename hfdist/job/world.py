@@ -104,7 +104,7 @@ def _check_gpus(rung: Rung, node: Node) -> None:
     raise WorldError(
         f"{rung.name} would start {per_node} processes ({rung.dims.describe()}) on this node, which has "
         f"{node.gpus} GPUs: each process needs its own. Pass --num-processes {node.gpus} (the default here) or "
-        "fewer, lower --tp / --pp, or run on several nodes with one launcher per node (README, Multi-node).")
+        "fewer, lower --tp / --pp, or run on several nodes with one launcher per node (docs/multi-node.md).")
 
 
 def resolve_rung(cfg: FinetuneConfig, node: Node | None = None) -> Rung:
