@@ -37,8 +37,8 @@ def command(variant: str, args, out: Path) -> tuple[list[str], dict[str, str]]:
     single rung's restart with one GPU visible on a multi-GPU host), and the clock would not be in it. So the
     benchmark starts the rung's world itself, as hfdist would (hfdist.job.launch.accelerate_command, with the clock
     around scripts/finetune.py), and a single run sees one GPU from the start."""
-    from hfdist.job.config import FinetuneConfig
-    from hfdist.job.ladder import StrategyKind
+    from hfdist.config.finetune import FinetuneConfig
+    from hfdist.config.ladder import StrategyKind
     from hfdist.job.launch import accelerate_command, single_gpu_env
     from hfdist.job.world import Node, resolve_rung
 

@@ -5,7 +5,7 @@ itself; the Trainer then must neither wrap it in DDP nor move it, and must gathe
 Trainer's model is a PipelineModel (hfdist.parallel.pipeline.model) whose forward runs a whole schedule step, so
 the training step, gradient clipping and saving go through its runner. Before the first step the strategy in effect
 is verified (hfdist.parallel.verify), and its precision (hfdist.train.precision). Every rung saves through
-hfdist.train.export: fp32, one tensor at a time.
+hfdist.checkpoint.hf_export: fp32, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
-from hfdist.job.ladder import Rung
+from hfdist.checkpoint.trainer_hooks import CheckpointingMixin
+from hfdist.config.ladder import Rung
 from hfdist.metrics.memory import cuda_peaks_kept_through_resets
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.context import cp_group_of, shard_batch
 from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
-from hfdist.train.checkpointing import CheckpointingMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
 
 __all__ = ["HfdistTrainer", "MeshTrainingArguments", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
@@ -250,7 +250,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """The model (or LoRA adapter) in fp32 as a HF checkpoint, one tensor at a time (collective), + tokenizer:
         on every rung, DeepSpeed AutoTP's (zero2_tp) included (its split layers' fp32 master slices)."""
-        from hfdist.train.export import local_tensors, save_hf_checkpoint
+        from hfdist.checkpoint.hf_export import save_hf_checkpoint
+        from hfdist.models.load import local_tensors
         from hfdist.train.watchdog import solo_phase
 
         output_dir = output_dir or self.args.output_dir

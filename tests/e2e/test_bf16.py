@@ -102,7 +102,7 @@ def test_zero2_tp_checkpoint_exports_its_fp32_masters(runs, tmp_path):
     partitions): the fp32 masters, equal to the run's saved model at the same step."""
     from safetensors.torch import load_file
 
-    from hfdist.train.checkpoint_export import export_checkpoint
+    from hfdist.checkpoint.convert import export_checkpoint
 
     run = runs["zero2_tp"]["_dir"]
     export_checkpoint(run / "checkpoint-4", tmp_path / "hf")

@@ -17,8 +17,8 @@ import torch
 
 import hfdist.callbacks.distributed_metrics  # noqa: F401 (transformers' Trainer imports before torch.cuda is mocked)
 import hfdist.job.run
+from hfdist.config.finetune import parse_args
 from hfdist.job import launch
-from hfdist.job.config import parse_args
 from hfdist.job.world import resolve_rung
 
 from helpers import REPO

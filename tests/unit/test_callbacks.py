@@ -159,7 +159,7 @@ def test_setup_peak_survives_deepspeeds_resets_of_the_peak(fake_cuda, monkeypatc
 
     import hfdist.train.trainer as trainer_module
     from hfdist.callbacks.memory import MemoryMeter
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.ladder import load_rung
     from hfdist.metrics.memory import peak_memory_bytes
     from hfdist.train.precision import PrecisionProbe
 

@@ -247,7 +247,7 @@ def test_pipeline_stages_keep_their_layers_gathered_through_the_step(name):
     """gpu-readiness C15: the shipped YAMLs say fsdp_reshard_after_forward: true, which holds for the layers of an
     unpipelined model; on pipeline stages every micro-batch's backward would all-gather each layer again, so stages
     never reshard after forward (torchtitan's rule under pipelining)."""
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.ladder import load_rung
     from hfdist.models.build import meta_model
     from hfdist.parallel.parallelize import parallelize
 

@@ -1,15 +1,15 @@
 """Any training checkpoint as a Hugging Face model or LoRA adapter, read and written one tensor at a time.
 
-A checkpoint's identity record (hfdist.train.checkpoint) names the model and LoRA settings, from which the full
+A checkpoint's identity record (hfdist.checkpoint.format) names the model and LoRA settings, from which the full
 model's structure is rebuilt on the meta device (no weights); each tensor it lists is then read alone and handed to
-the streaming saver (hfdist.train.export.stream_hf_checkpoint):
+the streaming saver (hfdist.checkpoint.hf_export.stream_hf_checkpoint):
 - DCP checkpoints (every rung but DeepSpeed, any layout): keyed by the full model's names, so one tensor is one
   `dcp.load` of that key, in one process (DCP reads the byte ranges of each saved slice from the rank files);
 - DeepSpeed ZeRO checkpoints: DeepSpeed's own converter (`get_fp32_state_dict_from_zero_checkpoint`, lazy mode:
   a tensor is assembled from the ranks' fp32 partitions when it is asked for);
 - DeepSpeed AutoTP checkpoints (zero2_tp): the converter cannot merge partitions of tp-split layers (it expects one
   optimizer-state file per data-parallel rank), so the model files hfdist's streamed save wrote into the checkpoint
-  (hfdist.train.export: the same fp32 masters, assembled over tp and dp) are read, one tensor at a time.
+  (hfdist.checkpoint.hf_export: the same fp32 masters, assembled over tp and dp) are read, one tensor at a time.
 Either way the written weights are the fp32 master weights the optimizer held.
 """
 
@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from hfdist.train.checkpoint import SHARDED_DIR, CheckpointError, latest_checkpoint, read_marker
+from hfdist.checkpoint.format import SHARDED_DIR, CheckpointError, latest_checkpoint, read_marker
 
 __all__ = ["export_checkpoint", "resolve_checkpoint"]
 
@@ -109,7 +109,7 @@ def _saved_model_reader(checkpoint: Path, adapter: bool) -> Callable[[str], torc
 def export_checkpoint(path: Path, out: Path) -> Path:
     """Write the checkpoint at `path` (a checkpoint-N folder, or an output folder: its latest) as a HF model, or a
     LoRA adapter for a LoRA run, plus the tokenizer, into `out` (new or empty). Returns the checkpoint read."""
-    from hfdist.train.export import stream_hf_checkpoint
+    from hfdist.checkpoint.hf_export import stream_hf_checkpoint
 
     checkpoint = resolve_checkpoint(path)
     if out.exists() and any(out.iterdir()):
