@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
+from hfdist.config.dims import ParallelDims
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import LadderError, load_rung
 from hfdist.job import launch
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import LadderError, load_rung
 from hfdist.job.world import Node, WorldError, resolve_rung
-from hfdist.parallel.dims import ParallelDims
 
 EIGHT_GPUS = Node(gpus=8)
 

@@ -7,10 +7,9 @@ import argparse
 from dataclasses import dataclass
 
 from hfdist.errors import HfdistError
-from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE
 
-__all__ = ["FinetuneConfig", "ConfigError", "USAGE", "add_finetune_arguments", "build_parser", "config_from_namespace",
-           "parse_args"]
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "USAGE", "add_finetune_arguments",
+           "build_parser", "config_from_namespace", "parse_args"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 
@@ -23,6 +22,11 @@ instruction data). hfdist starts the processes the rung needs (one per GPU on a 
 strategy asked for is in effect, and writes the model (or LoRA adapter), hfdist_summary.json and the libraries'
 log (logs/) into --output-dir. `hfdist configs` lists the rungs.
 """
+
+# Sequence positions per lm_head + cross-entropy chunk of hfdist's loss (hfdist.models.chunked_loss), a setting's
+# default kept here, torch-free, so the command line and the planner read it too: B x 512 x V x 4 bytes of fp32
+# logits at once (256 MiB at B=1 for a 128K vocabulary), matmuls still large enough to run at full speed.
+DEFAULT_LOSS_CHUNK_SIZE = 512
 
 
 class ConfigError(HfdistError, ValueError):
