@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 
 from hfdist.errors import HfdistError
 
-__all__ = ["ParallelDims", "DimsError"]
+__all__ = ["ParallelDims", "DimsError", "batch_layout"]
 
 
 class DimsError(HfdistError, ValueError):
@@ -123,3 +123,19 @@ class ParallelDims:
     def to_dict(self) -> dict[str, int]:
         """Plain dict of the five degrees (for summaries and W&B configs)."""
         return asdict(self)
+
+
+def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
+    """(micro batch per rank, gradient accumulation steps) for a global batch over `dp` data-parallel ranks.
+
+    Raises:
+        DimsError: sizes the data-parallel degree does not divide, naming sizes that work.
+    """
+    if global_batch % dp:
+        raise DimsError(f"--global-batch-size {global_batch} is not divisible by the {dp} data-parallel ranks. "
+                        f"Use a multiple of {dp}.")
+    micro = micro_batch or global_batch // dp
+    if global_batch % (micro * dp):
+        raise DimsError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
+                        f"{dp} data-parallel ranks = {micro * dp}. Pick sizes where it is.")
+    return micro, global_batch // (micro * dp)

@@ -1,6 +1,6 @@
 """Checks that cost nothing and must fail before any process starts (or, in a world another launcher started,
-before any rank writes): batch layout, pipeline (hfdist.parallel.pipeline.plan) and DeepSpeed settings against the
-command line and the model, the memory plan, the output folder and the checkpoint to resume. Each failure is one
+before any rank writes): batch layout, the model against the rung (hfdist.parallel.fit), pipeline
+(hfdist.parallel.pipeline.plan) and DeepSpeed settings against the command line and the model, the memory plan, the output folder and the checkpoint to resume. Each failure is one
 paragraph naming the fix.
 """
 
@@ -11,25 +11,14 @@ from pathlib import Path
 
 import torch
 
+from hfdist.config.dims import batch_layout
 from hfdist.config.finetune import ConfigError, FinetuneConfig
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_mixed_precision
+from hfdist.parallel.fit import check_model_fits
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["batch_layout", "check_deepspeed_json", "plan_check",
-           "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "preflight"]
-
-
-def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
-    """(micro batch per rank, gradient accumulation steps) for a global batch over `dp` data-parallel ranks."""
-    if global_batch % dp:
-        raise ConfigError(f"--global-batch-size {global_batch} is not divisible by the {dp} data-parallel ranks. "
-                          f"Use a multiple of {dp}.")
-    micro = micro_batch or global_batch // dp
-    if global_batch % (micro * dp):
-        raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
-                          f"{dp} data-parallel ranks = {micro * dp}. Pick sizes where it is.")
-    return micro, global_batch // (micro * dp)
+__all__ = ["check_deepspeed_json", "plan_check", "check_nvme_offload", "preflight"]
 
 
 def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum: int) -> None:
@@ -122,60 +111,11 @@ def _check_output_dir(cfg: FinetuneConfig) -> None:
                           "--overwrite to replace its contents.")
 
 
-def check_model_fits_rung(config, rung: Rung) -> None:
-    """Model-specific checks of a rung, before any process or surgery: a registered architecture for hfdist's TP
-    and PP (hfdist.models.registry), tp dividing its sizes, the FSDP layer class a config names.
-
-    Raises:
-        ConfigError / TPError: naming the architecture or the sizes, and what would work.
-    """
-    from hfdist.models.registry import is_supported, supported_types
-
-    surgery = [what for what, used in (("pipeline stages", rung.uses_pipeline),
-                                       ("tensor-parallel plan", rung.owns_sharding and rung.uses_tp)) if used]
-    if surgery and not is_supported(config):
-        raise ConfigError(f"{rung.name} applies hfdist's {' and '.join(surgery)}, which know the architectures "
-                          f"{', '.join(supported_types())}, but the model is a '{getattr(config, 'model_type', '?')}'. "
-                          "Use a model of one of those architectures, or a rung without TP/PP (fsdp_full_shard, "
-                          "zero3).")
-    if rung.owns_sharding and rung.uses_tp:
-        from hfdist.parallel.tensor_check import validate_tp
-
-        validate_tp(config, rung.dims.tp)
-    if rung.fsdp is not None and rung.fsdp.layer_cls_to_wrap:
-        _check_layer_class(config, rung.fsdp.layer_cls_to_wrap)
-
-
-def check_context_parallel(config, rung: Rung, seq_len: int) -> None:
-    """A context-parallel rung against the model, the sequence length and the other axes, before any process.
-
-    Raises:
-        ConfigError / ContextParallelError: naming the sizes or the axis, and what would work.
-    """
-    cp = rung.dims.cp
-    if cp == 1:
-        return
-    if rung.uses_pipeline:
-        raise ConfigError(f"{rung.name} asks for context parallelism (cp={cp}) together with pipeline stages "
-                          f"(pp={rung.dims.pp}, schedule {rung.pipeline.schedule if rung.pipeline else '?'}); hfdist "
-                          "supports no pipeline schedule with cp yet (its stages pass whole sequences between "
-                          "ranks). Set parallelism_config_pp_size: 1 (cp composes with FSDP2 and TP: dp_shard x cp "
-                          "x tp), or parallelism_config_cp_size: 1 with pp.")
-    from hfdist.parallel.context_check import check_cp
-
-    check_cp(config, cp, seq_len, tp=rung.dims.tp)
-
-
-def _check_layer_class(config, name: str) -> None:
-    """A config's fsdp_transformer_layer_cls_to_wrap must name a module class of the model: checked on a skeleton
-    built on the meta device (no memory), so a wrong name fails here rather than in every rank."""
-    from transformers import AutoModelForCausalLM
-
-    from hfdist.parallel.fsdp import find_layers
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    find_layers(model, name)
+def _check_seq_len(config, seq_len: int) -> None:
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and seq_len > limit:
+        raise ConfigError(f"--seq-len {seq_len} exceeds the model's max_position_embeddings {limit}. Use "
+                          f"--seq-len <= {limit}.")
 
 
 def check_nvme_offload(rung: Rung) -> None:
@@ -241,8 +181,8 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
         check_compile(rung)
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
-    check_model_fits_rung(config, rung)
-    check_context_parallel(config, rung, cfg.seq_len)
+    _check_seq_len(config, cfg.seq_len)
+    check_model_fits(config, rung, cfg.seq_len)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     check_nvme_offload(rung)

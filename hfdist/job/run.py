@@ -1,9 +1,12 @@
 """The fine-tuning job behind scripts/finetune.py, in phases: rung -> world -> data -> model -> parallelize ->
 train -> save -> summary.
 
-The model is built and LoRA injected here; hfdist.parallel.parallelize applies the mesh rungs' parallelism (TP ->
-activation checkpointing -> pipeline stages -> FSDP2); DDP and DeepSpeed are applied by the Trainer; the Trainer
-(hfdist.train.select picks its class for the rung) verifies the strategy in effect before the first step.
+The job is the thinnest user of hfdist.api, the calls a user's own script makes: the rung (resolved here, with the
+launcher's world and the command line's overrides) becomes a Strategy, whose training arguments the Trainer gets;
+prepare_model builds the model (the mesh rungs' parallelism by hfdist.parallel.parallelize: TP -> activation
+checkpointing -> pipeline stages -> FSDP2; DDP and DeepSpeed are applied by the Trainer); strategy_trainer makes the
+Trainer, which verifies the strategy in effect before the first step. The job adds what a comparison needs: its
+callbacks, the check batch's loss, the measured load and save, the summary.
 """
 
 from __future__ import annotations
@@ -16,131 +19,72 @@ import torch
 
 from hfdist import console
 from hfdist.checkpoint.resume import checkpoint_identity, resume_line, resume_point
-from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.dims import batch_layout
+from hfdist.config.finetune import FinetuneConfig
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation, settle_mixed_precision
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
-from hfdist.job.preflight import batch_layout, preflight
+from hfdist.job.preflight import preflight
 from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.job.world import resolve_rung
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
+    from hfdist.api import Strategy
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.wandb_sink import WandbSink
-    from hfdist.train.trainer import HfdistTrainer
+    from hfdist.train.trainer import StrategyMixin
     from hfdist.train.watchdog import CollectiveWatch
 
-__all__ = ["FinetuneConfig", "ConfigError", "finetune"]
+__all__ = ["FinetuneConfig", "finetune"]
 
 
 def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def process_group_backend(rung: Rung, on_gpu: bool) -> str | None:
-    """The backend the job's process group needs beyond accelerate's default (None: the default). FSDP2's CPU
-    offload on GPU keeps parameters and gradients in host memory, so clipping's all-reduce and the save's gathers run
-    on CPU tensors: they need gloo beside NCCL in the same group."""
-    offloads = rung.owns_sharding and rung.fsdp is not None and rung.fsdp.offload_params
-    return "cuda:nccl,cpu:gloo" if on_gpu and offloads else None
-
-
-def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, mixed: str, on_gpu: bool):
+def _training_arguments(cfg: FinetuneConfig, strategy: Strategy):
+    """The job's TrainingArguments: the strategy's settings (hfdist.api.Strategy.training_arguments: batch layout,
+    device, precision, DeepSpeed config, no placement by the Trainer) and the job's schedule, saving and logging."""
     from transformers import TrainingArguments
 
-    from hfdist.train.trainer import MeshTrainingArguments
-
-    deepspeed = None
-    if rung.ds_config_path is not None:
-        from hfdist.config.translate import deepspeed_config_for_run
-
-        deepspeed, note = deepspeed_config_for_run(rung.ds_config_path, mixed, tp=rung.dims.tp, nvme_path=cfg.nvme_path)
-        if note and _is_rank0():
-            print(note, flush=True)
-    arguments = MeshTrainingArguments if rung.owns_sharding else TrainingArguments
-    return arguments(
-        output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
-        max_steps=cfg.max_steps if cfg.num_epochs is None else -1, num_train_epochs=cfg.num_epochs or 1.0,
-        learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
+    note = strategy.deepspeed_config()[1]
+    if note and _is_rank0():
+        print(note, flush=True)
+    return strategy.training_arguments(
+        TrainingArguments, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
+        output_dir=cfg.output_dir, max_steps=cfg.max_steps if cfg.num_epochs is None else -1,
+        num_train_epochs=cfg.num_epochs or 1.0, learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
         warmup_steps=cfg.warmup_steps if cfg.num_epochs else min(cfg.warmup_steps, cfg.max_steps // 10),
         weight_decay=0.0, max_grad_norm=1.0,
         seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
-        save_total_limit=cfg.save_total_limit,
-        # Mesh rungs compute in bf16 through FSDP2's policy (hfdist.parallel.parallelize), never also autocast; fp16
-        # reaches only DDP and DeepSpeed (hfdist.config.translate refuses it on the mesh rungs).
-        report_to="none", bf16=mixed == "bf16" and not rung.owns_sharding, fp16=mixed == "fp16", use_cpu=not on_gpu,
-        deepspeed=deepspeed,
+        save_total_limit=cfg.save_total_limit, report_to="none",
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
-        # Mesh rungs get it from hfdist.parallel.parallelize (the Trainer cannot reach layers inside stages).
-        activation_checkpointing=cfg.activation_checkpointing and not rung.owns_sharding,
-        activation_checkpointing_kwargs={"use_reentrant": False} if cfg.activation_checkpointing else None,
         log_level="warning", log_level_replica="error", disable_tqdm=False,
-        ddp_backend=process_group_backend(rung, on_gpu),
         ddp_timeout=cfg.collective_timeout,  # reaches the GPU world's group; hfdist.train.watchdog sets it on all
     )
 
 
-def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype):
-    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len."""
-    from hfdist.models.build import inject_lora, meta_model
-
-    model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype)
-    model.config.pad_token_id = tokenizer.pad_token_id
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and cfg.seq_len > limit:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
-                          f"--seq-len <= {limit}.")
-    return inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
-
-
-def _training_dtype(rung: Rung, mixed: str) -> torch.dtype:
-    """The dtype the model's own weights are held in: fp32 (the master weights) on every rung but DeepSpeed
-    under bf16, which trains a bf16 model against fp32 partitions of its own."""
-    return torch.bfloat16 if rung.uses_deepspeed and mixed == "bf16" else torch.float32
-
-
-def _build_model(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed: str):
-    """This rank's model for its rung, weights loaded, from `model` (on the meta device): mesh rungs shard it and
-    materialise their shards (hfdist.parallel.parallelize), ZeRO-3 builds under deepspeed.zero.Init, DDP /
-    ZeRO-1/2 / single materialise it whole (hfdist.models.build). Returns (model, what loading it cost)."""
-    from hfdist.metrics.memory import freed_memory_returned_to_os
-
-    with freed_memory_returned_to_os():  # the load figures count tensors, not glibc's heap
-        return _build_and_load(cfg, rung, tokenizer, model, args, mixed)
-
-
-def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed: str):
-    """`_build_model`'s work, inside its allocator window."""
+def _build_model(cfg: FinetuneConfig, strategy: Strategy, tokenizer, args):
+    """This rank's model (hfdist.api.prepare_model: sharded as it is built on the mesh rungs, partitioned under
+    ZeRO-3, whole on DDP / ZeRO-1/2 / single) and what loading it cost this rank."""
     import time
 
-    from hfdist.metrics.memory import peak_memory_bytes, start_peak_window
-    from hfdist.models.build import checkpoint_folder, inject_lora, materialize, zero3_model
-    from hfdist.models.load import load_gathered, load_weights, weight_plan
+    from hfdist.api import prepare_model
+    from hfdist.metrics.memory import freed_memory_returned_to_os, peak_memory_bytes, start_peak_window
+    from hfdist.models.build import lora_config
 
-    baseline = start_peak_window(args.device)
-    start = time.perf_counter()
-    plan = weight_plan(model, checkpoint_folder(cfg.model), cfg.seed)
-    if rung.owns_sharding:
-        from hfdist.parallel.parallelize import parallelize
-
-        model = parallelize(model, rung, device=args.device, mixed_precision=mixed,
-                            activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, weights=plan)
-    elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
-        model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed))
-        model.config.pad_token_id = tokenizer.pad_token_id
-        model = inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
-        load_gathered(model, plan)
-    else:
-        materialize(model, args.device)
-        load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
-        if cfg.compile:  # before the Trainer wraps it in DDP (the recipe's order: compile, then the data-parallel wrap)
-            from hfdist.parallel.parallelize import apply_compile
-
-            apply_compile(model)
-    cost = {"baseline_memory_bytes": baseline, "load_peak_memory_bytes": peak_memory_bytes(args.device),
-            "load_seconds": time.perf_counter() - start}
+    with freed_memory_returned_to_os():  # the load figures count tensors, not glibc's heap
+        baseline = start_peak_window(args.device)
+        start = time.perf_counter()
+        zero3_init = args.deepspeed_plugin.is_zero3_init_enabled() if args.deepspeed_plugin is not None else None
+        model = prepare_model(strategy, cfg.model, tokenizer=tokenizer, seed=cfg.seed,
+                              lora=lora_config(cfg.lora_r, cfg.lora_alpha) if cfg.lora else None,
+                              activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
+                              zero3_init=zero3_init)
+        cost = {"baseline_memory_bytes": baseline, "load_peak_memory_bytes": peak_memory_bytes(args.device),
+                "load_seconds": time.perf_counter() - start}
     return model, cost
 
 
@@ -163,7 +107,7 @@ def _prepare_data(cfg: FinetuneConfig, tokenizer, args):
 class Run:
     """What one rank holds once the strategy is applied: the Trainer and the callbacks that measure it."""
 
-    trainer: HfdistTrainer
+    trainer: StrategyMixin
     dataset: Any
     strategy: dict[str, Any]
     losses: LossRecorder
@@ -182,8 +126,10 @@ class Run:
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
     """Tokenizer, data, model, strategy and Trainer with hfdist's callbacks, on this rank."""
+    from transformers import Trainer
     from transformers.trainer_callback import ProgressCallback
 
+    from hfdist.api import Strategy, strategy_trainer
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.progress import MetricsProgressCallback
@@ -192,26 +138,23 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
     from hfdist.models.presets import is_preset
-    from hfdist.train.select import trainer_class
     from hfdist.train.watchdog import StepWatchCallback
 
     on_gpu = torch.cuda.is_available()
     mixed = settle_mixed_precision(rung, on_gpu, cfg.mixed_precision)
+    chosen = Strategy(rung, mixed, nvme_path=cfg.nvme_path)
     translation = cpu_translation(rung, on_gpu, cfg.mixed_precision)
     if translation is not None and rung.kind is not StrategyKind.SINGLE and _is_rank0():
         print(translation.line(rung), flush=True)
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
-    # Meta-device structures first (free), before TrainingArguments exist: a ZeRO-3 config in them makes
-    # transformers build every model under deepspeed.zero.Init. `skeleton` stays on meta: what the save writes.
-    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed))
-    skeleton = _meta_model(cfg, tokenizer, torch.float32)
-    collator = collator_for(model.config, cfg.seq_len)  # the model's attention implementation decides the mask
-    args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
+    args = _training_arguments(cfg, chosen)
     watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
     with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
         dataset = _prepare_data(cfg, tokenizer, args)
-    model, load = _build_model(cfg, rung, tokenizer, model, args, mixed)
+    model, load = _build_model(cfg, chosen, tokenizer, args)
     watch.cover_groups()  # the mesh's groups
+    # The attention implementation the model computes with decides the mask (or boundaries) the batches carry.
+    collator = collator_for(model.hfdist_prepared.skeleton.config, cfg.seq_len)
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
     strategy = {"name": rung.name, "world_size": rung.num_processes, "nodes": nodes, **rung.dims.to_dict(),
@@ -230,11 +173,11 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
     callbacks = ([losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
-    trainer = trainer_class(rung)(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                                  processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
-                                  checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
-                                  skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
-                                  compile=cfg.compile)
+    # The job's callbacks replace the API's default metrics callback (print_table=False: the summary closes the run).
+    trainer = strategy_trainer(Trainer, chosen)(
+        model=model, args=args, train_dataset=dataset, data_collator=collator, processing_class=tokenizer,
+        callbacks=callbacks, metrics=False, checkpoint_identity=checkpoint_identity(cfg, rung),
+        loss_chunk_size=cfg.loss_chunk_size or None)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)

@@ -18,8 +18,8 @@ from torch import nn
 
 from hfdist.models.presets import PRESETS, load_config
 
-__all__ = ["meta_model", "check_checkpoint_weights", "checkpoint_folder", "inject_lora", "materialize", "build_model",
-           "zero3_model"]
+__all__ = ["meta_model", "check_checkpoint_weights", "checkpoint_folder", "lora_config", "inject_lora", "materialize",
+           "build_model", "zero3_model"]
 
 
 def meta_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -67,15 +67,22 @@ def checkpoint_folder(spec: str | None) -> Path | None:
     return Path(snapshot_download(spec, allow_patterns=["*.safetensors", "*.json"]))
 
 
-def inject_lora(model: nn.Module, r: int, alpha: int) -> nn.Module:
-    """peft LoRA adapters on every decoder-layer projection (hfdist.models.registry.LORA_TARGETS); on a meta model
-    they are created on meta too and get their values with the other weights."""
-    from peft import LoraConfig, get_peft_model
+def lora_config(r: int, alpha: int):
+    """hfdist's peft LoraConfig: rank `r` adapters on every decoder-layer projection
+    (hfdist.models.registry.LORA_TARGETS), no dropout (tensor parallelism needs none)."""
+    from peft import LoraConfig
 
     from hfdist.models.registry import LORA_TARGETS
 
-    lora = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS))
-    return get_peft_model(model, lora)
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS))
+
+
+def inject_lora(model: nn.Module, r: int, alpha: int) -> nn.Module:
+    """`lora_config(r, alpha)`'s adapters injected; on a meta model they are created on meta too and get their values
+    with the other weights."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(r, alpha))
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:

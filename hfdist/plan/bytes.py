@@ -101,6 +101,9 @@ class Workload:
     dtype: str = "bf16"
     bytes_per_param_adam: int = 16
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE  # sequence positions per loss chunk; None: unchunked
+    # Preference training (DPO): a frozen reference copy of the model beside the policy, sharded like it; none under
+    # LoRA, where the base with its adapters turned off is the reference.
+    reference_model: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -231,8 +234,11 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     shard_opt = n if (fsdp or zero >= 1) else 1
     grads_sharded, weights_sharded = fsdp or zero >= 2, fsdp or zero >= 3
 
-    # A LoRA run's frozen base is held in fp32 but under DeepSpeed's bf16, which casts the whole model.
+    # A LoRA run's frozen base is held in fp32 but under DeepSpeed's bf16, which casts the whole model; so is a
+    # DPO reference model (hfdist.api.prepare_model(trainable=False): the policy's layout, no grads or optimizer).
     frozen_weight = pb.weight if rung.uses_deepspeed else 4
+    if w.reference_model and not w.lora:
+        frozen += params
     weights = (trainable * pb.weight + frozen * frozen_weight) / (n if weights_sharded else 1)
     if weights_sharded:  # grads reduce-scattered per layer: only the accumulation-dtype shard persists
         grads = trainable * (pb.grad_fp32 or pb.grad) / n

@@ -84,6 +84,9 @@ class Plan:
                  f"weights only, at {frozen}/param as hfdist holds them; adapters ({self.trainable_params:,} params) "
                  "carry grads + optimizer"
                  if w.lora else f"full fine-tune ({self.trainable_params:,} trainable params)")
+        if w.reference_model:
+            train += ("; DPO: a frozen reference copy of the weights beside the policy, sharded like it, at the frozen "
+                      "rate" if not w.lora else "; DPO: the reference is the base with the adapters off (no copy)")
         ckpt = "with" if w.activation_checkpointing else "without"
         logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
                   if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
@@ -195,12 +198,15 @@ def plan_order(rungs: Iterable[Rung]) -> list[Rung]:
 
 
 def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload) -> str:
+    # Under PP the planned micro-batch is a pipeline micro-batch; a rank's batch holds n_microbatches of them.
+    per_rank = w.micro_batch * (rung.pipeline.n_microbatches if rung.pipeline is not None else 1)
+    if w.reference_model:  # preference training runs in a script of the user's, as examples/dpo_trl.py
+        return shlex.join(["torchrun", "--nproc-per-node", str(world), "examples/dpo_trl.py", "--config", rung.name,
+                           "--model", model, "--global-batch-size", str(max(per_rank * dims.dp // 2, 1))])
     parts = ["accelerate", "launch", "scripts/finetune.py", "--config", f"{rung.name}.yaml",
              "--num-processes", str(world), "--model", model]
     if w.lora:
         parts += ["--lora", "--lora-r", str(w.lora_r)]
-    # Under PP the planned micro-batch is a pipeline micro-batch; a rank's batch holds n_microbatches of them.
-    per_rank = w.micro_batch * (rung.pipeline.n_microbatches if rung.pipeline is not None else 1)
     parts += ["--seq-len", str(w.seq), "--micro-batch-size", str(per_rank),
               "--global-batch-size", str(per_rank * dims.dp)]
     if w.activation_checkpointing:
@@ -221,6 +227,9 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
             from hfdist.parallel.context_check import check_cp
 
             check_cp(config, dims.cp, w.seq, tp=dims.tp)
+        if w.reference_model and dims.pp > 1:
+            raise PlanError("DPO's loss compares whole sequences of two models; pipeline stages compute only the "
+                            "last stage's token cross-entropy (hfdist.api refuses it)")
     except (PlanError, ValueError) as exc:
         return RungPlan(rung.name, None, None, False, "", offload, note=f"cannot run here: {exc}")
     if rung.fsdp is not None and rung.fsdp.activation_checkpointing:
@@ -289,6 +298,7 @@ def plan_rungs(
     bytes_per_param_adam: int = 16,
     model: str = "model",
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
+    reference_model: bool = False,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
 
@@ -311,7 +321,7 @@ def plan_rungs(
         raise PlanError(f"{bad} must be positive integers: describe the cluster as --nodes K x --gpus-per-node G "
                         "GPUs of --gpu-mem-gb M each.")
     w = Workload(seq, micro_batch, lora, lora_r, tuple(lora_targets), activation_checkpointing, dtype,
-                 bytes_per_param_adam, loss_chunk_size)
+                 bytes_per_param_adam, loss_chunk_size, reference_model)
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]
     plan = _plan(config, loaded, model, gpus_per_node, nodes, gpu_mem_bytes, w)
     rec = plan.recommended

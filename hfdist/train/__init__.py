@@ -4,7 +4,6 @@
                          checkpoints) and HfdistTrainer (with hfdist's loss, vocab-parallel under TP)
     pipeline_trainer.py  PipelineMixin / PipelineTrainer: the schedule's step, clipping and names under PP
     context_trainer.py   ContextParallelMixin / ContextParallelTrainer: batches cut along the sequence (cp)
-    select.py            trainer_class: the class a rung trains with
     precision.py         mixed precision checked before step 1 and observed while training
     watchdog.py          collective timeout, heartbeats, the hang report
 """

@@ -8,18 +8,19 @@ rung saves through hfdist.checkpoint.hf_export: fp32, one tensor at a time.
 `StrategyMixin` holds all of that for any Trainer subclass; `CausalLMLossMixin` is hfdist's loss (the chunked
 causal-LM loss, vocab-parallel under TP); `HfdistTrainer` is the two on the Trainer. The strategies that change the
 training step live in their own mixins: hfdist.train.pipeline_trainer (pipeline stages) and
-hfdist.train.context_trainer (context parallelism); `trainer_class` (hfdist.train.select) picks the class for a rung.
+hfdist.train.context_trainer (context parallelism). hfdist.api.strategy_trainer puts the mixins a strategy needs in
+front of any Trainer subclass; the Trainer must not place a model hfdist placed itself (the arguments say so:
+hfdist.api.strategy.placed_by_hfdist).
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from hfdist.checkpoint.trainer_hooks import CheckpointingMixin
 from hfdist.config.ladder import Rung
@@ -29,7 +30,7 @@ from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
 from hfdist.train.precision import PrecisionProbe, check_precision
 
-__all__ = ["StrategyMixin", "CausalLMLossMixin", "HfdistTrainer", "MeshTrainingArguments", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
+__all__ = ["StrategyMixin", "CausalLMLossMixin", "HfdistTrainer", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
 
 # The private Trainer methods overridden by hfdist's trainer classes and mixins (name -> parameter names after self),
 # and those they call: tests/unit/test_trainer_contract.py checks them against the installed transformers.
@@ -45,17 +46,6 @@ PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_load_optimizer_and_scheduler": ("checkpoint",),
 }
 PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save_optimizer_and_scheduler")
-
-
-@dataclass
-class MeshTrainingArguments(TrainingArguments):
-    """TrainingArguments for a model hfdist placed and sharded itself (the mesh rungs): the Trainer must never
-    `.to(device)` it (its shards are already where they belong; FSDP2's CPU-offloaded parameters would be pulled
-    onto the GPU, or raise). `place_model_on_device` is the switch TrainingArguments exposes for this."""
-
-    @property
-    def place_model_on_device(self) -> bool:
-        return False
 
 
 class StrategyMixin(CheckpointingMixin):

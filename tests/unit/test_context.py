@@ -71,7 +71,7 @@ def test_check_cp_names_heads_and_sequence():
 
 
 def test_preflight_refuses_cp_with_pipeline_stages():
-    from hfdist.job.preflight import check_context_parallel
+    from hfdist.parallel.fit import check_context_parallel
 
     rung = load_rung("3d")
     with pytest.raises(HfdistError, match="supports no pipeline schedule with cp"):

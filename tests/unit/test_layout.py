@@ -100,7 +100,8 @@ LAYERS = (
     {"metrics", "plan", "checkpoint"},  # measuring, planning and saving what parallel/ builds
     {"callbacks"},  # Trainer callbacks (any HF Trainer): per-rank metrics, progress, W&B
     {"train", "report"},  # hfdist's Trainer; comparison reports (they read the W&B sink)
-    {"job"},  # a run: launch, preflight, phases, summary
+    {"api"},  # the strategies in a user's own script: strategy, prepared model, strategy-aware Trainer
+    {"job"},  # a run: launch, preflight, phases, summary (the api's thinnest user)
     {"cli"},  # the `hfdist` command
 )
 

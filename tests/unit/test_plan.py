@@ -275,6 +275,25 @@ def test_lora_freezes_the_base():
     assert zero3.weights == 2 * (shape.total_params + lora) // 8 and zero3.optimizer == 8 * lora // 8  # bf16 cast
 
 
+def test_dpo_counts_the_reference_model_sharded_like_the_policy():
+    """`hfdist plan --dpo`: a frozen fp32 copy of the weights beside the policy (DeepSpeed: its bf16), sharded as the
+    policy is; none under LoRA (the base with the adapters off); pipeline rungs cannot run it; the command is the
+    DPO example's."""
+    config = load_config("llama-3.1-8b")
+    p = ModelShape.from_config(config).total_params
+    rungs = ["ddp", "zero3", "fsdp_full_shard", "fsdp_tp", "pp"]
+    kw = dict(gpus_per_node=8, gpu_mem_bytes=H100)
+    plain, dpo = (plan_rungs(config, rungs, reference_model=ref, **kw) for ref in (False, True))
+    extra = {r.name: _rung(dpo, r.name).bytes.weights - r.bytes.weights for r in plain.rungs if r.name != "pp"}
+    assert extra["ddp"] == 4 * p and extra["zero3"] == pytest.approx(2 * p / 8, abs=1)
+    assert extra["fsdp_full_shard"] == pytest.approx(4 * p / 8, abs=1)
+    assert _rung(dpo, "pp").bytes is None and "pipeline stages" in _rung(dpo, "pp").note
+    assert _rung(dpo, "fsdp_tp").command.startswith("torchrun --nproc-per-node 8 examples/dpo_trl.py --config fsdp_tp")
+    lora = [plan_rungs(config, rungs[:-1], lora=True, reference_model=ref, **kw).rungs for ref in (False, True)]
+    assert [r.bytes.weights for r in lora[0]] == [r.bytes.weights for r in lora[1]]
+    assert any("reference" in line for line in dpo.assumptions())
+
+
 def test_activation_checkpointing_and_batch_scale_activations():
     config = load_config("llama-3.1-8b")
     shape = ModelShape.from_config(config)

@@ -1,8 +1,8 @@
 """The private transformers.Trainer API hfdist builds on is still there, with the parameters hfdist relies on.
 
-hfdist's trainer classes (HfdistTrainer, PipelineTrainer, ContextParallelTrainer and their mixins) override and call
-private Trainer methods (hfdist/train/trainer.py's PRIVATE_OVERRIDES / PRIVATE_CALLS). A transformers release that renames or reshapes one would otherwise fail deep
-inside a multi-process run; this fails here, naming the method.
+hfdist's trainer classes and mixins (HfdistTrainer, PipelineTrainer, ContextParallelTrainer, hfdist.api's) override and
+call private Trainer methods (hfdist/train/trainer.py's PRIVATE_OVERRIDES / PRIVATE_CALLS). A transformers release that
+renames or reshapes one would otherwise fail deep inside a multi-process run; this fails here, naming the method.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import re
 from pathlib import Path
 
 import transformers
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
+from hfdist.api.trainer import StrategyAwareMixin, WholeOutputsMixin
 from hfdist.train.context_trainer import ContextParallelTrainer
 from hfdist.train.pipeline_trainer import PipelineTrainer
 from hfdist.train.trainer import PRIVATE_CALLS, PRIVATE_OVERRIDES, HfdistTrainer
 
-TRAINERS = (HfdistTrainer, PipelineTrainer, ContextParallelTrainer)
+TRAINERS = (HfdistTrainer, PipelineTrainer, ContextParallelTrainer, StrategyAwareMixin, WholeOutputsMixin)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -28,7 +29,7 @@ def test_overridden_private_methods_exist_with_the_same_parameters():
         assert hasattr(Trainer, name), f"transformers {transformers.__version__} has no Trainer.{name}"
         theirs = [p for p in inspect.signature(getattr(Trainer, name)).parameters if p != "self"]
         assert tuple(theirs[:len(params)]) == params, f"Trainer.{name}{tuple(theirs)} vs hfdist's {params}"
-        for cls in TRAINERS:
+        for cls in (c for c in TRAINERS if hasattr(c, name)):
             mine = [p for p in inspect.signature(getattr(cls, name)).parameters if p != "self"]
             assert tuple(mine[:len(params)]) == params, f"{cls.__name__}.{name} drifted from the contract"
 
@@ -60,6 +61,7 @@ def test_mesh_models_are_never_moved_by_the_trainer(tmp_path):
     placed by the Trainer as usual."""
     import torch
 
+    from hfdist.api import Strategy
     from hfdist.config.finetune import FinetuneConfig
     from hfdist.config.ladder import load_rung
     from hfdist.job.run import _training_arguments
@@ -67,7 +69,8 @@ def test_mesh_models_are_never_moved_by_the_trainer(tmp_path):
     cfg = FinetuneConfig(output_dir=str(tmp_path), save_steps=1)
     for name, owns in (("fsdp_full_shard", True), ("ddp", False)):
         rung = load_rung(name)
-        args = _training_arguments(cfg, rung, micro=1, grad_accum=1, mixed="no", on_gpu=False)
+        args = _training_arguments(cfg, Strategy(rung, "no"))
+        assert isinstance(args, TrainingArguments) and args.place_model_on_device is (False if owns else None)
         trainer = HfdistTrainer(model=torch.nn.Linear(2, 2), args=args, rung=rung)
         assert trainer.place_model_on_device is not owns, name
         assert trainer.is_distributed_loading_by_transformers is owns, name
@@ -78,8 +81,8 @@ def test_fsdp_cpu_offload_on_gpu_gets_gloo_beside_nccl():
     offloaded gradients (clipping, gathers); without offload, or on CPU, accelerate's default stands."""
     from dataclasses import replace
 
+    from hfdist.api.strategy import process_group_backend
     from hfdist.config.ladder import load_rung
-    from hfdist.job.run import process_group_backend
 
     rung = load_rung("fsdp_full_shard")
     offloaded = replace(rung, fsdp=replace(rung.fsdp, offload_params=True))

@@ -97,8 +97,8 @@ def test_unimplemented_fsdp_settings_are_refused_by_name(tmp_path, fsdp, named):
 
 
 def test_a_named_layer_class_is_honoured_or_refused_before_any_process(tmp_path):
-    from hfdist.job.preflight import check_model_fits_rung
     from hfdist.models.presets import load_config
+    from hfdist.parallel.fit import check_model_fits_rung
 
     rung = load_rung(_yaml(tmp_path, _with_fsdp(ACCELERATE_FSDP1_TEMPLATE,
                                                 fsdp_transformer_layer_cls_to_wrap="LlamaDecoderLayer")))
@@ -127,8 +127,8 @@ def test_unimplemented_keys_are_refused_by_name(tmp_path, extra, named):
 def test_accelerate_cp_example_runs_as_hfdist_context_parallelism(tmp_path):
     """accelerate's examples/torch_native_parallelism/configs/cp.yaml, as shipped: read as cp=8 on hfdist's mesh,
     then checked against the model before any process (llama-tiny's 4 heads cannot be split 8 ways)."""
-    from hfdist.job.preflight import check_context_parallel
     from hfdist.models.presets import load_config
+    from hfdist.parallel.fit import check_context_parallel
 
     cp = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "FSDP", "downcast_bf16": "no",
           "enable_cpu_affinity": False, "fsdp_config": {

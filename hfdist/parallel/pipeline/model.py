@@ -42,11 +42,21 @@ class PipelineModel(nn.Module):
     main_input_name = "input_ids"
 
     def __init__(self, runner: PipelineRunner, config, loss_scale: int = 1):
+        from transformers import GenerationConfig
+
         super().__init__()
         self.runner = runner
         self.stages = nn.ModuleList(runner.stages)
         self.config = config
+        # What trainers built for HF models (TRL's) read and set besides the config: the generation settings (pad
+        # and EOS tokens) and the tags of the model card.
+        self.generation_config = GenerationConfig.from_model_config(config)
+        self.model_tags: list[str] = []
         self.loss_scale = loss_scale
+
+    def add_model_tags(self, tags: list[str] | str) -> None:
+        """Tags for the model card (as a HF PreTrainedModel keeps them)."""
+        self.model_tags += [tags] if isinstance(tags, str) else [t for t in tags if t not in self.model_tags]
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, num_items_in_batch: int | torch.Tensor | None = None,
