@@ -3,8 +3,9 @@
 An entry says what a user reads to choose the rung (scenario, what is sharded, when to pick it: `hfdist configs`
 and the ladder table of docs/ladder.md), where the planner's recommendation walk puts it (hfdist.plan.planner),
 which options beyond its parallelism it takes (--compile, --qlora, --fp8: refused elsewhere before launch by
-hfdist.config.features.refuse_unless), and how the test suite trains it end to end (which module, on how many
-processes, with which options). Adding a rung is its YAML (hfdist/configs/accelerate_configs/) plus one entry here.
+hfdist.config.features.refuse_unless), and how the test suite trains it end to end (which module, with which
+options; on the YAML's own process count). Adding a rung is its YAML (hfdist/configs/accelerate_configs/) plus one
+entry here (docs/testing.md, "Adding a rung").
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ __all__ = ["RungInfo", "RUNG_INFO", "FEATURES", "TESTED_OPTIONS", "E2E_MODULES",
 # string, the reason: refused before launch). The value is what hfdist verifies when it does run there.
 FEATURES = {"compile": "compiled layers", "qlora": "a 4-bit quantized base model", "fp8": "FP8 matmuls"}
 # The options the end-to-end suite trains a rung with, besides its plain full fine-tune (RungInfo.tested_with).
-TESTED_OPTIONS = ("lora", *FEATURES)
+TESTED_OPTIONS = ("lora", "bf16", *FEATURES)  # bf16: --mixed-precision bf16 (fp32 elsewhere on CPU)
 # The end-to-end module that trains a rung against the single-process run (RungInfo.e2e), under tests/e2e/.
 E2E_MODULES = {"ladder": "test_finetune_ladder.py", "pipeline": "test_finetune_pipeline.py",
                "context_parallel": "test_context_parallel_job.py", "reference": "(the single-process reference)"}
@@ -39,8 +40,8 @@ class RungInfo:
     compile: bool | str = False  # --compile: True, or why not (False: not built for it)
     qlora: bool | str = False  # --qlora: as compile
     fp8: bool | str = False  # --fp8: as compile
-    e2e: str = "ladder"  # the E2E_MODULES key of the module that trains it against the single process
-    e2e_world: int = 2  # processes of that run (its YAML's own count on CPU)
+    e2e: str = "ladder"  # the E2E_MODULES key of the module that trains it against the single process, on its
+    # YAML's own process count (the count a CPU run takes)
     tested_with: frozenset[str] = frozenset()  # TESTED_OPTIONS that module also trains it with
 
     def takes(self, feature: str) -> bool:
@@ -52,7 +53,6 @@ class RungInfo:
 _COMPILE_PP = "pipeline stages run their layers through torch.distributed.pipelining's schedule, not built for it"
 _COMPILE_DS = "DeepSpeed's engine puts its own hooks on the layers (ZeRO-3 gathers parameters in them)"
 _COMPILE_CP = "context parallelism swaps the attention function for an all-to-all one the compiler would trace"
-_LORA = frozenset({"lora"})
 
 # Table order: the decision table's rows (docs/ladder.md): 1 DDP, 2 FSDP FULL_SHARD / ZeRO-2, 3 HYBRID / ZeRO-3,
 # 4 PP or TP (pipeline stages first, then tensor parallelism), 5 3D, 6 ZeRO-3 + offload; ZeRO-1 sits between rows
@@ -61,46 +61,47 @@ _LORA = frozenset({"lora"})
 RUNG_INFO: dict[str, RungInfo] = {
     "single": RungInfo(0, "one process: the reference every rung's losses are compared with", "nothing",
                        "debugging, or the model, grads and Adam state fit one device and one device is enough",
-                       plan_order=0, compile=True, e2e="reference", e2e_world=1, tested_with=_LORA),
+                       plan_order=0, compile=True, e2e="reference", tested_with=frozenset({"lora", "bf16"})),
     "ddp": RungInfo(1, "LoRA fine-tune <= 7B; the model fits on one device", "nothing (full replica per rank)",
                     "the model, grads and Adam state fit one device; fastest", "--lora",
-                    plan_order=10, compile=True, tested_with=frozenset({"lora", "compile"})),
+                    plan_order=10, compile=True, tested_with=frozenset({"lora", "bf16", "compile"})),
     "zero1": RungInfo(1, "model + grads fit one device, Adam state does not", "optimizer state",
                       "a small step past DDP: frees 12 of 16 bytes/param of Adam state",
                       plan_order=20, compile=_COMPILE_DS),
     "fsdp_full_shard": RungInfo(2, "full fine-tune 7B-13B on one node", "params + grads + optimizer state",
                                 "the model states do not fit one device; one node",
-                                plan_order=40, compile=True, tested_with=frozenset({"lora", "compile"})),
+                                plan_order=40, compile=True, tested_with=frozenset({"lora", "bf16", "compile"})),
     "zero2": RungInfo(2, "full fine-tune 7B-13B on one node", "grads + optimizer state",
                       "weights fit one device but grads + Adam state do not",
-                      plan_order=30, compile=_COMPILE_DS, tested_with=_LORA),
+                      plan_order=30, compile=_COMPILE_DS, tested_with=frozenset({"lora"})),
     "fsdp_hybrid": RungInfo(3, "full fine-tune 30B-70B on several nodes", "params + grads + optimizer state "
                             "inside a node; replicated across nodes", "multi-node, slow inter-node fabric",
-                            plan_order=60, compile=True, e2e_world=4),
+                            plan_order=60, compile=True),
     "zero3": RungInfo(3, "full fine-tune 30B-70B", "params + grads + optimizer state",
                       "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem",
-                      plan_order=50, compile=_COMPILE_DS, tested_with=_LORA),
+                      plan_order=50, compile=_COMPILE_DS, tested_with=frozenset({"lora", "bf16"})),
     "pp": RungInfo(4, "beyond ~30B: the model's depth spread over GPUs or nodes",
                    "decoder layers over pp ranks (pipeline stages, 1F1B schedule)",
                    "stages fit one device each; only point-to-point activations cross links, so pp spans nodes",
-                   plan_order=70, compile=_COMPILE_PP, e2e="pipeline", tested_with=_LORA),
+                   plan_order=70, compile=_COMPILE_PP, e2e="pipeline", tested_with=frozenset({"lora", "bf16"})),
     "fsdp_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs", "params + grads + optimizer state "
                         "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
                         "sharding alone is not enough or its all-gathers dominate; tp inside a node",
-                        plan_order=80, compile=True, e2e_world=4, tested_with=frozenset({"lora", "compile"})),
+                        plan_order=80, compile=True, tested_with=frozenset({"lora", "bf16", "compile"})),
     "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
                          "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
                          "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19",
-                         plan_order=90, compile=_COMPILE_DS, e2e_world=4),
+                         plan_order=90, compile=_COMPILE_DS),
     "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
                    "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
                    "the model needs tp inside a node and pp across nodes to fit; dp for the rest",
-                   plan_order=100, compile=_COMPILE_PP, e2e="pipeline", e2e_world=8),
+                   plan_order=100, compile=_COMPILE_PP, e2e="pipeline", tested_with=frozenset({"bf16"})),
     "fsdp_cp": RungInfo(4, "long-context fine-tune (32K-128K tokens): activations exceed a device",
                         "every sequence's tokens over cp (Ulysses attention) x params + grads + optimizer state "
                         "over dp_shard x cp (FSDP2)", "activations do not fit even with checkpointing; cp inside "
                         "a node", "--seq-len 32768",
-                        plan_order=110, compile=_COMPILE_CP, e2e="context_parallel", e2e_world=4, tested_with=_LORA),
+                        plan_order=110, compile=_COMPILE_CP, e2e="context_parallel",
+                        tested_with=frozenset({"lora"})),
     "zero3_offload_cpu": RungInfo(6, "single-node fine-tune, model exceeds the GPUs' memory",
                                   "params + grads + optimizer state, offloaded to CPU RAM",
                                   "not enough GPU memory at any sharding; slow but feasible",

@@ -14,12 +14,14 @@ import json
 
 import pytest
 
-from helpers import finetune_all
+from hfdist.config.ladder import load_rung
+
+from helpers import finetune_all, table_rungs
 
 pytestmark = pytest.mark.multiproc
 
 BF16_RTOL = 2e-2
-RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp", "3d"]
+RUNGS = [n for n in table_rungs(option="bf16") if n != "single"]  # the rung table: one rung per mechanism
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +55,7 @@ def test_bf16_is_what_ran(runs, name):
     if name != "single":
         assert {p["reduce_dtype"] for p in ranks} == {"float32"}, ranks
     # DeepSpeed trains a bf16 model against fp32 master partitions; every other rung keeps fp32 weights.
-    assert {p["param_dtype"] for p in ranks} == {"bfloat16" if name == "zero3" else "float32"}, ranks
+    assert {p["param_dtype"] for p in ranks} == {"bfloat16" if load_rung(name).uses_deepspeed else "float32"}, ranks
     if summary["strategy"]["pp"] > 1:
         handed = [p["activation_dtype"] for p in ranks if p["activation_dtype"] is not None]
         assert handed and set(handed) == {"bfloat16"}, ranks
