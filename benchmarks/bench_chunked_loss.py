@@ -28,6 +28,9 @@ from pathlib import Path
 
 from measure import REPO, recorded, results_dir, torchrun, worker_env
 
+# results/<hardware> names the CPU on any machine: the workers run gloo on CPU tensors (one process, or TP).
+MEASURED_ON = "cpu"
+
 WORKER = REPO / "benchmarks" / "chunked_loss_worker.py"
 MIB = 2**20
 METRICS = ("peak_rss_added_bytes", "live_tensor_peak_bytes", "step_s_median")
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"command": command, "preset": args.preset, "vocab": args.vocab, "seq": args.seq, "batch": args.batch,
               "chunk_size": args.chunk_size, "repeats": args.repeats, "steps": args.steps, "dtype": "fp32",
               "threads_per_rank": 1, "load": loads, "rows": rows}
-    out = results_dir(args.out)
+    out = results_dir(args.out, MEASURED_ON)
     out.mkdir(parents=True, exist_ok=True)
     (out / "chunked_loss.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "chunked_loss.md").write_text(markdown(result))

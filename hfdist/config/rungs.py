@@ -91,7 +91,7 @@ RUNG_INFO: dict[str, RungInfo] = {
     "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
                          "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
                          "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19",
-                         plan_order=90, compile=_COMPILE_DS),
+                         plan_order=90, compile=_COMPILE_DS, tested_with=frozenset({"bf16"})),
     "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
                    "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
                    "the model needs tp inside a node and pp across nodes to fit; dp for the rest",

@@ -10,7 +10,8 @@ before the last two steps, and then only this rank's shards:
     apply_ac(model)                         activation checkpointing per decoder layer (asked for or in the YAML)
     apply_compile(model)                    torch.compile per decoder layer, in place (--compile)
     split into pipeline stages              this rank's stages only; the rest of the model is dropped (pp > 1)
-    apply_fsdp(module, dp_mesh)             FSDP2 per decoder layer + root, per stage under PP; over dp_shard x cp
+    apply_fsdp(module, dp_mesh)             FSDP2 per decoder layer + root, per stage under PP (kept gathered
+                                            through the step there: reshard_after_forward); over dp_shard x cp
     materialize(module, device)             only the local shards, allocated on the rank's device
     load_weights(local tensors, plan)       each rank reads just its slices of the checkpoint (or seeded init)
 
@@ -44,8 +45,8 @@ from torch import nn
 from hfdist.config.features import refuse_unless
 from hfdist.config.ladder import Rung
 
-__all__ = ["parallelize", "apply_ac", "apply_compile", "check_compile", "compile_record", "verify_compiled",
-           "uses_fsdp"]
+__all__ = ["parallelize", "reshard_after_forward", "apply_ac", "apply_compile", "check_compile", "compile_record",
+           "verify_compiled", "uses_fsdp"]
 
 
 def apply_ac(model: nn.Module) -> None:
@@ -120,6 +121,17 @@ def uses_fsdp(rung: Rung, mixed_precision: str) -> bool:
     return rung.uses_fsdp or (rung.owns_sharding and mixed_precision == "bf16")
 
 
+def reshard_after_forward(rung: Rung) -> bool:
+    """Whether FSDP2 frees a decoder layer's gathered parameters after its forward: the YAML's setting, except on
+    pipeline stages, which keep them. A schedule runs every micro-batch's forward and backward through a stage within
+    one step, and torch's stages already keep the parameters gathered from backward to the next forward (and reduce
+    the gradients once, after the last micro-batch); resharding after each forward would all-gather every layer
+    again for every micro-batch's backward, exposed in the bubble rather than overlapped (torchtitan's rule under
+    pipelining too). The planner counts pipeline stages' layers as gathered through the step accordingly."""
+    assert rung.fsdp is not None
+    return rung.fsdp.reshard_after_forward and not rung.uses_pipeline
+
+
 def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_precision: str,
                 activation_checkpointing: bool, compile: bool = False, weights=None) -> nn.Module:
     """Apply `rung`'s parallelism to `model` (on the meta device, LoRA already injected) on this rank; see the
@@ -156,7 +168,7 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
 
     def shard(module: nn.Module) -> nn.Module:
         return apply_fsdp(module, dp_mesh, layer_cls_name=rung.fsdp.layer_cls_to_wrap,
-                          reshard_after_forward=rung.fsdp.reshard_after_forward,
+                          reshard_after_forward=reshard_after_forward(rung),
                           param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,
                           offload_params=rung.fsdp.offload_params and device.type == "cuda")
 
