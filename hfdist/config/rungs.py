@@ -42,7 +42,9 @@ class RungInfo:
     fp8: bool | str = False  # --fp8: as compile
     e2e: str = "ladder"  # the E2E_MODULES key of the module that trains it against the single process, on its
     # YAML's own process count (the count a CPU run takes)
-    tested_with: frozenset[str] = frozenset()  # TESTED_OPTIONS that module also trains it with
+    # TESTED_OPTIONS the suite also trains it with end to end: lora in its e2e module, each other option in that
+    # option's module (tests/e2e/test_bf16.py, test_compile.py, ...)
+    tested_with: frozenset[str] = frozenset()
 
     def takes(self, feature: str) -> bool:
         """The rung runs with this FEATURES option (built and verified there)."""
