@@ -31,7 +31,11 @@ from torch import nn
 from hfdist.api.strategy import Strategy, StrategyRefused
 from hfdist.config.ladder import Rung
 
-__all__ = ["PreparedModel", "prepare_model", "prepared_record", "load_tokenizer"]
+__all__ = ["PreparedModel", "REFERENCE_ADAPTER", "prepare_model", "prepared_record", "load_tokenizer"]
+
+# The adapter TRL's DPOTrainer scores the reference with when the policy is a LoRA model without a ref_model: a copy of
+# the trained adapter taken before training (for a fresh adapter, the base model's function).
+REFERENCE_ADAPTER = "ref"
 
 
 @dataclass(frozen=True)
@@ -129,11 +133,25 @@ def _lora_config(lora: Any):
     return lora if isinstance(lora, LoraConfig) else lora_config(int(lora), 2 * int(lora))
 
 
-def _structure(spec: str | None, vocab_size: int | None, pad_id: int | None, dtype: torch.dtype, lora,
-               attention: str | None, trainable: bool) -> nn.Module:
-    """The model on the meta device: LoRA injected, frozen entirely when not trainable."""
+def _adapters(model: nn.Module, lora, reference_adapter: bool) -> nn.Module:
+    """LoRA injected (`lora`: a LoraConfig, or None for none), and with `reference_adapter` a frozen second adapter
+    of the same shape named REFERENCE_ADAPTER."""
+    if lora is None:
+        return model
     from peft import get_peft_model
 
+    model = get_peft_model(model, lora)
+    if reference_adapter:
+        model.add_adapter(REFERENCE_ADAPTER, lora)
+        for name, p in model.named_parameters():
+            if f".{REFERENCE_ADAPTER}." in name:
+                p.requires_grad_(False)
+    return model
+
+
+def _structure(spec: str | None, vocab_size: int | None, pad_id: int | None, dtype: torch.dtype, lora,
+               attention: str | None, trainable: bool, reference_adapter: bool = False) -> nn.Module:
+    """The model on the meta device: LoRA injected, frozen entirely when not trainable."""
     from hfdist.models.build import meta_model
 
     with _no_zero3_build():
@@ -142,8 +160,7 @@ def _structure(spec: str | None, vocab_size: int | None, pad_id: int | None, dty
         model.config._attn_implementation = attention
     if pad_id is not None:
         model.config.pad_token_id = pad_id
-    if lora is not None:
-        model = get_peft_model(model, lora)
+    model = _adapters(model, lora, reference_adapter)
     if not trainable:
         model.requires_grad_(False)
     return model
@@ -164,10 +181,7 @@ def _place(strategy: Strategy, spec: str | None, model: nn.Module, plan, device:
         built = zero3_model(spec, model.config.vocab_size, model.dtype)
         built.config.pad_token_id = model.config.pad_token_id
         built.config._attn_implementation = model.config._attn_implementation
-        if lora is not None:
-            from peft import get_peft_model
-
-            built = get_peft_model(built, lora)
+        built = _adapters(built, lora, REFERENCE_ADAPTER in getattr(model, "peft_config", {}))
         if not any(p.requires_grad for p in model.parameters()):
             built.requires_grad_(False)
         load_gathered(built, plan)
@@ -201,8 +215,8 @@ def _training_dtype(rung: Rung, mixed: str) -> torch.dtype:
 
 def prepare_model(strategy: Strategy, model: str | None, *, tokenizer=None, lora: Any = None, seed: int = 0,
                   trainable: bool = True, activation_checkpointing: bool = False, compile: bool = False,
-                  attn_implementation: str | None = None, meta: nn.Module | None = None,
-                  zero3_init: bool | None = None) -> nn.Module:
+                  attn_implementation: str | None = None, reference_adapter: bool = False,
+                  meta: nn.Module | None = None, zero3_init: bool | None = None) -> nn.Module:
     """This rank's model for `strategy`, weights loaded, ready for a trainer of hfdist.api.strategy_trainer.
 
     Args:
@@ -216,6 +230,8 @@ def prepare_model(strategy: Strategy, model: str | None, *, tokenizer=None, lora
         compile: torch.compile every decoder layer (the rungs that take it: single, ddp, fsdp_full_shard,
             fsdp_hybrid, fsdp_tp).
         attn_implementation: the attention implementation (default: the model config's).
+        reference_adapter: with `lora`, a frozen second adapter named "ref" beside the trained one, sharded with it:
+            TRL's DPOTrainer (no ref_model) copies the trained adapter into it and scores the reference with it.
         meta: the model already built on the meta device (LoRA injected) by the caller, instead of from `model`.
         zero3_init: ZeRO-3 rungs: build partitioned under deepspeed.zero.Init (default: the YAML's zero3_init_flag,
             as accelerate passes it).
@@ -239,7 +255,8 @@ def prepare_model(strategy: Strategy, model: str | None, *, tokenizer=None, lora
     lora_config = _lora_config(lora)
     if meta is None:
         dtype = _training_dtype(strategy.rung, strategy.mixed_precision)
-        meta = _structure(model, vocab, pad, dtype, lora_config, attn_implementation, trainable)
+        meta = _structure(model, vocab, pad, dtype, lora_config, attn_implementation, trainable,
+                          reference_adapter and lora_config is not None)
     skeleton = _structure(model, meta.config.vocab_size, meta.config.pad_token_id, torch.float32, lora_config,
                           None, trainable)
     attention = meta.config._attn_implementation or "sdpa"

@@ -17,11 +17,13 @@ checkpoints, per-rank metrics (DistributedMetricsCallback) by default. The loss:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import TypeVar
 
 from transformers import Trainer
 
-from hfdist.api.model import placement_of, prepared_record
+from hfdist.api.model import REFERENCE_ADAPTER, placement_of, prepared_record
 from hfdist.api.strategy import Strategy, StrategyRefused, placed_by_hfdist
 from hfdist.train.context_trainer import ContextParallelMixin
 from hfdist.train.pipeline_trainer import PipelineMixin
@@ -57,6 +59,32 @@ def _unstaged_loss(name: str, loss: str, rung_name: str) -> StrategyRefused:
         "(Trainer, TRL's SFTTrainer with loss_type='nll').")
 
 
+@contextlib.contextmanager
+def _no_adapters_added(model) -> Iterator[None]:
+    """While a trainer is built, adding a LoRA adapter to the prepared model keeps the one prepare_model made under that
+    name (TRL's DPOTrainer adds its "ref" adapter; prepare_model(reference_adapter=True) made it sharded) and refuses
+    a new one, which would be created whole beside the sharded adapters."""
+    add = getattr(model, "add_adapter", None)
+    if add is None:
+        yield
+        return
+
+    def keep(adapter_name: str, *args, **kwargs) -> None:
+        if adapter_name in model.peft_config:
+            return
+        raise StrategyRefused(
+            f"The trainer adds a LoRA adapter '{adapter_name}' to the model hfdist already sharded; it would be created "
+            "whole, beside sharded adapters. Make it while the model is prepared: prepare_model(..., lora=R, "
+            f"reference_adapter=True) makes the '{REFERENCE_ADAPTER}' adapter TRL's DPOTrainer uses as its reference, "
+            "or pass a ref_model (prepare_model(..., trainable=False)).")
+
+    model.add_adapter = keep
+    try:
+        yield
+    finally:
+        del model.add_adapter
+
+
 class StrategyAwareMixin:
     """Reads what prepare_model recorded on the model and hands it to StrategyMixin; refuses, before the first step,
     what the strategy cannot train: a model prepare_model did not make, a loss the pipeline cannot stage, a Trainer
@@ -84,8 +112,9 @@ class StrategyAwareMixin:
             if not any(isinstance(c, DistributedMetricsCallback) for c in callbacks):
                 kwargs["callbacks"] = [*callbacks, DistributedMetricsCallback()]
         strategy = record.strategy
-        super().__init__(*args, rung=strategy.rung, lora=record.lora, mixed_precision=strategy.mixed_precision,
-                         skeleton=record.skeleton, compile=record.compile, **kwargs)
+        with _no_adapters_added(model):
+            super().__init__(*args, rung=strategy.rung, lora=record.lora, mixed_precision=strategy.mixed_precision,
+                             skeleton=record.skeleton, compile=record.compile, **kwargs)
         self.prepared = record
         if hasattr(self, "_tp_size"):  # TRL divides its gathered token counts by the ranks that share a batch
             self._tp_size = self.rung.dims.ranks_per_batch

@@ -167,3 +167,22 @@ def test_a_frozen_reference_copy_cannot_be_trained(tmp_path):
     assert not any(p.requires_grad for p in reference.parameters())
     with pytest.raises(StrategyRefused, match="trainable=False"):
         strategy_trainer(Trainer, strategy)(model=reference, args=args)
+
+
+def test_dpo_under_lora_gets_its_reference_adapter_sharded_with_the_model(tmp_path):
+    """TRL's DPOTrainer without a ref_model adds a "ref" copy of the trained adapter: prepare_model makes it (frozen,
+    placed like the rest) when asked, and a trainer that adds an adapter hfdist did not make is refused."""
+    class AddsReference(Trainer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.model.add_adapter("ref", self.model.peft_config["default"])
+
+    strategy = Strategy(load_rung("single"), "no")
+    args = strategy.training_arguments(output_dir=str(tmp_path), global_batch_size=2, report_to="none")
+    with pytest.raises(StrategyRefused, match="reference_adapter=True"):
+        strategy_trainer(AddsReference, strategy)(model=prepare_model(strategy, "llama-tiny", lora=4), args=args)
+    model = prepare_model(strategy, "llama-tiny", lora=4, reference_adapter=True)
+    assert set(model.peft_config) == {"default", "ref"}
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == \
+        {n for n, _ in model.named_parameters() if ".lora_" in n and ".default." in n}
+    strategy_trainer(AddsReference, strategy)(model=model, args=args)  # the adapter it adds is the one prepared
