@@ -14,7 +14,7 @@ from hfdist.job.config import ConfigError, FinetuneConfig
 from hfdist.job.ladder import Rung, StrategyKind, load_rung
 
 __all__ = ["batch_layout", "with_pipeline_overrides", "check_pipeline", "check_deepspeed_json", "plan_check",
-           "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "preflight"]
+           "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "check_attention", "preflight"]
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -262,6 +262,17 @@ def check_nvme_offload(rung: Rung) -> None:
                           "offload to CPU memory instead (--config zero3_offload_cpu).")
 
 
+def check_attention(cfg: FinetuneConfig, rung: Rung) -> str:
+    """The attention implementation the run will use (hfdist.models.attention.resolve_attention).
+
+    Raises:
+        AttentionChoiceError: one that cannot keep packed documents apart or cannot run on this machine.
+    """
+    from hfdist.models.attention import resolve_attention
+
+    return resolve_attention(cfg.attn_implementation, on_gpu=torch.cuda.is_available(), cp=rung.dims.cp)
+
+
 def _check_gpu_settings(rung: Rung) -> None:
     """YAML settings hfdist does not implement on a GPU (hfdist.job.translate.refuse_on_gpu)."""
     if rung.yaml_path is None or not torch.cuda.is_available():
@@ -280,6 +291,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
     _check_output_dir(cfg)
     _check_gpu_settings(rung)
+    check_attention(cfg, rung)
     if cfg.compile:
         from hfdist.parallel.parallelize import check_compile
 

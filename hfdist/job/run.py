@@ -81,11 +81,12 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
     )
 
 
-def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype):
-    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len."""
+def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype, attention: str | None = None):
+    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len;
+    attending with `attention` (a resolved --attn-implementation)."""
     from hfdist.models.build import inject_lora, meta_model
 
-    model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype)
+    model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype, attn_implementation=attention)
     model.config.pad_token_id = tokenizer.pad_token_id
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
@@ -127,7 +128,8 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
         model = parallelize(model, rung, device=args.device, mixed_precision=mixed,
                             activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, weights=plan)
     elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
-        model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed))
+        model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed),
+                            attn_implementation=model.config._attn_implementation)
         model.config.pad_token_id = tokenizer.pad_token_id
         model = inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
         load_gathered(model, plan)
@@ -183,6 +185,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.callbacks.wandb_sink import WandbSink
     from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
+    from hfdist.models.attention import resolve_attention
     from hfdist.models.presets import is_preset
     from hfdist.train.trainer import HfdistTrainer
     from hfdist.train.watchdog import StepWatchCallback
@@ -195,9 +198,10 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
     # Meta-device structures first (free), before TrainingArguments exist: a ZeRO-3 config in them makes
     # transformers build every model under deepspeed.zero.Init. `skeleton` stays on meta: what the save writes.
-    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed))
+    attention = resolve_attention(cfg.attn_implementation, on_gpu=on_gpu, cp=rung.dims.cp)
+    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed), attention)
     skeleton = _meta_model(cfg, tokenizer, torch.float32)
-    collator = collator_for(model.config, cfg.seq_len)  # the model's attention implementation decides the mask
+    collator = collator_for(model.config, cfg.seq_len)  # the documents' boundaries, or the dense mask for sdpa/eager
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
     dataset = _prepare_data(cfg, tokenizer, args)
     watch.start()  # the world has formed (main_process_first above needs it): its timeout, this rank's heartbeat
@@ -210,7 +214,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
-                "compile": cfg.compile, "device": "cuda" if on_gpu else "cpu"}
+                "compile": cfg.compile, "attn_implementation": attention, "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
@@ -225,7 +229,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                             checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
                             skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
-                            compile=cfg.compile)
+                            compile=cfg.compile, attention=attention)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)

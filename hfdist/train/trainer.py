@@ -65,12 +65,15 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         loss_chunk_size: sequence positions per lm_head + cross-entropy chunk (hfdist.models.chunked_loss), on
             every rung; None: the whole sequence at once.
         compile: whether the decoder layers were compiled (--compile; verified before the first step).
+        attention: the attention implementation the run resolved (verified before the first step).
     """
 
     def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
                  mixed_precision: str = "no", skeleton: torch.nn.Module | None = None,
-                 loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, compile: bool = False, **kwargs) -> None:
+                 loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, compile: bool = False,
+                 attention: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.attention = attention
         self.loss_chunk_size = loss_chunk_size
         if rung.uses_pipeline:
             self.model.runner.loss_chunk_size = loss_chunk_size
@@ -219,7 +222,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        verify_strategy(self.rung, model, self.model, self.lora)
+        verify_strategy(self.rung, model, self.model, self.lora, self.attention)
         if self.compile:
             verify_compiled(self.rung, self.model)
         check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model)

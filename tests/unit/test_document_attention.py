@@ -13,8 +13,12 @@ from hfdist.data.collation import block_causal_mask, collate, varlen_kwargs
 from hfdist.metrics.memory import LiveTensorBytes
 from hfdist.models.attention import DOCUMENT_ATTENTION
 from hfdist.models.build import build_model
-from hfdist.models.document_attention import (DocumentAttentionError, document_attention, document_mask,
-                                              register_document_attention)
+from hfdist.models.document_attention import (
+    DocumentAttentionError,
+    document_attention,
+    document_mask,
+    register_document_attention,
+)
 
 RTOL = ATOL = 1e-5
 VOCAB = 512
