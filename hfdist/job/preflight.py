@@ -6,6 +6,7 @@ the memory plan, the output folder and the checkpoint to resume. Each failure is
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -14,7 +15,8 @@ from hfdist.job.config import ConfigError, FinetuneConfig
 from hfdist.job.ladder import Rung, StrategyKind, load_rung
 
 __all__ = ["batch_layout", "with_pipeline_overrides", "check_pipeline", "check_deepspeed_json", "plan_check",
-           "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "check_attention", "preflight"]
+           "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "check_attention",
+           "check_dense_mask", "preflight"]
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -110,7 +112,33 @@ def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
     return None
 
 
-def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
+def _plan(cfg: FinetuneConfig, rung: Rung, micro: int, mem: int, attention: str, with_others: bool):
+    """The memory plan of `rung` (and of every other rung) for this job, or None for an architecture the planner
+    does not count (others run unplanned on the data-parallel rungs)."""
+    from hfdist.job.ladder import known_rung_names
+    from hfdist.job.launch import effective_mixed_precision
+    from hfdist.models.presets import DEFAULT_PRESET, load_config
+    from hfdist.models.registry import is_supported
+    from hfdist.plan import plan_rungs
+
+    spec = cfg.model or DEFAULT_PRESET
+    config = load_config(spec)
+    if not is_supported(config):
+        return None
+    planned = rung if rung.kind is not StrategyKind.SINGLE else load_rung("ddp").with_num_processes(1)
+    others = [load_rung(n) for n in known_rung_names() if n != planned.name] if with_others else []
+    on_gpu = torch.cuda.is_available()
+    dtype = "bf16" if effective_mixed_precision(rung, on_gpu, cfg.mixed_precision) == "bf16" else "fp32"
+    # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
+    plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
+    plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
+                      gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
+                      activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec,
+                      loss_chunk_size=cfg.loss_chunk_size or None, attention=attention)
+    return plan, next(r for r in plan.rungs if r.name == planned.name)
+
+
+def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str = "auto") -> None:
     """Refuse a rung the memory planner predicts cannot fit, showing the ladder and the rung that would.
 
     Raises:
@@ -119,30 +147,10 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     mem = _device_memory_bytes(cfg)
     if mem is None or cfg.skip_plan_check:
         return
-    from hfdist.job.ladder import known_rung_names
-    from hfdist.models.presets import DEFAULT_PRESET, load_config
-    from hfdist.models.registry import is_supported
-    from hfdist.plan import plan_rungs
-
-    spec = cfg.model or DEFAULT_PRESET
-    config = load_config(spec)
-    if not is_supported(config):
-        return  # the planner counts registered architectures; others run unplanned on the data-parallel rungs
-    planned = rung if rung.kind is not StrategyKind.SINGLE else load_rung("ddp").with_num_processes(1)
-    others = [load_rung(n) for n in known_rung_names() if n != planned.name]
-    from hfdist.job.launch import effective_mixed_precision
-
-    on_gpu = torch.cuda.is_available()
-    dtype = "bf16" if effective_mixed_precision(rung, on_gpu, cfg.mixed_precision) == "bf16" else "fp32"
-    # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
-    plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
-    plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
-                      gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
-                      activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec,
-                      loss_chunk_size=cfg.loss_chunk_size or None)
-    mine = next(r for r in plan.rungs if r.name == planned.name)
-    if mine.fits:
+    planned = _plan(cfg, rung, micro, mem, attention, with_others=True)
+    if planned is None or planned[1].fits:
         return
+    plan, mine = planned
     rec = plan.recommended
     advice = (f"The simplest rung that fits is {rec.name}: {rec.command}" if rec is not None
               else f"No rung fits: {plan.hint}")
@@ -152,6 +160,32 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
         f"would run out of memory. {advice}. Pass --skip-plan-check to run anyway (e.g. if the plan is too "
         f"pessimistic for your setup).\n\n{plan.table()}"
     )
+
+
+def check_dense_mask(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str) -> None:
+    """The explicit sdpa / eager choice holds a dense (B, 1, S, S) document mask and its per-layer copies on every
+    rank (hfdist.models.attention.dense_mask_bytes): refuse it where those alone exceed a rank's memory (the GPU's,
+    --gpu-mem-gb, or on CPU the host's RAM shared by the rung's processes), naming the fix.
+
+    Raises:
+        ConfigError: the mask bytes do not fit (--skip-plan-check overrides).
+    """
+    from hfdist.models.attention import AUTO, uses_dense_mask
+
+    if not uses_dense_mask(attention) or cfg.skip_plan_check:
+        return
+    mem = _device_memory_bytes(cfg) or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rung.num_processes
+    dense, free = (_plan(cfg, rung, micro, mem, a, with_others=False) for a in (attention, AUTO))
+    if dense is None or dense[1].bytes is None:
+        return
+    mask = dense[1].bytes.activations - free[1].bytes.activations
+    if mask > mem:
+        raise ConfigError(
+            f"--attn-implementation {attention} attends through a dense document mask of --seq-len {cfg.seq_len} x "
+            f"{cfg.seq_len} per sequence, which with its per-layer copies needs {mask / 1e9:.1f} GB per rank on "
+            f"{rung.name}, more than the {mem / 1e9:.1f} GB a rank has here. Use --attn-implementation auto (packed "
+            "documents kept apart by their boundaries, nothing S x S), or a shorter --seq-len; --skip-plan-check "
+            "runs anyway.")
 
 
 def _check_output_dir(cfg: FinetuneConfig) -> None:
@@ -291,7 +325,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
     _check_output_dir(cfg)
     _check_gpu_settings(rung)
-    check_attention(cfg, rung)
+    attention = check_attention(cfg, rung)
     if cfg.compile:
         from hfdist.parallel.parallelize import check_compile
 
@@ -304,4 +338,5 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     check_nvme_offload(rung)
     check_checkpoint_weights(cfg.model)
-    plan_check(cfg, rung, micro)
+    check_dense_mask(cfg, rung, micro, attention)
+    plan_check(cfg, rung, micro, attention)

@@ -113,20 +113,19 @@ def resolve_attention(requested: str, *, on_gpu: bool, training: bool = True, cp
                                f"{', '.join(CHOICES)}, or a kernels-hub flash kernel id (org/repo).")
 
 
-def dense_mask_bytes(name: str, *, seq: int, micro_batch: int, layers: int, heads: int, elem: int,
-                     shared_bias: bool = False) -> int:
-    """Bytes a dense-mask implementation holds on one rank beyond the flash / varlen activations
-    (hfdist.models.shape), for `micro_batch` rows of `seq` tokens and `layers` decoder layers of `heads` local
-    attention heads, activations of `elem` bytes; 0 for every implementation without an S x S tensor.
+def dense_mask_bytes(name: str, *, seq: int, micro_batch: int, heads: int, elem: int) -> tuple[int, int]:
+    """(mask bytes, bytes saved per layer) a dense-mask implementation holds on one rank for `micro_batch` rows of
+    `seq` tokens, beyond the activations every implementation saves (hfdist.models.shape), with `heads` attention
+    heads on the rank and activations of `elem` bytes; (0, 0) for every implementation without an S x S tensor.
 
-    sdpa: the collator's bool mask (1 byte per entry) and the additive bias of the activation dtype that sdpa
-    makes of it and saves for backward in every layer (one shared copy under context parallelism:
-    `shared_bias`). eager: its float32 mask and, per layer and head, the fp32 softmax output it saves (plus its
-    cast to bf16 under bf16), the S x S scores of every head.
+    sdpa: the collator's bool mask (1 byte per entry), and the additive bias of the activation dtype sdpa makes of it
+    and saves for backward in each layer (under context parallelism one copy serves every layer,
+    hfdist.parallel.context). eager: its float32 mask, and per layer and head the S x S softmax output it saves
+    (fp32, plus its cast to the activation dtype when that is narrower).
     """
     entries = micro_batch * seq * seq
     if name == "sdpa":
-        return entries * (1 + elem * (1 if shared_bias else layers))
+        return entries, entries * elem
     if name == "eager":
-        return entries * (4 + layers * heads * (4 + (elem if elem != 4 else 0)))
-    return 0
+        return entries * 4, entries * heads * (4 + (elem if elem < 4 else 0))
+    return 0, 0

@@ -58,12 +58,13 @@ def _boundaries(query: torch.Tensor, kwargs: dict[str, Any]) -> list[int]:
     cu = kwargs.get("cu_seq_lens_q")
     if cu is not None:
         lengths = document_lengths(cu)
-        if sum(lengths) != batch * seq or not torch.equal(cu, kwargs.get("cu_seq_lens_k", cu)):
+        cu_k = kwargs.get("cu_seq_lens_k")
+        same = cu_k is None or cu_k is cu or document_lengths(cu_k) == lengths
+        if sum(lengths) != batch * seq or not same:
             raise DocumentAttentionError(
                 f"Document attention got cu_seq_lens covering {sum(lengths)} tokens (q and k "
-                f"{'equal' if torch.equal(cu, kwargs.get('cu_seq_lens_k', cu)) else 'different'}) for {batch} rows "
-                f"of {seq}: the boundaries belong to another batch. Build them from this batch's position ids "
-                "(hfdist.data.collation.varlen_kwargs).")
+                f"{'equal' if same else 'different'}) for {batch} rows of {seq}: the boundaries belong to another "
+                "batch. Build them from this batch's position ids (hfdist.data.collation.varlen_kwargs).")
         return lengths
     positions = kwargs.get("position_ids")
     if positions is None:
@@ -115,7 +116,7 @@ def _band(n: int, window: int, device: torch.device) -> torch.Tensor:
 def _softcapped(q, k, v, scale: float, softcap: float, allowed: torch.Tensor | None, causal: bool,
                 dropout: float, training: bool) -> torch.Tensor:
     """One document's attention with tanh softcapping (which sdpa has no argument for), as eager attention
-    computes it: (heads, n, D) each; k / v already repeated to the query heads."""
+    computes it: (1, heads, n, D) each; k / v already repeated to the query heads."""
     scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
     n = q.shape[-2]
     if allowed is None and causal:
@@ -128,12 +129,12 @@ def _softcapped(q, k, v, scale: float, softcap: float, allowed: torch.Tensor | N
 
 def _attend_document(q, k, v, *, scale: float | None, window: int | None, causal: bool, softcap: float | None,
                      dropout: float, training: bool) -> torch.Tensor:
-    """(heads, n, D) query against (kv_heads, n, D) keys / values of one document -> (heads, n, D)."""
+    """(1, heads, n, D) query against (1, kv_heads, n, D) keys / values of one document -> (1, heads, n, D)."""
     n = q.shape[-2]
     allowed = _band(n, window, q.device) if causal and window is not None and window < n else None
     if softcap is not None:
-        groups = q.shape[0] // k.shape[0]
-        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+        groups = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
         return _softcapped(q, k, v, scale if scale is not None else q.shape[-1] ** -0.5, softcap, allowed, causal,
                            dropout, training)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
@@ -169,18 +170,22 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     groups = heads // key.shape[1]
     window = int(sliding_window) if sliding_window else None
     rows = []
-    # Row by row, split along the sequence: views of q / k / v in whatever layout the model made them.
+    # Row by row, split along the sequence: views of q / k / v in whatever layout the model made them. Kept 4-D:
+    # torch 2.13 sends 3-D grouped-query inputs to its math path, which materialises every head's n x n scores.
     for r, lengths in enumerate(_rows(_boundaries(query, kwargs), batch, seq)):
         runs = _runs(lengths)
         outputs = []
-        for (n, singles), q, k, v in zip(runs, *(t[r].split([n for n, _ in runs], dim=-2) for t in (query, key, value))):
+        row = [t[r:r + 1].split([n for n, _ in runs], dim=-2) for t in (query, key, value)]
+        for (n, singles), q, k, v in zip(runs, *row):
             if singles:  # each token attends only to itself: softmax of one score is 1
-                outputs.append(v.repeat_interleave(groups, dim=0))
+                out = v.repeat_interleave(groups, dim=1)
             else:
-                outputs.append(_attend_document(q, k, v, scale=scaling, window=window, causal=causal, softcap=softcap,
-                                                dropout=dropout, training=module.training))
-        rows.append(torch.cat(outputs, dim=-2))
-    return torch.stack(rows).transpose(1, 2), None
+                out = _attend_document(q, k, v, scale=scaling, window=window, causal=causal, softcap=softcap,
+                                       dropout=dropout, training=module.training)
+            outputs.append(out.transpose(1, 2))
+        rows.append(torch.cat(outputs, dim=1))
+    # (B, S, H, D), contiguous: the model's reshape to (B, S, H * D) is a view.
+    return torch.cat(rows), None
 
 
 def document_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
