@@ -72,6 +72,9 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         report_to="none", bf16=mixed == "bf16" and not rung.owns_sharding, fp16=mixed == "fp16", use_cpu=not on_gpu,
         deepspeed=deepspeed,
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
+        # On GPU two worker processes collate the next batches while the device computes (pinned, for an
+        # asynchronous copy); on CPU they would take cores from the ranks, and collation is O(tokens) anyway.
+        dataloader_num_workers=2 if on_gpu else 0, dataloader_persistent_workers=on_gpu, dataloader_pin_memory=on_gpu,
         # Mesh rungs get it from hfdist.parallel.parallelize (the Trainer cannot reach layers inside stages).
         activation_checkpointing=cfg.activation_checkpointing and not rung.owns_sharding,
         activation_checkpointing_kwargs={"use_reentrant": False} if cfg.activation_checkpointing else None,

@@ -141,6 +141,9 @@ def _attend_document(q, k, v, *, scale: float | None, window: int | None, causal
                                           is_causal=causal and allowed is None, scale=scale, enable_gqa=True)
 
 
+# Outside torch.compile's graphs (a compiled decoder layer breaks around it): the documents' lengths are data, and a
+# graph specialised on them would recompile for every batch.
+@torch.compiler.disable
 def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                        attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                        sliding_window: int | None = None, softcap: float | None = None, is_causal: bool | None = None,

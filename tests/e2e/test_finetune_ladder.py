@@ -1,6 +1,7 @@
 """End-to-end: every shipped rung through scripts/finetune.py on CPU/gloo, against the single-process run.
 
-Each run trains llama-tiny for 4 steps on the same global batch (8 sequences) and seed. What must hold:
+Each run trains llama-tiny for 4 steps on the same global batch (8 sequences) and seed, attending with the CPU
+default, hfdist's document attention (packed documents kept apart by their boundaries). What must hold:
 - losses equal the single-process losses within LOSS_RTOL (fp32; only the order of reductions differs);
 - per-rank bytes show the sharding the rung promises;
 - the saved model (or LoRA adapter) loads in a fresh process and reproduces the trained model's loss on a batch.
@@ -68,6 +69,7 @@ def test_strategy_and_world_recorded(runs, name):
     assert s["dp_replicate"] * s["dp_shard"] * s["pp"] * s["tp"] == want_world
     assert s["zero_stage"] == (int(name[4]) if name.startswith("zero") else 0)
     assert s["mixed_precision"] == "no"  # the YAMLs say bf16: translated on CPU
+    assert s["attn_implementation"] == "hfdist_documents"  # the CPU default: documents apart, no S x S mask
 
 
 def test_cpu_translation_is_announced(runs):

@@ -186,3 +186,20 @@ def test_training_length_is_steps_or_epochs_not_both(capsys):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_collator_works_in_dataloader_workers(tok):
+    """GPU runs collate in DataLoader worker processes (hfdist.job.run): the collator pickles, and the workers'
+    batches are the main process's."""
+    from torch.utils.data import DataLoader
+
+    from hfdist.models.presets import load_config
+
+    config = load_config("llama-tiny", 1024)
+    config._attn_implementation = "hfdist_documents"
+    packed = prepare(load_raw_dataset(None), tok, 128).select(range(8))
+    here, there = (list(DataLoader(packed, batch_size=4, collate_fn=collator_for(config, 128), num_workers=n))
+                   for n in (0, 2))
+    for a, b in zip(here, there):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                                            for k in a)
