@@ -90,10 +90,10 @@ def run(model: Path, config: str, seq: int, rows: int, attention: str, steps: in
 
 def planned_mask_bytes(preset: str, seq: int) -> int:
     """The planner's extra per-rank bytes of sdpa's dense mask on fsdp_cp (dp_shard 1 x cp 2), fp32."""
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.dims import ParallelDims
+    from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.models.shape import ModelShape
-    from hfdist.parallel.dims import ParallelDims
     from hfdist.plan.bytes import Workload, rung_rank_bytes
 
     shape, rung, dims = ModelShape.from_config(load_config(preset)), load_rung("fsdp_cp"), ParallelDims(cp=2)

@@ -41,7 +41,7 @@ CALLBACK_TIME_FILE = "callback_seconds.json"
 
 def _train_timed(finetune_args: list[str], out: Path) -> None:
     """Run the fine-tune in this process with every TIMED method adding its wall time to one clock."""
-    from hfdist.job.config import parse_args
+    from hfdist.config.finetune import parse_args
     from hfdist.job.run import finetune
     from hfdist.metrics.bubble import timed
 

@@ -49,10 +49,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def predicted_activations(preset: str, cp: int, seq: int, attention: str) -> int:
     """The planner's per-rank activation bytes for the fsdp_cp rung at `cp` (fp32, no checkpointing)."""
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.dims import ParallelDims
+    from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.models.shape import ModelShape
-    from hfdist.parallel.dims import ParallelDims
     from hfdist.plan.bytes import Workload, rung_rank_bytes
 
     shape = ModelShape.from_config(load_config(preset))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 
 def main(checkpoint: str, method: str, out: str) -> None:
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.ladder import load_rung
     from hfdist.metrics.memory import peak_memory_bytes, start_peak_window
     from hfdist.models import load as load_module
     from hfdist.models.build import meta_model

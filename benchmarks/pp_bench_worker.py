@@ -262,7 +262,7 @@ def main() -> None:
         if args.case == "native":
             result["row"] = native_case(s, args.checkpoint)
         else:
-            from hfdist.parallel.dims import ParallelDims
+            from hfdist.config.dims import ParallelDims
 
             mesh = ParallelDims(pp=2).build_mesh("cpu")
             result["row"] = timing_case(mesh, s) if args.case == "timing" else memory_case(mesh, s, args.schedule)

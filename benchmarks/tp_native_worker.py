@@ -34,8 +34,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
+from hfdist.config.dims import ParallelDims
 from hfdist.metrics.memory import held_tensor, peak_memory_bytes, rank_state_bytes, saved_tensor_bytes
-from hfdist.parallel.dims import ParallelDims
 from hfdist.parallel.tensor import apply_tp, tp_causal_lm_loss
 
 VARIANTS = ("reference", "hfdist_sp", "hfdist_nosp", "native")

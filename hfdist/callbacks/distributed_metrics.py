@@ -45,7 +45,7 @@ def _compute_dtype(args, model: torch.nn.Module | None) -> str:
     if args.bf16 or args.fp16:
         return "bf16" if args.bf16 else "fp16"
     if model is not None:  # hfdist's mesh rungs cast through FSDP2's policy, not the Trainer's autocast
-        from hfdist.train.precision import fsdp_compute_dtype
+        from hfdist.parallel.fsdp import fsdp_compute_dtype
 
         if (policy := fsdp_compute_dtype(model)) in _LOW_PRECISION:
             return _LOW_PRECISION[policy]

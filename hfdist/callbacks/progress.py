@@ -3,16 +3,22 @@ per logging step, and a closing table of every rank's figures."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 from transformers.trainer_callback import ProgressCallback
 
 from hfdist.callbacks.rank_metrics import slowest_rank
 
-if TYPE_CHECKING:
-    from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
+__all__ = ["MetricsProgressCallback", "RunFigures", "format_bytes", "rank_table"]
 
-__all__ = ["MetricsProgressCallback", "format_bytes", "rank_table"]
+
+class RunFigures(Protocol):
+    """What the bar reads from the callback that measures the run (hfdist's DistributedMetricsCallback)."""
+
+    ranks_per_replica: int  # ranks that process the same tokens together (tp x pp)
+
+    def print_closing_table(self, args, state) -> None:
+        """Print every rank's figures for the run (rank 0)."""
 
 
 def format_bytes(n: float) -> str:
@@ -28,12 +34,12 @@ class MetricsProgressCallback(ProgressCallback):
     """The Trainer's tqdm bar with the latest loss, tokens/s and peak memory in its postfix; prints no dicts.
 
     Logs without a training loss (evaluation metrics) are still written above the bar, as the Trainer does; the
-    Trainer's closing summary dict is not (the closing table says more). With a DistributedMetricsCallback attached
-    (`metrics`), tokens/s is the global rate (summed over ranks, over tp x pp) and memory the largest rank's peak,
-    and the metrics' closing table is printed once the bar is closed.
+    Trainer's closing summary dict is not (the closing table says more). With the run's figures attached (`metrics`,
+    a DistributedMetricsCallback), tokens/s is the global rate (summed over ranks, over tp x pp) and memory the
+    largest rank's peak, and the metrics' closing table is printed once the bar is closed.
     """
 
-    def __init__(self, metrics: DistributedMetricsCallback | None = None) -> None:
+    def __init__(self, metrics: RunFigures | None = None) -> None:
         super().__init__()
         self.metrics = metrics
 

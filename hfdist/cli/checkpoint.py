@@ -20,7 +20,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from hfdist.train.checkpoint_export import export_checkpoint
+    from hfdist.checkpoint.convert import export_checkpoint
 
     out = Path(args.out)
     checkpoint = export_checkpoint(Path(args.checkpoint), out)

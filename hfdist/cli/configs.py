@@ -25,9 +25,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def ladder_rows(num_processes: int | None = None) -> list[dict]:
     """Every shipped rung as a dict: name, files, processes and layout here, what it is for, launch command."""
+    from hfdist.config.finetune import FinetuneConfig
+    from hfdist.config.ladder import known_rung_names, load_rung
     from hfdist.errors import HfdistError
-    from hfdist.job.config import FinetuneConfig
-    from hfdist.job.ladder import known_rung_names, load_rung
     from hfdist.job.world import Node, resolve_rung
 
     node = Node.detect()
@@ -51,7 +51,7 @@ def ladder_rows(num_processes: int | None = None) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hfdist.job.ladder import CONFIG_ROOT
+    from hfdist.config.ladder import CONFIG_ROOT
 
     rows = ladder_rows(args.num_processes)
     if args.json:

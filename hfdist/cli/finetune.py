@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from hfdist.job.config import USAGE, add_finetune_arguments
+from hfdist.config.finetune import USAGE, add_finetune_arguments
 
 __all__ = ["VERB", "run_finetune", "exit_after_run"]
 
@@ -20,8 +20,8 @@ MODULE_ENTRY = ["-m", "hfdist.cli", "finetune"]
 
 def run_finetune(argv: list[str], entry: list[str]) -> int:
     """Parse the fine-tune options in `argv` and run the job; `entry` is what a hand-over starts in each rank."""
+    from hfdist.config.finetune import parse_args
     from hfdist.errors import run_with_clear_errors
-    from hfdist.job.config import parse_args
 
     cfg = parse_args(argv, prog="hfdist finetune" if entry == MODULE_ENTRY else None)
     from hfdist.job.run import finetune
@@ -35,7 +35,7 @@ def exit_after_run(code: int) -> None:
     ("terminate called without an active exception", SIGABRT) and turn a finished run into a failed one: such a
     rank leaves without that teardown."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from hfdist.job import console
+        from hfdist import console
 
         console.finish()
         sys.stdout.flush()

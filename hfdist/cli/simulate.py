@@ -15,14 +15,14 @@ optimizer bytes next to the planner's prediction. Seconds on a laptop for Llama-
 
 Example: hfdist simulate --model llama-3.1-70b --config 3d --num-processes 512 --tp 8 --pp 4
 
-Mesh rungs only (fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d); DeepSpeed rungs are refused (their engine needs
+Mesh rungs only (fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp); DeepSpeed rungs are refused (their engine needs
 real memory and collectives), use `hfdist plan` for them. Exit code 1 when verification fails.
 """
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (llama-3.1-8b, ...), local checkpoint folder, or HF id")
-    p.add_argument("--config", required=True, help="mesh rung: fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d "
+    p.add_argument("--config", required=True, help="mesh rung: fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp "
                                                    "(or a YAML path)")
     p.add_argument("--num-processes", type=int, required=True, help="ranks to simulate (the world size)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the YAML's)")

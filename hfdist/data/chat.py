@@ -31,7 +31,7 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{ '### Assistant:\\n' }}{% endif %}"
 )
 DEFAULT_TEMPLATE_NOTE = ("the tokenizer has no chat template, so conversations use hfdist's default: '### System:', "
-                         "'### User:', '### Assistant:' headers, EOS after each answer (README, Data)")
+                         "'### User:', '### Assistant:' headers, EOS after each answer (docs/data.md)")
 
 Segment = tuple[str, bool]  # (text, whether its tokens carry the loss)
 

@@ -34,6 +34,7 @@ import torch
 
 from hfdist.data.errors import DataError
 from hfdist.models.attention import DENSE_MASK, takes_boundaries, uses_dense_mask
+from hfdist.models.document_attention import varlen_kwargs
 
 __all__ = ["document_ids", "block_causal_mask", "varlen_kwargs", "attention_inputs", "sliding_window_for",
            "collate", "collator_for"]
@@ -53,16 +54,6 @@ def block_causal_mask(position_ids: torch.Tensor, sliding_window: int | None = N
     if sliding_window is not None:
         allowed &= (idx[:, None] - idx[None, :]) < sliding_window
     return allowed[:, None]
-
-
-def varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
-    """flash-attention varlen arguments for rows flattened into one sequence: every document's start (and the
-    total length) as int32 `cu_seq_lens_*`, the longest document as `max_length_*`."""
-    flat = position_ids.reshape(-1)
-    starts = torch.nonzero(flat == 0).flatten()
-    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
-    longest = int(cu.diff().max())
-    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def attention_inputs(position_ids: torch.Tensor, attn_implementation: str = "sdpa",

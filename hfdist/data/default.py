@@ -14,14 +14,14 @@ import json
 import random
 from pathlib import Path
 
-__all__ = ["ASSETS_DIR", "DATA_FILE", "TOKENIZER_DIR", "EMBEDDED_VOCAB_SIZE", "SYSTEM_PROMPTS", "generate_examples",
-           "generate_conversations", "train_tokenizer", "write_assets"]
+from hfdist.models.presets import EMBEDDED_VOCAB_SIZE
+
+__all__ = ["ASSETS_DIR", "DATA_FILE", "TOKENIZER_DIR", "SYSTEM_PROMPTS", "generate_examples", "generate_conversations",
+           "train_tokenizer", "write_assets"]
 
 ASSETS_DIR = Path(__file__).resolve().parents[1] / "assets"
 DATA_FILE = ASSETS_DIR / "conversations.jsonl"
 TOKENIZER_DIR = ASSETS_DIR / "tokenizer"
-# The shipped tokenizer's vocabulary, which the presets take unless they fix their own.
-EMBEDDED_VOCAB_SIZE = 1024
 
 _WORDS = (
     "apple river stone cloud garden window yellow silver forest ocean mountain bridge candle pencil rabbit "

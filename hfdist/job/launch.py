@@ -19,18 +19,17 @@ import socket
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from hfdist import console
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import Rung, StrategyKind
+from hfdist.config.precision import cpu_translation
 from hfdist.errors import ERROR_DIR_ENV, HfdistError, collected_errors
-from hfdist.job import console
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import Rung, StrategyKind
 from hfdist.job.world import Node
 
-__all__ = ["LaunchError", "CpuTranslation", "effective_mixed_precision", "cpu_translation", "settle_mixed_precision",
-           "accelerate_command", "single_gpu_env", "ensure_world", "HANDED_OVER_ENV"]
+__all__ = ["LaunchError", "accelerate_command", "single_gpu_env", "ensure_world", "HANDED_OVER_ENV"]
 
 HANDED_OVER_ENV = "HFDIST_HANDED_OVER"
 # accelerate's FSDP switches: hfdist applies FSDP2 itself (launch.py docstring, parallel/fsdp.py), so these are read
@@ -43,53 +42,6 @@ class LaunchError(HfdistError, RuntimeError):
     """The process world does not match the rung, and hfdist cannot start the right one from here."""
 
 
-@dataclass(frozen=True)
-class CpuTranslation:
-    """GPU-only settings of a rung replaced for a CPU run, and why."""
-
-    mixed_precision: str
-    notes: tuple[str, ...]
-
-    def line(self, rung: Rung) -> str:
-        """The one line a CPU run prints about what it changed."""
-        return f"hfdist: no GPU, so {rung.name} runs on CPU with gloo: " + "; ".join(self.notes)
-
-
-def effective_mixed_precision(rung: Rung, on_gpu: bool, asked: str = "auto") -> str:
-    """The precision a run trains in: --mixed-precision as given ("no" or "bf16", on any device), or for "auto"
-    the rung's own setting on a GPU and fp32 on a CPU."""
-    if asked != "auto":
-        return asked
-    return rung.mixed_precision if on_gpu else "no"
-
-
-def cpu_translation(rung: Rung, on_gpu: bool, asked: str = "auto") -> CpuTranslation | None:
-    """What a rung's GPU-only settings become on CPU, or None on a GPU machine. bf16 asked for on CPU stays bf16
-    (CPU autocast, FSDP2's policy, DeepSpeed's bf16 all run there); "auto" trains the CPU in fp32."""
-    if on_gpu:
-        return None
-    mixed = effective_mixed_precision(rung, on_gpu, asked)
-    notes = ["backend nccl -> gloo"]
-    if asked == "auto" and rung.mixed_precision != mixed:
-        notes.append(f"mixed_precision {rung.mixed_precision} -> fp32 (--mixed-precision bf16 keeps bf16)")
-    if rung.fsdp is not None and rung.fsdp.offload_params:
-        notes.append("fsdp_offload_params -> off (params already live in CPU memory)")
-    return CpuTranslation(mixed_precision=mixed, notes=tuple(notes))
-
-
-def settle_mixed_precision(rung: Rung, on_gpu: bool, asked: str = "auto") -> str:
-    """The mixed precision this rank trains with; accelerate is told the part it applies.
-
-    TrainingArguments reads ACCELERATE_MIXED_PRECISION (set by `accelerate launch` from the YAML), so the setting
-    must reach the environment: the run's precision for DDP and DeepSpeed (accelerate's autocast, DeepSpeed's bf16
-    section), "no" for hfdist's mesh rungs, whose FSDP2 policy computes in bf16 (autocast on top of it would cast
-    twice and keep fp32 copies of every output).
-    """
-    mixed = effective_mixed_precision(rung, on_gpu, asked)
-    os.environ["ACCELERATE_MIXED_PRECISION"] = "no" if rung.owns_sharding else mixed
-    return mixed
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -100,7 +52,7 @@ def accelerate_command(rung: Rung, entry: Sequence[str], script_args: list[str],
     """The launch command that starts `entry` (a script path, or ["-m", module, ...]) in the rung's world:
     `accelerate launch --config_file <rung yaml> ...` through hfdist.job.quiet_launch."""
     assert rung.yaml_path is not None
-    # One machine: hfdist starts every process on this node (several nodes: one launcher each, README Multi-node).
+    # One machine: hfdist starts every process on this node (several nodes: one launcher each, docs/multi-node.md).
     cmd = [sys.executable, "-m", "hfdist.job.quiet_launch", "--config_file", str(rung.yaml_path),
            "--num_processes", str(rung.num_processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
     translation = cpu_translation(rung, on_gpu)

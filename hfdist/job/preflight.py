@@ -1,6 +1,7 @@
 """Checks that cost nothing and must fail before any process starts (or, in a world another launcher started,
-before any rank writes): batch layout, pipeline and DeepSpeed settings against the command line and the model,
-the memory plan, the output folder and the checkpoint to resume. Each failure is one paragraph naming the fix.
+before any rank writes): batch layout, pipeline (hfdist.parallel.pipeline.plan) and DeepSpeed settings against the
+command line and the model, the memory plan, the output folder and the checkpoint to resume. Each failure is one
+paragraph naming the fix.
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ from pathlib import Path
 
 import torch
 
-from hfdist.job.config import ConfigError, FinetuneConfig
-from hfdist.job.ladder import Rung, StrategyKind, load_rung
+from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.ladder import Rung, StrategyKind, load_rung
+from hfdist.config.precision import effective_mixed_precision
+from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["batch_layout", "with_pipeline_overrides", "check_pipeline", "check_deepspeed_json", "plan_check",
-           "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "check_attention",
-           "check_dense_mask", "preflight"]
+__all__ = ["batch_layout", "check_deepspeed_json", "plan_check", "check_model_fits_rung", "check_context_parallel",
+           "check_nvme_offload", "check_attention", "check_dense_mask", "preflight"]
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -29,52 +31,6 @@ def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[i
         raise ConfigError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size {micro} x "
                           f"{dp} data-parallel ranks = {micro * dp}. Pick sizes where it is.")
     return micro, global_batch // (micro * dp)
-
-
-def with_pipeline_overrides(rung: Rung, cfg: FinetuneConfig) -> Rung:
-    """The rung with --pp-schedule / --pp-microbatches applied (they override the YAML's pp settings).
-
-    Raises:
-        ConfigError: a pipeline option given for a rung without pipeline stages.
-    """
-    if cfg.pp_schedule is None and cfg.pp_microbatches is None:
-        return rung
-    if rung.pipeline is None:
-        raise ConfigError(f"--pp-schedule / --pp-microbatches apply to pipeline rungs only, and {rung.name} has no "
-                          "pipeline stages (pp=1). Use --config pp.yaml or 3d.yaml, or drop these options.")
-    from dataclasses import replace
-
-    pipeline = replace(rung.pipeline, **{k: v for k, v in (("schedule", cfg.pp_schedule),
-                                                            ("n_microbatches", cfg.pp_microbatches)) if v is not None})
-    return replace(rung, pipeline=pipeline)
-
-
-def check_pipeline(rung: Rung, micro: int, num_layers: int) -> None:
-    """A pipeline rung's schedule, micro-batches and stages against the batch and the model, before any process.
-
-    Raises:
-        ConfigError: naming the value that does not work and the values that would.
-    """
-    if rung.pipeline is None:
-        return
-    from hfdist.parallel.pipeline.plan import PipelineConfigError, default_stages_per_rank, validate_microbatches
-
-    p, pp = rung.pipeline, rung.dims.pp
-    try:
-        per_rank = default_stages_per_rank(p.schedule)
-        if pp * per_rank > num_layers:
-            raise ConfigError(f"{rung.name} cuts the model into {pp * per_rank} pipeline stages (pp={pp} x "
-                              f"{per_rank} per rank for {p.schedule}), but the model has only {num_layers} decoder "
-                              f"layers and every stage needs one. Use pp <= {num_layers // per_rank}, a one-stage "
-                              "schedule (1F1B, GPipe), or a deeper model.")
-        validate_microbatches(p.schedule, p.n_microbatches, pp, per_rank)
-    except PipelineConfigError as exc:
-        raise ConfigError(f"{rung.name}: {exc} Set it with --pp-schedule / --pp-microbatches or in "
-                          "parallelism_config_pp_* of the YAML.") from exc
-    if micro % p.n_microbatches:
-        raise ConfigError(f"{rung.name}: each data-parallel rank gets {micro} sequences per step, which the "
-                          f"{p.n_microbatches} pipeline micro-batches must divide evenly. Pick --pp-microbatches "
-                          f"dividing {micro}, or a --global-batch-size / --micro-batch-size that it divides.")
 
 
 def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum: int) -> None:
@@ -115,8 +71,7 @@ def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
 def _plan(cfg: FinetuneConfig, rung: Rung, micro: int, mem: int, attention: str, with_others: bool):
     """The memory plan of `rung` (and of every other rung) for this job, or None for an architecture the planner
     does not count (others run unplanned on the data-parallel rungs)."""
-    from hfdist.job.ladder import known_rung_names
-    from hfdist.job.launch import effective_mixed_precision
+    from hfdist.config.ladder import known_rung_names
     from hfdist.models.presets import DEFAULT_PRESET, load_config
     from hfdist.models.registry import is_supported
     from hfdist.plan import plan_rungs
@@ -189,7 +144,7 @@ def check_dense_mask(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str
 
 
 def _check_output_dir(cfg: FinetuneConfig) -> None:
-    from hfdist.job.console import log_dir
+    from hfdist.console import log_dir
 
     out = Path(cfg.output_dir)
     # hfdist's own library logs (OUTPUT_DIR/logs) do not count: a run that crashed before writing anything else
@@ -308,20 +263,20 @@ def check_attention(cfg: FinetuneConfig, rung: Rung) -> str:
 
 
 def _check_gpu_settings(rung: Rung) -> None:
-    """YAML settings hfdist does not implement on a GPU (hfdist.job.translate.refuse_on_gpu)."""
+    """YAML settings hfdist does not implement on a GPU (hfdist.config.translate.refuse_on_gpu)."""
     if rung.yaml_path is None or not torch.cuda.is_available():
         return
-    from hfdist.job.ladder import read_accelerate_yaml
-    from hfdist.job.translate import refuse_on_gpu
+    from hfdist.config.ladder import read_accelerate_yaml
+    from hfdist.config.translate import refuse_on_gpu
 
     refuse_on_gpu(read_accelerate_yaml(rung.yaml_path), rung.owns_sharding, rung.yaml_path)
 
 
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
+    from hfdist.checkpoint.resume import resume_point
     from hfdist.models.build import check_checkpoint_weights
     from hfdist.models.presets import load_config
-    from hfdist.train.resume import resume_point
 
     _check_output_dir(cfg)
     _check_gpu_settings(rung)

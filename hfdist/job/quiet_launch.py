@@ -7,7 +7,7 @@ single-process and DeepSpeed launchers, torch elastic's ChildFailedError report 
 the ranks' output, so hfdist's one-paragraph error would be buried above it. This runs the same
 `accelerate.commands.launch.launch_command` in-process and turns those exceptions into the ranks' exit code, with
 which ranks failed written for the hand-over (hfdist.job.launch) to report. The launcher's own notes (torch elastic's
-thread and signal messages, accelerate's hints) go to OUTPUT_DIR/logs/launcher.log (hfdist.job.console).
+thread and signal messages, accelerate's hints) go to OUTPUT_DIR/logs/launcher.log (hfdist.console).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from hfdist.job import console
+    from hfdist import console
 
     args = launch_command_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if os.environ.get(console.LOG_DIR_ENV):

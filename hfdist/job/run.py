@@ -14,14 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from hfdist.job import console
-from hfdist.job.config import ConfigError, FinetuneConfig
-from hfdist.job.ladder import Rung, StrategyKind
-from hfdist.job.launch import HANDED_OVER_ENV, cpu_translation, ensure_world, settle_mixed_precision
+from hfdist import console
+from hfdist.checkpoint.resume import checkpoint_identity, resume_line, resume_point
+from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.ladder import Rung, StrategyKind
+from hfdist.config.precision import cpu_translation, settle_mixed_precision
+from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import batch_layout, preflight
-from hfdist.job.summary import check_blocks, first_blocks, with_rank_records, write_summary
+from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_summary
 from hfdist.job.world import resolve_rung
-from hfdist.train.resume import checkpoint_identity, resume_line, resume_point
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
@@ -52,7 +53,7 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
 
     deepspeed = None
     if rung.ds_config_path is not None:
-        from hfdist.job.translate import deepspeed_config_for_run
+        from hfdist.config.translate import deepspeed_config_for_run
 
         deepspeed, note = deepspeed_config_for_run(rung.ds_config_path, mixed, tp=rung.dims.tp, nvme_path=cfg.nvme_path)
         if note and _is_rank0():
@@ -68,7 +69,7 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
         # Mesh rungs compute in bf16 through FSDP2's policy (hfdist.parallel.parallelize), never also autocast; fp16
-        # reaches only DDP and DeepSpeed (hfdist.job.translate refuses it on the mesh rungs).
+        # reaches only DDP and DeepSpeed (hfdist.config.translate refuses it on the mesh rungs).
         report_to="none", bf16=mixed == "bf16" and not rung.owns_sharding, fp16=mixed == "fp16", use_cpu=not on_gpu,
         deepspeed=deepspeed,
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
@@ -176,6 +177,13 @@ class Run:
     flops_per_token: float
     load: dict[str, float]
 
+    def record(self) -> RunRecord:
+        """What the summary reports of this run, once it has trained."""
+        return RunRecord(strategy=self.strategy, losses=self.losses.losses, loss_steps=self.losses.steps,
+                         check_blocks=check_blocks(self.trainer.rung, len(self.dataset)),
+                         flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
+                         closing_table=self.metrics.closing_table)
+
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
     """Tokenizer, data, model, strategy and Trainer with hfdist's callbacks, on this rank."""
@@ -278,7 +286,7 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
                                                   "precision": precision, **_compile_record(cfg, rung, run)})
     if _is_rank0():
-        write_summary(cfg, run, train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
+        write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
     _leave_process_group()
     return 0
 

@@ -5,20 +5,37 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import Rung
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import Rung
 
 if TYPE_CHECKING:
-    from hfdist.job.run import Run
+    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.metrics.peaks import PeakFlops
 
-__all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "check_blocks", "first_blocks", "with_rank_records", "write_summary"]
+__all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "RunRecord", "check_blocks", "first_blocks", "with_rank_records",
+           "write_summary"]
 
 SUMMARY_NAME = "hfdist_summary.json"
 CHECK_BLOCKS = 4  # packed blocks every rank scores after training; the saved model must reproduce that loss
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """What the summary reports of a trained run beyond its settings, filled in by hfdist.job.run from its Trainer
+    and callbacks (so this module reads no state of the job)."""
+
+    strategy: dict[str, Any]
+    losses: list[float]
+    loss_steps: list[int]
+    check_blocks: int
+    flops_per_token: float
+    peak_flops: PeakFlops | None
+    sink: WandbSink  # finished here, once the peaks are set
+    closing_table: Callable[[Mapping[str, str]], str]  # every rank's figures, then `outputs`
 
 
 def check_blocks(rung: Rung, available: int) -> int:
@@ -52,20 +69,20 @@ def _write_json_atomically(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def write_summary(cfg: FinetuneConfig, run: Run, train_runtime: float | None, check_loss: float,
+def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | None, check_loss: float,
                    ranks: list[dict], resume_from: Path | None) -> None:
     """Rank 0: close the W&B run with the peaks, write OUTPUT_DIR/hfdist_summary.json and print the closing table."""
     summary = {
         "strategy": run.strategy,
         "config": asdict(cfg),
-        "losses": run.losses.losses,
-        "loss_steps": run.losses.steps,
+        "losses": run.losses,
+        "loss_steps": run.loss_steps,
         "resumed_from": str(resume_from) if resume_from else None,
         "check_batch_loss": check_loss,
-        "check_blocks": check_blocks(run.trainer.rung, len(run.dataset)),
+        "check_blocks": run.check_blocks,
         "train_runtime": train_runtime,
         "flops_per_token": run.flops_per_token,
-        "peak_flops": {"flops": run.metrics.peak.flops, "source": run.metrics.peak.source} if run.metrics.peak else None,
+        "peak_flops": {"flops": run.peak_flops.flops, "source": run.peak_flops.source} if run.peak_flops else None,
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
     }
     run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
@@ -77,12 +94,12 @@ def write_summary(cfg: FinetuneConfig, run: Run, train_runtime: float | None, ch
     summary["wandb"] = {"mode": run.sink.mode, "run_dir": str(run_dir) if run_dir else None,
                         "error": run.sink.error}
     _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
-    losses = run.losses.losses
+    losses = run.losses
     print(f"hfdist: {run.strategy['name']} done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
           f"steps", flush=True)
     outputs = {"model": cfg.output_dir, "summary": str(Path(cfg.output_dir) / SUMMARY_NAME)}
     if run_dir:
         outputs["W&B run"] = str(run_dir)
-    print(run.metrics.closing_table(outputs), flush=True)
+    print(run.closing_table(outputs), flush=True)
 
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
 
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import (
+from hfdist.config.dims import ParallelDims
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import (
     RUNG_INFO,
     FsdpSettings,
     LadderError,
@@ -33,8 +34,6 @@ from hfdist.job.ladder import (
     load_rung,
     resolve_deepspeed_json,
 )
-from hfdist.job.preflight import with_pipeline_overrides
-from hfdist.parallel.dims import ParallelDims
 
 __all__ = ["Node", "WorldError", "resolve_rung", "rung_from_launcher_env", "launcher_config_file"]
 
@@ -104,7 +103,7 @@ def _check_gpus(rung: Rung, node: Node) -> None:
     raise WorldError(
         f"{rung.name} would start {per_node} processes ({rung.dims.describe()}) on this node, which has "
         f"{node.gpus} GPUs: each process needs its own. Pass --num-processes {node.gpus} (the default here) or "
-        "fewer, lower --tp / --pp, or run on several nodes with one launcher per node (README, Multi-node).")
+        "fewer, lower --tp / --pp, or run on several nodes with one launcher per node (docs/multi-node.md).")
 
 
 def resolve_rung(cfg: FinetuneConfig, node: Node | None = None) -> Rung:
@@ -126,7 +125,7 @@ def resolve_rung(cfg: FinetuneConfig, node: Node | None = None) -> Rung:
     except LadderError as exc:
         raise WorldError(f"{exc} (The process count {count} comes from {origin}.)") from exc
     _check_gpus(rung, node)
-    return with_pipeline_overrides(rung, cfg)
+    return rung.with_pipeline(cfg.pp_schedule, cfg.pp_microbatches)
 
 
 def _env_flag(name: str) -> bool:

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
 from hfdist.errors import HfdistError
 from hfdist.models.loss import IGNORE_INDEX, shift_labels, token_sum_cross_entropy
-from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE, facts_for, is_supported
+from hfdist.models.registry import facts_for, is_supported
 
 __all__ = ["DEFAULT_LOSS_CHUNK_SIZE", "VocabShardedLogitsError", "causal_lm_loss", "chunked_token_sum_cross_entropy",
            "find_causal_lm_head", "loss_parallel_active"]

@@ -1,9 +1,9 @@
 """Document attention: packed documents kept apart in O(tokens) memory, with no S x S tensor, on any device.
 
 The batch carries its document boundaries as flash-attention's varlen arguments (`cu_seq_lens_q/k`: every
-document's start in the rows flattened into one sequence, and the total; hfdist.data.collation.varlen_kwargs builds
-them from the position ids), and this attention function, registered with transformers' AttentionInterface under
-DOCUMENT_ATTENTION, attends each document on its own:
+document's start in the rows flattened into one sequence, and the total; `varlen_kwargs` builds them from the
+position ids, for hfdist.data.collation), and this attention function, registered with transformers'
+AttentionInterface under DOCUMENT_ATTENTION, attends each document on its own:
 
     q (B, H, S, D), k / v (B, KV, S, D)  ->  each row split at its documents' boundaries (views, no copy)
     -> per document: torch's scaled_dot_product_attention with is_causal (grouped-query attention inside the
@@ -36,11 +36,21 @@ import torch.nn.functional as F
 from hfdist.errors import HfdistError
 from hfdist.models.attention import DOCUMENT_ATTENTION
 
-__all__ = ["DOCUMENT_ATTENTION", "DocumentAttentionError", "document_lengths", "document_attention",
-           "document_mask", "register_document_attention"]
+__all__ = ["DOCUMENT_ATTENTION", "DocumentAttentionError", "varlen_kwargs", "document_lengths",
+           "document_attention", "document_mask", "register_document_attention"]
 
 class DocumentAttentionError(HfdistError, ValueError):
     """Document attention called without boundaries it can trust."""
+
+
+def varlen_kwargs(position_ids: torch.Tensor) -> dict[str, Any]:
+    """flash-attention varlen arguments for rows flattened into one sequence: every document's start (and the
+    total length) as int32 `cu_seq_lens_*`, the longest document as `max_length_*`."""
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).flatten()
+    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+    longest = int(cu.diff().max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
 
 
 def document_lengths(cu_seq_lens: torch.Tensor) -> list[int]:
@@ -64,7 +74,7 @@ def _boundaries(query: torch.Tensor, kwargs: dict[str, Any]) -> list[int]:
             raise DocumentAttentionError(
                 f"Document attention got cu_seq_lens covering {sum(lengths)} tokens (q and k "
                 f"{'equal' if same else 'different'}) for {batch} rows of {seq}: the boundaries belong to another "
-                "batch. Build them from this batch's position ids (hfdist.data.collation.varlen_kwargs).")
+                "batch. Build them from this batch's position ids (hfdist.models.document_attention.varlen_kwargs).")
         return lengths
     positions = kwargs.get("position_ids")
     if positions is None:
@@ -74,8 +84,6 @@ def _boundaries(query: torch.Tensor, kwargs: dict[str, Any]) -> list[int]:
             f"Document attention got position ids for {positions.shape[-1]} tokens but attends {seq}, and no "
             "cu_seq_lens_q: under context parallelism the boundaries must come with the batch (hfdist's collator "
             "adds them).")
-    from hfdist.data.collation import varlen_kwargs
-
     return document_lengths(varlen_kwargs(positions.expand(batch, -1))["cu_seq_lens_q"])
 
 

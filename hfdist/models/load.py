@@ -29,7 +29,7 @@ from torch.futures import Future
 
 from hfdist.models.init import InitRule, SeededInitReader, init_rule, initial_values
 
-__all__ = ["TensorSource", "WeightPlan", "weight_plan", "hf_key", "load_weights", "load_gathered",
+__all__ = ["TensorSource", "WeightPlan", "weight_plan", "hf_key", "local_tensors", "load_weights", "load_gathered",
            "SafetensorsSliceReader"]
 
 _PEFT_PREFIX = "base_model.model."
@@ -150,6 +150,28 @@ class SafetensorsSliceReader(HuggingFaceStorageReader):
         done: Future = Future()
         done.set_result(None)
         return done
+
+
+def local_tensors(modules: list[tuple[nn.Module, object]]) -> dict[str, torch.Tensor]:
+    """A rank's parameters by their name in the full model, sharded as they are kept.
+
+    Args:
+        modules: (module, rename) pairs: rename maps a module's parameter name to the full model's (a pipeline
+            stage's `original_name`), or is None for the whole model.
+
+    FSDP2 keeps a unit unsharded after a forward without backward (the root, or every unit under a pipeline
+    schedule's evaluation); its parameters are resharded first, so each is the DTensor shard the rank owns.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    out: dict[str, torch.Tensor] = {}
+    for module, rename in modules:
+        for sub in module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.reshard()
+        for name, p in module.named_parameters():
+            out[rename(name) if rename else name] = p
+    return out
 
 
 def load_weights(tensors: Mapping[str, torch.Tensor], plan: WeightPlan) -> None:

@@ -11,11 +11,14 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from hfdist.data.default import EMBEDDED_VOCAB_SIZE
 from hfdist.errors import HfdistError
 
-__all__ = ["PRESETS", "DEFAULT_PRESET", "Preset", "ModelSpecError", "preset_names", "is_preset", "load_config",
-           "preset_shape"]
+__all__ = ["PRESETS", "DEFAULT_PRESET", "EMBEDDED_VOCAB_SIZE", "Preset", "ModelSpecError", "preset_names", "is_preset",
+           "load_config", "preset_shape"]
+
+# The vocabulary of hfdist's embedded tokenizer (hfdist.data.default trains it to this size), which the presets take
+# unless they fix their own.
+EMBEDDED_VOCAB_SIZE = 1024
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192, "rope_theta": 500000.0}

@@ -14,16 +14,11 @@ from typing import Any
 
 from hfdist.errors import HfdistError
 
-__all__ = ["ModelFacts", "UnsupportedModelError", "REGISTRY", "LORA_TARGETS", "IGNORE_INDEX",
-           "DEFAULT_LOSS_CHUNK_SIZE", "facts_for", "is_supported", "supported_types"]
+__all__ = ["ModelFacts", "UnsupportedModelError", "REGISTRY", "LORA_TARGETS", "IGNORE_INDEX", "facts_for",
+           "is_supported", "supported_types"]
 
 # The label value HF causal LMs' loss skips (prompt tokens, padding); every registered architecture uses it.
 IGNORE_INDEX = -100
-
-# Sequence positions per lm_head + cross-entropy chunk of hfdist's loss (hfdist.models.chunked_loss), here beside the
-# other loss fact so the torch-free command line and planner read it too: B x 512 x V x 4 bytes of fp32 logits at
-# once (256 MiB at B=1 for a 128K vocabulary), matmuls still large enough to run at full speed.
-DEFAULT_LOSS_CHUNK_SIZE = 512
 
 # Decoder-layer projections, relative to a decoder layer, by how tensor parallelism splits their weight.
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")

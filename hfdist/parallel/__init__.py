@@ -1,6 +1,5 @@
 """Parallelism on a DeviceMesh: what hfdist applies itself, and the check that a strategy is in effect.
 
-    dims.py          ParallelDims: the degrees (dp_replicate, dp_shard, pp, tp) and their DeviceMesh
     parallelize.py   the one recipe: apply_tp -> apply_ac -> pipeline split -> apply_fsdp
     tensor.py        Megatron TP through DTensor (+ sequence parallel, vocab-parallel loss), plan from the registry
     tensor_check.py  tp divisibility checks without torch (planner, launcher)

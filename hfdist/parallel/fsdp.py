@@ -11,7 +11,8 @@ from torch import nn
 
 from hfdist.errors import HfdistError
 
-__all__ = ["FsdpError", "apply_fsdp", "fsdp_unit_class", "find_layers", "is_instance_of_named"]
+__all__ = ["FsdpError", "apply_fsdp", "fsdp_unit_class", "find_layers", "is_instance_of_named", "fsdp_units",
+           "fsdp_policy", "fsdp_compute_dtype"]
 
 
 class FsdpError(HfdistError, ValueError):
@@ -97,3 +98,22 @@ def apply_fsdp(
     # The root's params (embeddings, final norm, lm_head) are used last in backward: no point resharding them.
     fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
+
+
+def fsdp_units(model: nn.Module) -> list[nn.Module]:
+    """The FSDP2 units in `model` (the modules `fully_shard` was applied to), outermost first."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def fsdp_policy(unit: nn.Module):
+    """The MixedPrecisionPolicy an FSDP2 unit runs with."""
+    # FSDP2 keeps the policy in its module state; torch 2.13 has no public getter for it.
+    return unit._get_fsdp_state()._mp_policy
+
+
+def fsdp_compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype FSDP2's policy computes `model`'s units in (None: no FSDP2 unit, or no cast)."""
+    units = fsdp_units(model)
+    return fsdp_policy(units[0]).param_dtype if units else None

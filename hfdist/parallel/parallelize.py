@@ -40,8 +40,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfdist.job.config import ConfigError
-from hfdist.job.ladder import Rung
+from hfdist.config.finetune import ConfigError
+from hfdist.config.ladder import Rung
 
 __all__ = ["parallelize", "apply_ac", "apply_compile", "check_compile", "compile_record", "verify_compiled",
            "uses_fsdp"]
@@ -179,8 +179,7 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
 def _materialize_and_load(modules: list[tuple[nn.Module, object]], device: torch.device, weights) -> None:
     """Allocate the local shards of `modules` on `device` and fill them, each rank its own."""
     from hfdist.models.build import materialize
-    from hfdist.models.load import load_weights
-    from hfdist.train.export import local_tensors
+    from hfdist.models.load import load_weights, local_tensors
 
     for module, _ in modules:
         materialize(module, device)

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.errors import HfdistError
-from hfdist.job.ladder import Rung, StrategyKind
 
 __all__ = ["StrategyNotInEffect", "verify_strategy"]
 

@@ -58,12 +58,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from hfdist.config.dims import ParallelDims
+from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
+from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.errors import HfdistError
-from hfdist.job.ladder import Rung, StrategyKind
 from hfdist.models.attention import AUTO, CHOICES, dense_mask_bytes, is_hub_kernel
-from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE, LORA_TARGETS
+from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
-from hfdist.parallel.dims import ParallelDims
 
 __all__ = [
     "PlanError",
@@ -232,7 +233,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     pb = _per_param(rung, w)
 
     zero = rung.zero_stage if rung.uses_deepspeed else 0
-    n = dims.dp_shard * dims.cp  # FSDP2 shards over dp_shard x cp (hfdist.parallel.dims.ParallelDims.fsdp_mesh)
+    n = dims.dp_shard * dims.cp  # FSDP2 shards over dp_shard x cp (hfdist.config.dims.ParallelDims.fsdp_mesh)
     fsdp = rung.owns_sharding
     shard_opt = n if (fsdp or zero >= 1) else 1
     grads_sharded, weights_sharded = fsdp or zero >= 2, fsdp or zero >= 3

@@ -16,11 +16,12 @@ import shlex
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
-from hfdist.job.ladder import Rung, known_rung_names, load_rung
+from hfdist.config.dims import ParallelDims
+from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
+from hfdist.config.ladder import Rung, known_rung_names, load_rung
 from hfdist.models.attention import AUTO, uses_dense_mask
-from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE, LORA_TARGETS
+from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
-from hfdist.parallel.dims import ParallelDims
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, dims_on_cluster, offload_device, rung_rank_bytes
 
 __all__ = ["Plan", "RungPlan", "plan_rungs", "plan_order"]
@@ -303,7 +304,7 @@ def plan_rungs(
 
     Args:
         config: a transformers LlamaConfig (hfdist.models.load_config gives one for presets, folders, hub ids).
-        rungs: Rung objects or names; default every shipped rung (hfdist.job.ladder.known_rung_names()).
+        rungs: Rung objects or names; default every shipped rung (hfdist.config.ladder.known_rung_names()).
         model: the --model value, used in the launch commands.
         Others: see Workload and the module docstring.
 

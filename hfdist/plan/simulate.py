@@ -33,8 +33,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 
+from hfdist.config.ladder import LadderError, Rung, StrategyKind, load_rung
 from hfdist.errors import HfdistError
-from hfdist.job.ladder import LadderError, Rung, StrategyKind, load_rung
 from hfdist.parallel.pipeline.plan import MULTI_STAGE_SCHEDULES
 from hfdist.plan.bytes import StateBytes, predict_state_bytes
 
@@ -128,8 +128,9 @@ class Simulation:
                          f"{r.optimizer_bytes / gb:>9.3f}  {predicted:>24} {r.relative_error():>7.2%}")
         for r in self.roles:
             if r.step is not None:
-                lines.append(f"rank {r.rank}: a simulated step (seq {r.step.seq} x micro-batch {r.step.micro_batch}, "
-                             f"{self.attention} attention) "
+                attention = "" if self.attention == "auto" else f", {self.attention} attention"
+                lines.append(f"rank {r.rank}: a simulated step (seq {r.step.seq} x micro-batch {r.step.micro_batch}"
+                             f"{attention}) "
                              f"peaks at {r.step.peak_bytes / gb:.3f} {unit}, activations "
                              f"{r.step.activation_bytes / gb:.3f} {unit}; planner "
                              f"{r.step.predicted_activation_bytes / gb:.3f} {unit} "
@@ -180,7 +181,7 @@ def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = No
                             "predicts one stage per rank, so simulate has nothing to compare with. Simulate with "
                             "--pp-schedule 1F1B (the same parameters, split once per rank).")
     if model_config is not None:
-        from hfdist.job.preflight import check_pipeline
+        from hfdist.parallel.pipeline.plan import check_pipeline
         from hfdist.parallel.tensor_check import validate_tp
 
         if rung.dims.tp > 1:

@@ -25,7 +25,7 @@ __all__ = ["add_arguments", "build_parser", "run_comparison"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The comparison's options (`hfdist compare` and scripts/compare.py share them)."""
-    from hfdist.job.ladder import known_rung_names
+    from hfdist.config.ladder import known_rung_names
 
     g = p.add_argument_group("Rungs and workload", "Every rung runs the same model, data and global batch.")
     g.add_argument("--configs", nargs="+", default=known_rung_names(),

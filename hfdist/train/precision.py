@@ -16,26 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfdist.job.ladder import Rung
+from hfdist.config.ladder import Rung
+from hfdist.parallel.fsdp import fsdp_policy, fsdp_units
 
-__all__ = ["check_precision", "PrecisionProbe", "reduce_dtype", "fsdp_compute_dtype"]
-
-
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _fsdp_policy(module: nn.Module):
-    # FSDP2 keeps the policy in its module state; torch 2.13 has no public getter for it.
-    return module._get_fsdp_state()._mp_policy
-
-
-def fsdp_compute_dtype(model: nn.Module) -> torch.dtype | None:
-    """The dtype FSDP2's policy computes `model`'s units in (None: no FSDP2 unit, or no cast)."""
-    fsdp = _fsdp_modules(model)
-    return _fsdp_policy(fsdp[0]).param_dtype if fsdp else None
+__all__ = ["check_precision", "PrecisionProbe", "reduce_dtype"]
 
 
 def reduce_dtype(rung: Rung, wrapped: nn.Module, model: nn.Module) -> torch.dtype | None:
@@ -43,9 +27,9 @@ def reduce_dtype(rung: Rung, wrapped: nn.Module, model: nn.Module) -> torch.dtyp
     when nothing is reduced (one data-parallel rank without FSDP)."""
     if rung.uses_deepspeed:
         return wrapped.communication_data_type
-    fsdp = _fsdp_modules(model)
+    fsdp = fsdp_units(model)
     if fsdp:
-        policy = _fsdp_policy(fsdp[0])
+        policy = fsdp_policy(fsdp[0])
         trainable = next((p for p in fsdp[0].parameters() if p.requires_grad), None)
         return policy.reduce_dtype or policy.param_dtype or (trainable.dtype if trainable is not None else None)
     if rung.dims.dp > 1:  # DDP: buckets in the gradients' dtype, the trainable parameters' own
@@ -64,12 +48,12 @@ def check_precision(rung: Rung, mixed_precision: str, accelerator, wrapped: nn.M
     if rung.owns_sharding:
         if autocast:
             problems.append("accelerate autocasts the forward on top of FSDP2's mixed-precision policy")
-        for module in _fsdp_modules(model):
-            policy = _fsdp_policy(module)
+        for module in fsdp_units(model):
+            policy = fsdp_policy(module)
             if (policy.param_dtype == torch.bfloat16) != bf16:
                 problems.append(f"an FSDP2 unit computes in {policy.param_dtype or 'the parameters dtype'}")
                 break
-        if bf16 and not _fsdp_modules(model):
+        if bf16 and not fsdp_units(model):
             problems.append("no FSDP2 unit carries the bf16 policy")
     elif rung.uses_deepspeed:
         if wrapped.bfloat16_enabled() != bf16:

@@ -5,7 +5,7 @@ itself; the Trainer then must neither wrap it in DDP nor move it, and must gathe
 Trainer's model is a PipelineModel (hfdist.parallel.pipeline.model) whose forward runs a whole schedule step, so
 the training step, gradient clipping and saving go through its runner. Before the first step the strategy in effect
 is verified (hfdist.parallel.verify), and its precision (hfdist.train.precision). Every rung but DeepSpeed AutoTP saves
-through hfdist.train.export: fp32, one tensor at a time.
+through hfdist.checkpoint.hf_export: fp32, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainingArguments
 
-from hfdist.job.ladder import Rung
+from hfdist.checkpoint.trainer_hooks import CheckpointingMixin
+from hfdist.config.ladder import Rung
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.context import cp_group_of, shard_batch
 from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
-from hfdist.train.checkpointing import CheckpointingMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
 
 __all__ = ["HfdistTrainer", "MeshTrainingArguments", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
@@ -243,7 +243,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
             self.model.set_requires_gradient_sync(True)
 
     def _streams_its_save(self) -> bool:
-        """Every rung saves through hfdist.train.export, but DeepSpeed AutoTP (zero2_tp): its split Linear layers
+        """Every rung saves through hfdist.checkpoint.hf_export, but DeepSpeed AutoTP (zero2_tp): its split Linear layers
         are DeepSpeed's own, gathered for saving by the Trainer (16-bit, whole state dict on rank 0)."""
         return not (self.rung.uses_deepspeed and self.rung.uses_tp)
 
@@ -256,7 +256,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         """The model (or LoRA adapter) in fp32 as a HF checkpoint, one tensor at a time (collective), + tokenizer."""
         if not self._streams_its_save():
             return super()._save(output_dir, state_dict)
-        from hfdist.train.export import local_tensors, save_hf_checkpoint
+        from hfdist.checkpoint.hf_export import save_hf_checkpoint
+        from hfdist.models.load import local_tensors
 
         output_dir = output_dir or self.args.output_dir
         if self.rung.uses_pipeline:

@@ -207,7 +207,7 @@ class CollectiveWatch:
             lines.append(f"hfdist: -- rank {rank}: {_state_of(beat, now, group_key)}")
             lines += [f"hfdist:    {ln}" for frame in (beat or {}).get("stack", []) for ln in frame.splitlines()]
         ended = self._end_silent_neighbours(beats, silent)
-        from hfdist.train.checkpoint import remove_unfinished
+        from hfdist.checkpoint.format import remove_unfinished
 
         unfinished = remove_unfinished(self.output_dir)  # a save the missing rank was part of can never finish
         if unfinished:
@@ -240,7 +240,7 @@ class CollectiveWatch:
         _write_atomically(logs / f"hang-rank-{self._rank}.txt", text + "\n")
         # The flight recorder's record, as NCCL dumps it on GPU (TORCH_NCCL_DUMP_ON_TIMEOUT), here as JSON.
         _write_atomically(logs / "flight_recorder" / f"rank_{self._rank}.json", json.dumps(self._record, indent=1))
-        from hfdist.job import console
+        from hfdist import console
 
         with contextlib.suppress(Exception):
             console.finish()

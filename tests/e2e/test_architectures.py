@@ -50,7 +50,7 @@ def test_losses_match_single_process(runs, preset, rung):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_planner_counts_the_architecture(runs, preset, rung):
     """The planner's per-rank param and optimizer bytes (an average over ranks) against the measured mean (2%)."""
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.plan import predict_state_bytes
 

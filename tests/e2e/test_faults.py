@@ -64,7 +64,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
                         "--output-dir", str(out))
         # torch 2.13's c10d rendezvous shares its store with the workers by default, and the restarted workers' gloo
         # handshake then finds the dead workers' addresses in it ("connectFullMesh failed ... Connection refused").
-        # A store per restart avoids that (README, scripts/slurm_finetune.sbatch).
+        # A store per restart avoids that (docs/checkpoints.md, scripts/slurm_finetune.sbatch).
         env = {**_env(), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         killed_at = None

@@ -176,7 +176,7 @@ def test_planner_predicts_the_measured_bytes(runs, name):
     partitions; Adam's step counters (a few bytes per tensor) are not predicted. ZeRO-2's gradients also include
     DeepSpeed's reduce bucket, which the planner counts under buffers, so they may exceed the prediction by it.
     """
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.plan import predict_state_bytes
 

@@ -122,7 +122,7 @@ def test_lora_adapter_from_stages_reloads(runs):
 @pytest.mark.parametrize("name", ["pp", "3d"])
 def test_planner_predicts_the_measured_bytes(runs, name):
     """hfdist plan's per-rank param/grad/optimizer bytes (an average over ranks) against the measured mean (2%)."""
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.plan import predict_state_bytes
 

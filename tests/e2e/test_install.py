@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from hfdist.job.ladder import known_rung_names
+from hfdist.config.ladder import known_rung_names
 
 from helpers import REPO
 

@@ -125,7 +125,7 @@ def test_failed_save_keeps_the_previous_checkpoint(runs, tmp_path):
 
 
 def test_incomplete_checkpoints_are_never_the_latest(tmp_path):
-    from hfdist.train.checkpoint import MARKER, latest_checkpoint, staging_dir
+    from hfdist.checkpoint.format import MARKER, latest_checkpoint, staging_dir
 
     assert latest_checkpoint(tmp_path) is None
     for step in (2, 4, 6):

@@ -33,14 +33,14 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hfdist.config.dims import ParallelDims
+from hfdist.config.ladder import load_rung
 from hfdist.data.collation import attention_inputs
-from hfdist.job.ladder import load_rung
 from hfdist.metrics.memory import LiveTensorBytes
 from hfdist.models.attention import DOCUMENT_ATTENTION
 from hfdist.models.build import inject_lora, materialize, meta_model
 from hfdist.models.load import load_weights, weight_plan
 from hfdist.parallel.context import CP_ATTENTION, cp_group_of, shard_batch
-from hfdist.parallel.dims import ParallelDims
 from hfdist.parallel.parallelize import parallelize
 from hfdist.parallel.tensor import tp_causal_lm_loss
 from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy

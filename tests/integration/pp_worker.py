@@ -98,13 +98,14 @@ def reload_loss(state: dict, tied: bool, lora: bool, batch) -> float:
 
 
 def saved_state(runner, tied: bool, lora: bool) -> dict | None:
-    """Every stage's weights as the streamed HF checkpoint holds them (hfdist.train.export; collective), read back
+    """Every stage's weights as the streamed HF checkpoint holds them (hfdist.checkpoint.hf_export; collective), read back
     on rank 0; None on the other ranks."""
     import shutil
 
     from safetensors.torch import load_file
 
-    from hfdist.train.export import local_tensors, save_hf_checkpoint
+    from hfdist.checkpoint.hf_export import save_hf_checkpoint
+    from hfdist.models.load import local_tensors
 
     folder = tempfile.mkdtemp() if dist.get_rank() == 0 else "unused"  # only rank 0 writes
     save_hf_checkpoint(folder, make_model(tied, lora), local_tensors([(s, s.original_name) for s in runner.stages]))
@@ -201,7 +202,7 @@ def bubble_cases(mesh, full: bool) -> list[dict]:
 def main() -> None:
     out_path = sys.argv[1]
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    from hfdist.parallel.dims import ParallelDims
+    from hfdist.config.dims import ParallelDims
 
     mesh = ParallelDims(pp=2).build_mesh("cpu")  # axes (dp_shard=1, pp=2)
     rank = dist.get_rank()

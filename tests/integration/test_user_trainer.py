@@ -1,4 +1,4 @@
-"""A user's own scripts with DistributedMetricsCallback: the README's plain-Trainer and TRL SFTTrainer examples,
+"""A user's own scripts with DistributedMetricsCallback: docs/library.md's plain-Trainer and TRL SFTTrainer examples,
 run exactly as written there, on 2 gloo processes under torchrun, reporting to W&B offline.
 
 What must hold: rank 0's `log_history` (trainer_state.json) holds every rank's figures and their min/max/mean in each
@@ -26,9 +26,9 @@ FIGURES = ("tokens", "tokens_per_second", "samples_per_second", "step_seconds", 
            "peak_memory_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")
 
 
-def readme_script(name: str) -> str:
-    """The README's python block that opens with `# NAME:`."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+def docs_script(name: str) -> str:
+    """docs/library.md's python block that opens with `# NAME:`."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "docs" / "library.md").read_text(), re.S)
     (code,) = [b for b in blocks if b.startswith(f"# {name}:")]
     return code
 
@@ -54,12 +54,12 @@ def model_and_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_and_data):
-    """Each README script once: {script: (output_dir, W&B dir, trainer_state, console)}."""
+    """Each docs script once: {script: (output_dir, W&B dir, trainer_state, console)}."""
     model, data = model_and_data
     out = {}
     for name in SCRIPTS:
         work = tmp_path_factory.mktemp(name.removesuffix(".py"))
-        (work / name).write_text(readme_script(name))
+        (work / name).write_text(docs_script(name))
         # No W&B setting from this process: in particular not WANDB_SERVICE, which an earlier in-process W&B run
         # leaves behind and which would attach the scripts' runs to this process's W&B service.
         env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "ACCELERATE_USE_CPU"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from hfdist.cli import build_parser, main
-from hfdist.job.ladder import known_rung_names
+from hfdist.config.ladder import known_rung_names
 
 
 def _help(verb: str) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hfdist.job.config import ConfigError
-from hfdist.job.ladder import load_rung
+from hfdist.config.finetune import ConfigError
+from hfdist.config.ladder import load_rung
 from hfdist.models.build import build_model
 from hfdist.parallel.parallelize import apply_compile, check_compile, compile_record, verify_compiled
 from hfdist.parallel.verify import StrategyNotInEffect

@@ -8,9 +8,9 @@ import subprocess
 import sys
 import textwrap
 
+from hfdist.config.finetune import ConfigError
+from hfdist.console import _DeferredLog, _Router
 from hfdist.errors import ERROR_DIR_ENV, collected_errors, run_with_clear_errors
-from hfdist.job.config import ConfigError
-from hfdist.job.console import _DeferredLog, _Router
 
 
 def _route(*writes: str, verbose: bool = False) -> tuple[str, str]:
@@ -59,7 +59,7 @@ def test_the_log_waits_for_the_output_folder(tmp_path):
 
 _SCRIPT = """
 import logging, sys, warnings
-from hfdist.job import console
+from hfdist import console
 console.start(sys.argv[1], verbose=False)
 logging.getLogger("transformers").warning("The tokenizer has new PAD/BOS/EOS tokens")
 warnings.warn("old API", FutureWarning)

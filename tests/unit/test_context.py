@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hfdist.config.dims import ParallelDims
+from hfdist.config.ladder import load_rung
 from hfdist.errors import HfdistError
-from hfdist.job.ladder import load_rung
 from hfdist.models.presets import load_config
 from hfdist.parallel.context import check_cp, kv_repeats, shard_batch
-from hfdist.parallel.dims import ParallelDims
 
 from helpers import fake_world
 

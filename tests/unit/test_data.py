@@ -177,7 +177,7 @@ def test_too_few_blocks_for_the_global_batch_are_refused():
 
 
 def test_training_length_is_steps_or_epochs_not_both(capsys):
-    from hfdist.job.config import parse_args
+    from hfdist.config.finetune import parse_args
 
     assert parse_args([]).max_steps == 120 and parse_args([]).num_epochs is None
     assert parse_args(["--num-epochs", "1.5"]).num_epochs == 1.5

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hfdist.job.config import ConfigError, FinetuneConfig
-from hfdist.job.ladder import known_rung_names, load_rung
+from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.ladder import known_rung_names, load_rung
 
 from helpers import run_cmd
 
@@ -96,8 +96,8 @@ def test_load_window_on_cuda_reads_the_allocator(monkeypatch):
 
 
 def test_checkpoints_record_the_gpu_and_a_cpu_checkpoint_is_not_resumed_there(gpu_host, tmp_path):
-    from hfdist.train.checkpoint import CheckpointError
-    from hfdist.train.resume import _check_precision_and_device, checkpoint_identity
+    from hfdist.checkpoint.format import CheckpointError
+    from hfdist.checkpoint.resume import _check_precision_and_device, checkpoint_identity
 
     rung = load_rung("fsdp_full_shard").with_num_processes(8)
     identity = checkpoint_identity(FinetuneConfig(config="fsdp_full_shard"), rung)
@@ -110,12 +110,12 @@ def test_streamed_save_exchanges_through_the_gpu_under_nccl(gpu_host, monkeypatc
     """NCCL moves only CUDA tensors: the save's point-to-point buffers go to this rank's GPU there."""
     import torch.distributed as dist
 
-    from hfdist.train import export
+    from hfdist.checkpoint import hf_export
 
-    assert export._comm_device() == torch.device("cpu")
+    assert hf_export._comm_device() == torch.device("cpu")
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
-    assert export._comm_device() == torch.device("cuda", 3)
+    assert hf_export._comm_device() == torch.device("cuda", 3)
 
 
 def test_nvme_offload_without_the_cuda_toolkit_is_refused_before_launch(gpu_host, monkeypatch):

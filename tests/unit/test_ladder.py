@@ -7,9 +7,9 @@ import json
 import pytest
 import yaml
 
+from hfdist.config.dims import DimsError, ParallelDims
+from hfdist.config.ladder import CONFIG_ROOT, RUNG_INFO, LadderError, known_rung_names, load_rung
 from hfdist.errors import HfdistError
-from hfdist.job.ladder import CONFIG_ROOT, RUNG_INFO, LadderError, known_rung_names, load_rung
-from hfdist.parallel.dims import DimsError, ParallelDims
 
 SHIPPED = known_rung_names()
 # Values TrainingArguments owns: "auto" in every JSON so the JSON and the command line can never contradict.

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from hfdist.cli import main
-from hfdist.job.ladder import load_rung
+from hfdist.config.dims import ParallelDims
+from hfdist.config.ladder import load_rung
 from hfdist.models.presets import load_config
 from hfdist.models.shape import ModelShape
-from hfdist.parallel.dims import ParallelDims
 from hfdist.plan import GB, plan_rungs, predict_state_bytes
 
 H100 = 80 * GB

@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import load_rung
-from hfdist.job.launch import cpu_translation, effective_mixed_precision, settle_mixed_precision
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import load_rung
+from hfdist.config.precision import cpu_translation, effective_mixed_precision, settle_mixed_precision
 
 
 @pytest.mark.parametrize("asked, on_gpu, want", [("auto", True, "bf16"), ("auto", False, "no"), ("no", True, "no"),
@@ -39,8 +39,8 @@ def test_one_mechanism_per_rung(monkeypatch, name, accelerate_sees):
 @pytest.mark.parametrize("saved, message", [({"mixed_precision": "bf16"}, "pass --mixed-precision bf16"),
                                             ({"device": "cuda"}, "resume on a cuda machine")])
 def test_resume_across_precision_or_device_is_refused(tmp_path, saved, message):
-    from hfdist.train.checkpoint import CheckpointError, write_marker
-    from hfdist.train.resume import checkpoint_identity, resume_point
+    from hfdist.checkpoint.format import CheckpointError, write_marker
+    from hfdist.checkpoint.resume import checkpoint_identity, resume_point
 
     cfg = FinetuneConfig(config="fsdp_full_shard", output_dir=str(tmp_path), resume=True, max_steps=10)
     rung = load_rung("fsdp_full_shard")
@@ -54,6 +54,6 @@ def test_resume_across_precision_or_device_is_refused(tmp_path, saved, message):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    # The shard files its DCP metadata lists must be there (hfdist.train.checkpoint.check_shard_files).
+    # The shard files its DCP metadata lists must be there (hfdist.checkpoint.format.check_shard_files).
     dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "checkpoint-2" / "sharded"), no_dist=True)
     assert resume_point(cfg, rung) == tmp_path / "checkpoint-2"

@@ -1,4 +1,4 @@
-"""What a checkpoint may change on resume (hfdist.train.resume), without launching anything: a DCP checkpoint of
+"""What a checkpoint may change on resume (hfdist.checkpoint.resume), without launching anything: a DCP checkpoint of
 another layout and world reshards, a DeepSpeed one is refused naming the converter, another workload or lost shard
 files are refused naming what differs."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import load_rung
-from hfdist.train.checkpoint import CheckpointError, write_marker
-from hfdist.train.resume import checkpoint_identity, resume_line, resume_point
+from hfdist.checkpoint.format import CheckpointError, write_marker
+from hfdist.checkpoint.resume import checkpoint_identity, resume_line, resume_point
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import load_rung
 
 
 def _checkpoint(tmp_path, written_by: str, **changes) -> FinetuneConfig:

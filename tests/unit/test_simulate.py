@@ -116,7 +116,7 @@ def test_simulate_bad_input_is_one_paragraph_exit_2(args, words, capsys):
 def test_stage_prediction_counts_embedding_and_head_where_they_live():
     """Per stage, not the average: at pp=4 Llama-3.1-8B's first stage (8 layers + the embedding) holds 13% more
     than a quarter of the model, its third (9 layers, nothing else) 2% less."""
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.plan import predict_state_bytes
 

@@ -56,8 +56,8 @@ def test_mesh_models_are_never_moved_by_the_trainer(tmp_path):
     placed by the Trainer as usual."""
     import torch
 
-    from hfdist.job.config import FinetuneConfig
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.finetune import FinetuneConfig
+    from hfdist.config.ladder import load_rung
     from hfdist.job.run import _training_arguments
 
     cfg = FinetuneConfig(output_dir=str(tmp_path), save_steps=1)
@@ -74,7 +74,7 @@ def test_fsdp_cpu_offload_on_gpu_gets_gloo_beside_nccl():
     offloaded gradients (clipping, gathers); without offload, or on CPU, accelerate's default stands."""
     from dataclasses import replace
 
-    from hfdist.job.ladder import load_rung
+    from hfdist.config.ladder import load_rung
     from hfdist.job.run import process_group_backend
 
     rung = load_rung("fsdp_full_shard")

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hfdist.config.dims import ParallelDims
+from hfdist.config.ladder import CONFIG_ROOT, LadderError, StrategyKind, load_rung, resolve_deepspeed_json
+from hfdist.config.translate import deepspeed_config_for_run, read_fsdp_config, refuse_on_gpu
 from hfdist.errors import HfdistError
-from hfdist.job.ladder import CONFIG_ROOT, LadderError, StrategyKind, load_rung, resolve_deepspeed_json
-from hfdist.job.translate import deepspeed_config_for_run, read_fsdp_config, refuse_on_gpu
-from hfdist.parallel.dims import ParallelDims
 
 from helpers import ACCELERATE_FSDP1_TEMPLATE, AXOLOTL_ZERO3_BF16
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hfdist.job.ladder import load_rung
+from hfdist.config.ladder import load_rung
 from hfdist.models.build import build_model
 from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from hfdist.callbacks.rank_metrics import straggler_line
-from hfdist.job.config import parse_args
+from hfdist.config.finetune import parse_args
 from hfdist.train import watchdog
 
 

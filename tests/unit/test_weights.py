@@ -15,11 +15,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from hfdist.checkpoint.hf_export import save_hf_checkpoint
 from hfdist.models.build import build_model, check_checkpoint_weights, inject_lora, materialize, meta_model
 from hfdist.models.init import initial_values
 from hfdist.models.load import load_weights, weight_plan
 from hfdist.models.presets import ModelSpecError
-from hfdist.train.export import save_hf_checkpoint
 
 VOCAB = 1024
 
@@ -149,7 +149,7 @@ def test_streamed_lora_adapter_loads_in_peft(tmp_path):
 def test_a_saved_tensor_counts_as_freed_only_when_its_last_reference_goes():
     """The streamed save waits on this before making the next full tensor: a view (as a gloo worker thread keeps of
     a collective's buffer for a moment after the call returns) keeps the memory alive, and so the event unset."""
-    from hfdist.train.export import _freed
+    from hfdist.checkpoint.hf_export import _freed
 
     full = torch.zeros(8)
     view = full[2:]

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
+from hfdist.config.dims import ParallelDims
+from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.ladder import LadderError, load_rung
 from hfdist.job import launch
-from hfdist.job.config import FinetuneConfig
-from hfdist.job.ladder import LadderError, load_rung
 from hfdist.job.world import Node, WorldError, resolve_rung
-from hfdist.parallel.dims import ParallelDims
 
 EIGHT_GPUS = Node(gpus=8)
 
@@ -91,7 +91,7 @@ def test_more_processes_than_gpus_is_refused_with_the_fix():
     with pytest.raises(WorldError) as err:
         resolve_rung(FinetuneConfig(config="fsdp_full_shard", num_processes=16), EIGHT_GPUS)
     text = str(err.value)
-    assert "16 processes" in text and "8 GPUs" in text and "--num-processes 8" in text and "Multi-node" in text
+    assert "16 processes" in text and "8 GPUs" in text and "--num-processes 8" in text and "docs/multi-node.md" in text
     with pytest.raises(WorldError, match="runs 8 processes of the launched world but has 4 GPUs"):
         resolve_rung(FinetuneConfig(config="fsdp_full_shard"), Node(gpus=4, world=8, local_world=8))
 

@@ -7,7 +7,7 @@ wrapper:
 - registers the local stages as submodules (their parameters are the rank's parameters, nothing else);
 - runs `PipelineRunner.step` in `forward`: call it once per batch, with gradients enabled, and never call
   `.backward()` on what it returns (the schedule has already run the backward).
-Saving streams the stages' tensors into a HF checkpoint (hfdist.train.export), by the names `runner.stages` map
+Saving streams the stages' tensors into a HF checkpoint (hfdist.checkpoint.hf_export), by the names `runner.stages` map
 back to the full model's.
 """
 

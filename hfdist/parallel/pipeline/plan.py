@@ -1,5 +1,7 @@
-"""Pipeline planning as pure functions: which layers each stage owns, which stages each rank runs, and which
-micro-batch counts a schedule accepts. Nothing here needs a process group, so all of it is unit-tested directly.
+"""Pipeline planning as pure functions: which layers each stage owns, which stages each rank runs, which
+micro-batch counts a schedule accepts, and a pipeline rung checked against the batch and the model before any process
+starts (the launcher's pre-checks and `hfdist simulate`). Nothing here needs a process group, so all of it is
+unit-tested directly.
 """
 
 from __future__ import annotations
@@ -7,6 +9,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from hfdist.config.finetune import ConfigError
+from hfdist.config.ladder import Rung
 from hfdist.errors import HfdistError
 
 __all__ = [
@@ -18,6 +22,7 @@ __all__ = [
     "default_stages_per_rank",
     "validate_microbatches",
     "ideal_bubble_fraction",
+    "check_pipeline",
 ]
 
 
@@ -173,3 +178,29 @@ def ideal_bubble_fraction(pp: int, n_microbatches: int, stages_per_rank: int = 1
             f"pp, n_microbatches and stages_per_rank must be >= 1, got {pp}, {n_microbatches}, {stages_per_rank}."
         )
     return (pp - 1) / (stages_per_rank * n_microbatches + pp - 1)
+
+
+def check_pipeline(rung: Rung, micro: int, num_layers: int) -> None:
+    """A pipeline rung's schedule, micro-batches and stages against the batch and the model, before any process.
+
+    Raises:
+        ConfigError: naming the value that does not work and the values that would.
+    """
+    if rung.pipeline is None:
+        return
+    p, pp = rung.pipeline, rung.dims.pp
+    try:
+        per_rank = default_stages_per_rank(p.schedule)
+        if pp * per_rank > num_layers:
+            raise ConfigError(f"{rung.name} cuts the model into {pp * per_rank} pipeline stages (pp={pp} x "
+                              f"{per_rank} per rank for {p.schedule}), but the model has only {num_layers} decoder "
+                              f"layers and every stage needs one. Use pp <= {num_layers // per_rank}, a one-stage "
+                              "schedule (1F1B, GPipe), or a deeper model.")
+        validate_microbatches(p.schedule, p.n_microbatches, pp, per_rank)
+    except PipelineConfigError as exc:
+        raise ConfigError(f"{rung.name}: {exc} Set it with --pp-schedule / --pp-microbatches or in "
+                          "parallelism_config_pp_* of the YAML.") from exc
+    if micro % p.n_microbatches:
+        raise ConfigError(f"{rung.name}: each data-parallel rank gets {micro} sequences per step, which the "
+                          f"{p.n_microbatches} pipeline micro-batches must divide evenly. Pick --pp-microbatches "
+                          f"dividing {micro}, or a --global-batch-size / --micro-batch-size that it divides.")

@@ -9,7 +9,7 @@ Order of use on every rank of a pipeline group (all ranks get the same batch):
     runner.clip_grad_norm_(1.0)
     opt.step(); opt.zero_grad()
     save_hf_checkpoint(out_dir, skeleton, local_tensors([(s, s.original_name) for s in runner.stages]))
-                                                # hfdist.train.export: one tensor at a time, rank 0 writes
+                                                # hfdist.checkpoint.hf_export: one tensor at a time, rank 0 writes
 
 The loss is the single-process one: summed cross-entropy of every micro-batch divided by the number of real
 label tokens of the whole batch, so micro-batching changes neither the loss nor the gradients (torch's default,

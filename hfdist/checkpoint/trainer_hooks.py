@@ -4,7 +4,7 @@ DeepSpeed.
 DeepSpeed keeps the Trainer's own files (DeepSpeed writes its sharded checkpoint). Every other rung (DDP, FSDP2,
 TP, PP, 3D, one process) writes its model and optimizer state with torch.distributed.checkpoint under the full
 model's parameter names (pipeline stages renamed back), so any of them resumes from any other's checkpoint on any
-world (hfdist.train.checkpoint). All of it goes into a staging folder that becomes checkpoint-N by one rename, so an
+world (hfdist.checkpoint.format). All of it goes into a staging folder that becomes checkpoint-N by one rename, so an
 interrupted save never replaces or impersonates a complete checkpoint.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hfdist.train.checkpoint import (
+from hfdist.checkpoint.format import (
     CheckpointError,
     load_sharded,
     replace_staging,

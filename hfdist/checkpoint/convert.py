@@ -1,8 +1,8 @@
 """Any training checkpoint as a Hugging Face model or LoRA adapter, read and written one tensor at a time.
 
-A checkpoint's identity record (hfdist.train.checkpoint) names the model and LoRA settings, from which the full
+A checkpoint's identity record (hfdist.checkpoint.format) names the model and LoRA settings, from which the full
 model's structure is rebuilt on the meta device (no weights); each tensor it lists is then read alone and handed to
-the streaming saver (hfdist.train.export.stream_hf_checkpoint):
+the streaming saver (hfdist.checkpoint.hf_export.stream_hf_checkpoint):
 - DCP checkpoints (every rung but DeepSpeed, any layout): keyed by the full model's names, so one tensor is one
   `dcp.load` of that key, in one process (DCP reads the byte ranges of each saved slice from the rank files);
 - DeepSpeed ZeRO checkpoints: DeepSpeed's own converter (`get_fp32_state_dict_from_zero_checkpoint`, lazy mode:
@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from hfdist.train.checkpoint import SHARDED_DIR, CheckpointError, latest_checkpoint, read_marker
+from hfdist.checkpoint.format import SHARDED_DIR, CheckpointError, latest_checkpoint, read_marker
 
 __all__ = ["export_checkpoint", "resolve_checkpoint"]
 
@@ -83,7 +83,7 @@ def _zero_reader(checkpoint: Path) -> Callable[[str], torch.Tensor]:
 def export_checkpoint(path: Path, out: Path) -> Path:
     """Write the checkpoint at `path` (a checkpoint-N folder, or an output folder: its latest) as a HF model, or a
     LoRA adapter for a LoRA run, plus the tokenizer, into `out` (new or empty). Returns the checkpoint read."""
-    from hfdist.train.export import stream_hf_checkpoint
+    from hfdist.checkpoint.hf_export import stream_hf_checkpoint
 
     checkpoint = resolve_checkpoint(path)
     if out.exists() and any(out.iterdir()):

@@ -7,10 +7,9 @@ import argparse
 from dataclasses import dataclass
 
 from hfdist.errors import HfdistError
-from hfdist.models.registry import DEFAULT_LOSS_CHUNK_SIZE
 
-__all__ = ["FinetuneConfig", "ConfigError", "USAGE", "add_finetune_arguments", "build_parser", "config_from_namespace",
-           "parse_args"]
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "USAGE", "add_finetune_arguments",
+           "build_parser", "config_from_namespace", "parse_args"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 
@@ -23,6 +22,11 @@ instruction data). hfdist starts the processes the rung needs (one per GPU on a 
 strategy asked for is in effect, and writes the model (or LoRA adapter), hfdist_summary.json and the libraries'
 log (logs/) into --output-dir. `hfdist configs` lists the rungs.
 """
+
+# Sequence positions per lm_head + cross-entropy chunk of hfdist's loss (hfdist.models.chunked_loss), a setting's
+# default kept here, torch-free, so the command line and the planner read it too: B x 512 x V x 4 bytes of fp32
+# logits at once (256 MiB at B=1 for a 128K vocabulary), matmuls still large enough to run at full speed.
+DEFAULT_LOSS_CHUNK_SIZE = 512
 
 
 class ConfigError(HfdistError, ValueError):
@@ -82,7 +86,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Strategy", "Which rung of the ladder, on how many processes, with which degrees.")
     g.add_argument("--config", default=d.config,
                    help="Rung name (ddp, zero1, fsdp_full_shard, zero2, fsdp_hybrid, zero3, pp, fsdp_tp, zero2_tp, 3d, "
-                        "zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
+                        "fsdp_cp, zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
                         "YAML (FSDP1 keys are translated), or 'single'. Default: the world `accelerate launch "
                         "--config_file` started, else one process.")
     g.add_argument("--num-processes", type=int, default=d.num_processes,
@@ -165,7 +169,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                         "none); use it under launchers that restart failed jobs.")
     g.add_argument("--collective-timeout", type=_timeout_seconds, default=d.collective_timeout, metavar="SECONDS",
                    help=f"How long a rank waits in one collective before the job stops with a report naming the "
-                        f"ranks that never joined (default {d.collective_timeout:g}; README, Checkpoints ... hangs).")
+                        f"ranks that never joined (default {d.collective_timeout:g}; docs/troubleshooting.md).")
     g = p.add_argument_group("Metrics and console")
     g.add_argument("--no-wandb", dest="wandb", action="store_false",
                    help="No W&B run (default: one per run, offline unless you are logged in).")

@@ -4,7 +4,7 @@ The YAML files in hfdist/configs/accelerate_configs/ (with their DeepSpeed JSONs
 the repository's accelerate_configs/ and ds_configs/ link there) are the source of truth for a rung's launch
 settings (process count, distributed type, FSDP options, parallelism sizes); this module parses them into a typed
 `Rung` and adds what a user needs to choose one (scenario, what is sharded, when to pick it). Users' own YAMLs go
-through the same parser, with other projects' keys translated or refused by name (hfdist.job.translate).
+through the same parser, with other projects' keys translated or refused by name (hfdist.config.translate).
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from typing import Any
 
 import yaml
 
+from hfdist.config.dims import DimsError, ParallelDims
+from hfdist.config.finetune import ConfigError
+from hfdist.config.rungs import RUNG_INFO, RungInfo
+from hfdist.config.translate import read_fsdp_config, refuse_unimplemented
 from hfdist.errors import HfdistError
-from hfdist.job.decision_table import RUNG_INFO, RungInfo
-from hfdist.job.translate import read_fsdp_config, refuse_unimplemented
-from hfdist.parallel.dims import DimsError, ParallelDims
 
 __all__ = [
     "StrategyKind",
@@ -68,7 +69,7 @@ class StrategyKind(str, Enum):
 
 @dataclass(frozen=True)
 class FsdpSettings:
-    """The FSDP2 options hfdist honours from a YAML's fsdp_config (FSDP1 keys translated: hfdist.job.translate)."""
+    """The FSDP2 options hfdist honours from a YAML's fsdp_config (FSDP1 keys translated: hfdist.config.translate)."""
 
     layer_cls_to_wrap: str | None = None  # None: the model's decoder layer (hfdist.parallel.fsdp.fsdp_unit_class)
     reshard_after_forward: bool = True
@@ -182,6 +183,21 @@ class Rung:
         pipeline = (self.pipeline or PipelineSettings()) if dims.pp > 1 else None
         fsdp = replace(self.fsdp, hybrid=hybrid or dims.dp_replicate > 1) if self.fsdp is not None else None
         return replace(self, num_processes=num_processes, dims=dims, pipeline=pipeline, fsdp=fsdp)
+
+    def with_pipeline(self, schedule: str | None = None, n_microbatches: int | None = None) -> "Rung":
+        """The rung with --pp-schedule / --pp-microbatches applied (they override the YAML's pp settings; None keeps
+        the YAML's).
+
+        Raises:
+            ConfigError: a pipeline option given for a rung without pipeline stages.
+        """
+        if schedule is None and n_microbatches is None:
+            return self
+        if self.pipeline is None:
+            raise ConfigError(f"--pp-schedule / --pp-microbatches apply to pipeline rungs only, and {self.name} has "
+                              "no pipeline stages (pp=1). Use --config pp.yaml or 3d.yaml, or drop these options.")
+        given = {k: v for k, v in (("schedule", schedule), ("n_microbatches", n_microbatches)) if v is not None}
+        return replace(self, pipeline=replace(self.pipeline, **given))
 
     def _check_degrees_apply(self, tp: int, pp: int, dp_replicate: int | None) -> None:
         """Degrees the rung's strategy has no axis for are refused (a silently ignored --tp is a wrong run)."""

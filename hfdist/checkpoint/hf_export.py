@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ExportEntry", "SafetensorsStreamWriter", "checkpoint_entries", "local_tensors", "save_hf_checkpoint",
+__all__ = ["ExportEntry", "SafetensorsStreamWriter", "checkpoint_entries", "save_hf_checkpoint",
            "stream_hf_checkpoint", "SAVED_DTYPE", "DEFAULT_MAX_SHARD_BYTES"]
 
 SAVED_DTYPE = torch.float32  # every rung saves its fp32 (master) weights
@@ -139,28 +139,6 @@ def checkpoint_entries(skeleton: nn.Module, adapter_only: bool) -> list[ExportEn
                 for key, t in get_peft_model_state_dict(skeleton, state_dict=state).items()]
     tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
     return [ExportEntry(n, n, tuple(t.shape)) for n, t in state.items() if n not in tied]
-
-
-def local_tensors(modules: list[tuple[nn.Module, object]]) -> dict[str, torch.Tensor]:
-    """A rank's parameters by their name in the full model, sharded as they are kept.
-
-    Args:
-        modules: (module, rename) pairs: rename maps a module's parameter name to the full model's (a pipeline
-            stage's `original_name`), or is None for the whole model.
-
-    FSDP2 keeps a unit unsharded after a forward without backward (the root, or every unit under a pipeline
-    schedule's evaluation); its parameters are resharded first, so each is the DTensor shard the rank owns.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    out: dict[str, torch.Tensor] = {}
-    for module, rename in modules:
-        for sub in module.modules():
-            if isinstance(sub, FSDPModule):
-                sub.reshard()
-        for name, p in module.named_parameters():
-            out[rename(name) if rename else name] = p
-    return out
 
 
 def _is_zero(tensor: torch.Tensor) -> bool:

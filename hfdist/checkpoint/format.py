@@ -4,7 +4,7 @@ Layout of OUTPUT_DIR/checkpoint-N (the HF Trainer's names, so its resume logic a
 - trainer_state.json (step, log history), rng_state_<rank>.pth (every rank), scheduler.pt;
 - the model + optimizer state: DeepSpeed -> DeepSpeed's own sharded checkpoint; every other rung (DDP, FSDP2, TP,
   PP, 3D, one process) -> a torch.distributed.checkpoint (DCP) folder `sharded/`, keyed canonically: the model's
-  entries by the full model's parameter names (a pipeline stage's are renamed back, hfdist.train.checkpointing),
+  entries by the full model's parameter names (a pipeline stage's are renamed back, hfdist.checkpoint.trainer_hooks),
   the optimizer's by parameter name too ("state.<name>.exp_avg", "param_groups.<name>.lr"). Nothing in the keys
   depends on the layout, and DCP places each saved slice into whatever slices the loading ranks hold: a checkpoint
   of one layout and world loads into any other (resharding), DDP's full tensors included;

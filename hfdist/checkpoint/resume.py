@@ -1,7 +1,7 @@
 """Resuming a run: what a checkpoint must share with the run that resumes it, which checkpoint to resume, and what
 resuming it on another layout changes (resharding).
 
-A checkpoint of every rung but DeepSpeed is a DCP folder keyed by parameter name (hfdist.train.checkpoint): it
+A checkpoint of every rung but DeepSpeed is a DCP folder keyed by parameter name (hfdist.checkpoint.format): it
 resumes on any of those rungs and world sizes, so the layout (strategy, world, degrees, schedule) may change; the
 workload (model, LoRA, global batch, sequence length, precision, device) may not, since the run would no longer
 continue the same optimisation. DeepSpeed's ZeRO partitions resume only onto the layout that wrote them.
@@ -12,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hfdist.job.config import ConfigError, FinetuneConfig
-from hfdist.job.ladder import Rung
+from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.ladder import Rung
+from hfdist.config.precision import effective_mixed_precision
 
 __all__ = ["checkpoint_identity", "resume_point", "resume_line", "LAYOUT_KEYS", "WORKLOAD_KEYS"]
 
@@ -36,7 +37,6 @@ def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
     layout, and an fp32 run continued in bf16 would silently change its numerics), and what it holds."""
     import torch
 
-    from hfdist.job.launch import effective_mixed_precision
     from hfdist.models.presets import DEFAULT_PRESET
 
     on_gpu = torch.cuda.is_available()
@@ -55,7 +55,7 @@ def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
 
 def _check_precision_and_device(checkpoint: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
     """Refuse, with the fix, a checkpoint trained in another precision or on another kind of device."""
-    from hfdist.train.checkpoint import CheckpointError
+    from hfdist.checkpoint.format import CheckpointError
 
     fixes = []
     if saved.get("mixed_precision", "no") != identity["mixed_precision"]:
@@ -72,7 +72,7 @@ def _check_precision_and_device(checkpoint: Path, saved: dict[str, Any], identit
 
 def _check_workload(checkpoint: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
     """Refuse a checkpoint of another workload, naming both values of each difference and the flag that fixes it."""
-    from hfdist.train.checkpoint import CheckpointError
+    from hfdist.checkpoint.format import CheckpointError
 
     diff = [k for k in WORKLOAD_KEYS if saved.get(k) != identity[k]]
     if diff:
@@ -88,7 +88,7 @@ def _check_workload(checkpoint: Path, saved: dict[str, Any], identity: dict[str,
 def _check_layout(checkpoint: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
     """DCP checkpoints reshard onto any layout; DeepSpeed's resume only onto their own (refused naming the
     converter); a checkpoint without a format record is of an older hfdist and is refused."""
-    from hfdist.train.checkpoint import CheckpointError
+    from hfdist.checkpoint.format import CheckpointError
 
     same_layout = all(saved.get(k) == identity[k] for k in LAYOUT_KEYS)
     fmt = saved.get("format")
@@ -117,7 +117,7 @@ def resume_point(cfg: FinetuneConfig, rung: Rung) -> Path | None:
     """
     if not cfg.resume:
         return None
-    from hfdist.train.checkpoint import check_shard_files, latest_checkpoint, read_marker
+    from hfdist.checkpoint.format import check_shard_files, latest_checkpoint, read_marker
 
     latest = latest_checkpoint(Path(cfg.output_dir))
     if latest is None:
@@ -149,7 +149,7 @@ def _ranks(first: int, last: int) -> str:
 def resume_line(checkpoint: Path, cfg: FinetuneConfig, rung: Rung) -> str:
     """The line `--resume` prints: the checkpoint, its step, what it reshards from and to, what carries over, and
     what cannot continue exactly across layouts (the per-rank RNG streams)."""
-    from hfdist.train.checkpoint import read_marker
+    from hfdist.checkpoint.format import read_marker
 
     saved, identity = read_marker(checkpoint), checkpoint_identity(cfg, rung)
     head = f"hfdist: resuming from {checkpoint} (step {saved.get('step')})"
