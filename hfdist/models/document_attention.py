@@ -39,6 +39,7 @@ from hfdist.models.attention import DOCUMENT_ATTENTION
 __all__ = ["DOCUMENT_ATTENTION", "DocumentAttentionError", "varlen_kwargs", "document_lengths",
            "document_attention", "document_mask", "register_document_attention"]
 
+
 class DocumentAttentionError(HfdistError, ValueError):
     """Document attention called without boundaries it can trust."""
 
