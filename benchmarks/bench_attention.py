@@ -33,6 +33,7 @@ from pathlib import Path
 
 from measure import recorded, results_dir, worker_env
 
+MEASURED_ON = None  # results/<hardware> names the GPUs where there are any: the fine-tuning job's device
 MIB = 2**20
 DENSE, NEW = "sdpa", "auto"
 
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
               "preset": args.preset,
               "steps": args.steps, "repeats": args.repeats, "dtype": "fp32", "ranks": 2, "load": loads,
               "rows": rows, "ratios": ratios(rows, args)}
-    out = results_dir(args.out)
+    out = results_dir(args.out, MEASURED_ON)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "attention.md").write_text(markdown(result))
