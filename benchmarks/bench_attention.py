@@ -17,8 +17,10 @@ training memory above set-up per rank (peak RSS over the training steps minus th
 rank's), medians over --repeats. fsdp_cp runs dp_shard 1 x cp 2: every rank holds half of each block's tokens, and
 under sdpa the whole block's mask and its additive copy (one, shared by every layer).
 
-The dense variant at fsdp_cp 32K holds ~5 GiB per rank (a 1 GiB bool mask and a 4 GiB fp32 copy): on a shared
-machine pass --no-dense-cp-long to leave it out (its planner figure is written instead).
+The dense variant at fsdp_cp 32K holds 5-7 GiB per rank (a 1 GiB bool mask, its 4 GiB fp32 copy, and the
+conversion's temporaries): on a shared machine pass --no-dense-cp-long to leave it out (the planner's figure for its
+mask is written instead). The results files are rewritten after every cell, so a run stopped part-way keeps its
+measurements (their "progress" says how many runs they hold).
 """
 
 from __future__ import annotations
@@ -108,9 +110,9 @@ def uptime() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    command = recorded([sys.executable, "benchmarks/bench_attention.py", *(argv if argv is not None else sys.argv[1:])])
     cells = [cell for group in groups(args) for cell in group]
-    longest = max(args.cp_seqs)
-    skipped = {("fsdp_cp", longest, DENSE)} if args.no_dense_cp_long else set()
+    skipped = {("fsdp_cp", max(args.cp_seqs), DENSE)} if args.no_dense_cp_long else set()
     samples: dict[tuple, list[dict]] = {}  # (config, seq, rows, attention) -> runs
     loads = [uptime()]
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,36 +120,44 @@ def main(argv: list[str] | None = None) -> None:
         save_model(args.preset, max(args.check_seqs + args.seqs + args.cp_seqs), model)
         for _ in range(args.repeats):
             for config, seq, rows in cells:
-                for attention in (DENSE, NEW):
+                for attention in (DENSE, NEW):  # alternating, so drifting load hits both alike
                     if (config, seq, attention) not in skipped:
                         key = (config, seq, rows, attention)
                         samples.setdefault(key, []).append(run(model, config, seq, rows, attention, args.steps,
                                                                args.timeout))
                         print(*key, samples[key][-1], flush=True)
                 loads.append(uptime())
+                # After every cell, so a long benchmark stopped part-way keeps what it measured (and says so).
+                done = sum(map(len, samples.values()))
+                write(args, command, cells, skipped, samples, loads,
+                      f"{done} of {args.repeats * (2 * len(cells) - len(skipped))} runs")
+    print(markdown(json.loads((results_dir(args.out, MEASURED_ON) / "attention.json").read_text())))
+
+
+def write(args: argparse.Namespace, command: str, cells: list[tuple[str, int, int]], skipped: set,
+          samples: dict[tuple, list[dict]], loads: list[str], progress: str) -> None:
+    """results/<hardware>/attention.{json,md} from the runs so far: per cell and attention, the medians over its
+    runs; a skipped cell gets the planner's mask figure, a pending one nothing."""
     rows = []
     for config, seq, per_step in cells:
         for attention in (DENSE, NEW):
             got = samples.get((config, seq, per_step, attention))
             row = {"config": config, "seq": seq, "rows_per_step": per_step, "tokens_per_step": seq * per_step,
                    "attention": attention}
-            if got is None:
+            if (config, seq, attention) in skipped:
                 row["planned_mask_bytes"] = planned_mask_bytes(args.preset, seq)
-            else:
+            elif got:
                 row |= {"attn_implementation": got[0]["attn_implementation"], "runs": got,
                         **{k: statistics.median(g[k] for g in got)
                            for k in ("tokens_per_s_per_rank", "training_memory_bytes", "step_seconds")}}
             rows.append(row)
-    result = {"command": recorded([sys.executable, "benchmarks/bench_attention.py",
-                                   *(argv if argv is not None else sys.argv[1:])]),
-              "preset": args.preset,
-              "steps": args.steps, "repeats": args.repeats, "dtype": "fp32", "ranks": 2, "load": loads,
-              "rows": rows, "ratios": ratios(rows, args)}
+    result = {"command": command, "preset": args.preset, "steps": args.steps, "repeats": args.repeats,
+              "progress": progress, "dtype": "fp32", "ranks": 2, "load": loads, "rows": rows,
+              "ratios": ratios(rows, args)}
     out = results_dir(args.out, MEASURED_ON)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / "attention.md").write_text(markdown(result))
-    print(markdown(result))
 
 
 def groups(args: argparse.Namespace) -> list[list[tuple[str, int, int]]]:
@@ -182,7 +192,8 @@ def markdown(r: dict) -> str:
         f"`{r['command']}`",
         "",
         f"{r['preset']} (max_position_embeddings raised), the embedded chat data, fp32, 2 ranks, {r['steps']} steps "
-        f"per run (the first not timed), medians over {r['repeats']} alternating runs per variant. Tokens per step: "
+        f"per run (the first not timed), medians over the alternating runs per variant ({r['progress']} done). "
+        "Tokens per step: "
         "per rank on fsdp_full_shard; per step on fsdp_cp (dp_shard 1 x cp 2), half of each block on each rank. "
         "sdpa: the dense (B, 1, S, S) document mask; auto: hfdist's document attention (hfdist_documents; nothing "
         "S x S). Memory: training memory above set-up (peak RSS of the training steps minus the peak before them), "
@@ -197,8 +208,10 @@ def markdown(r: dict) -> str:
         if "runs" in row:
             lines.append(f"{head} {row['tokens_per_s_per_rank']:,.0f} | {row['training_memory_bytes'] / MIB:,.0f} | "
                          f"{row['step_seconds']:.2f} |")
-        else:
+        elif "planned_mask_bytes" in row:
             lines.append(f"{head} not run | planned +{row['planned_mask_bytes'] / MIB:,.0f} for the mask | - |")
+        else:
+            lines.append(f"{head} pending | - | - |")
     lines += ["", "Longest against shortest block at the same tokens per step (issue 25's bar for the new path: "
               "tokens/s >= 0.8 x, training memory <= 1.25 x):", "",
               "| rung | tokens per step | attention | blocks | tokens/s ratio | memory ratio |",
