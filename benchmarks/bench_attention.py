@@ -17,10 +17,11 @@ training memory above set-up per rank (peak RSS over the training steps minus th
 rank's), medians over --repeats. fsdp_cp runs dp_shard 1 x cp 2: every rank holds half of each block's tokens, and
 under sdpa the whole block's mask and its additive copy (one, shared by every layer).
 
-The dense variant at fsdp_cp 32K holds 5-7 GiB per rank (a 1 GiB bool mask, its 4 GiB fp32 copy, and the
-conversion's temporaries): on a shared machine pass --no-dense-cp-long to leave it out (the planner's figure for its
-mask is written instead). The results files are rewritten after every cell, so a run stopped part-way keeps its
-measurements (their "progress" says how many runs they hold).
+The dense variant holds ~7 GiB per rank at 16K on fsdp_full_shard and 5-7 GiB at 32K on fsdp_cp (the masks, their
+fp32 copies, the conversion's temporaries): on a shared machine --dense-max-seq leaves the longest blocks' dense runs
+out (the planner's figure for their masks is written instead). A run that fails (the OOM killer on a shared machine)
+is recorded with its error and the benchmark goes on; the results files are rewritten after every cell, so a
+benchmark stopped part-way keeps its measurements (their "progress" says how many runs they hold).
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seqs", type=int, nargs="+", default=[1024, 4096, 16384], help="block lengths, fsdp_full_shard")
     p.add_argument("--cp-tokens", type=int, default=32768, help="tokens per cp group per step, fsdp_cp")
     p.add_argument("--cp-seqs", type=int, nargs="+", default=[4096, 32768], help="block lengths, fsdp_cp")
-    p.add_argument("--no-dense-cp-long", action="store_true",
-                   help="leave out sdpa at the longest fsdp_cp block (the planner's figure is written instead)")
+    p.add_argument("--dense-max-seq", type=int, default=None,
+                   help="run sdpa only on blocks up to this many tokens (longer: the planner's mask figure instead); "
+                        "default: every block")
     p.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is not timed)")
     p.add_argument("--repeats", type=int, default=2, help="runs per variant, alternating")
     p.add_argument("--timeout", type=int, default=3600)
@@ -72,7 +74,7 @@ def save_model(preset: str, max_seq: int, folder: Path) -> None:
 
 
 def run(model: Path, config: str, seq: int, rows: int, attention: str, steps: int, timeout: int) -> dict:
-    """One finetune run on 2 ranks; its summary's figures."""
+    """One finetune run on 2 ranks; its summary's figures, or {"failed": the command and its error's tail}."""
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "hfdist.cli", "finetune", "--config", config, "--num-processes", "2",
                "--model", str(model), "--seq-len", str(seq), "--micro-batch-size", str(rows),
@@ -81,7 +83,7 @@ def run(model: Path, config: str, seq: int, rows: int, attention: str, steps: in
                "--attn-implementation", attention, "--output-dir", str(Path(tmp) / "run")]
         proc = subprocess.run(cmd, env=worker_env(), capture_output=True, text=True, timeout=timeout)
         if proc.returncode:
-            raise SystemExit(f"{recorded(cmd)} failed:\n{proc.stderr[-4000:]}")
+            return {"failed": f"{recorded(cmd)} exited {proc.returncode}: {proc.stderr[-1500:]}"}
         s = json.loads((Path(tmp) / "run" / "hfdist_summary.json").read_text())
     ranks = s["ranks"]
     return {"attn_implementation": s["strategy"]["attn_implementation"],
@@ -91,17 +93,20 @@ def run(model: Path, config: str, seq: int, rows: int, attention: str, steps: in
             "data_wait_seconds": statistics.mean(r["data_wait_seconds"] for r in ranks), "losses": s["losses"]}
 
 
-def planned_mask_bytes(preset: str, seq: int) -> int:
-    """The planner's extra per-rank bytes of sdpa's dense mask on fsdp_cp (dp_shard 1 x cp 2), fp32."""
+def planned_mask_bytes(preset: str, config: str, seq: int, rows: int) -> int:
+    """The planner's extra per-rank bytes of sdpa's dense mask on `config`'s 2 ranks (fsdp_cp: dp_shard 1 x cp 2),
+    fp32."""
     from hfdist.config.dims import ParallelDims
     from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.models.shape import ModelShape
     from hfdist.plan.bytes import Workload, rung_rank_bytes
 
-    shape, rung, dims = ModelShape.from_config(load_config(preset)), load_rung("fsdp_cp"), ParallelDims(cp=2)
-    return (rung_rank_bytes(shape, rung, dims, Workload(seq=seq, dtype="fp32", attention=DENSE)).activations
-            - rung_rank_bytes(shape, rung, dims, Workload(seq=seq, dtype="fp32")).activations)
+    shape, rung = ModelShape.from_config(load_config(preset)), load_rung(config)
+    dims = ParallelDims(cp=2) if config == "fsdp_cp" else ParallelDims(dp_shard=2)
+    return (rung_rank_bytes(shape, rung, dims, Workload(seq=seq, micro_batch=rows, dtype="fp32",
+                                                        attention=DENSE)).activations
+            - rung_rank_bytes(shape, rung, dims, Workload(seq=seq, micro_batch=rows, dtype="fp32")).activations)
 
 
 def uptime() -> str:
@@ -112,8 +117,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     command = recorded([sys.executable, "benchmarks/bench_attention.py", *(argv if argv is not None else sys.argv[1:])])
     cells = [cell for group in groups(args) for cell in group]
-    skipped = {("fsdp_cp", max(args.cp_seqs), DENSE)} if args.no_dense_cp_long else set()
+    skipped = {(config, seq, DENSE) for config, seq, _ in cells if seq > (args.dense_max_seq or seq)}
     samples: dict[tuple, list[dict]] = {}  # (config, seq, rows, attention) -> runs
+    failures: list[str] = []
     loads = [uptime()]
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "model"
@@ -123,19 +129,22 @@ def main(argv: list[str] | None = None) -> None:
                 for attention in (DENSE, NEW):  # alternating, so drifting load hits both alike
                     if (config, seq, attention) not in skipped:
                         key = (config, seq, rows, attention)
-                        samples.setdefault(key, []).append(run(model, config, seq, rows, attention, args.steps,
-                                                               args.timeout))
-                        print(*key, samples[key][-1], flush=True)
+                        got = run(model, config, seq, rows, attention, args.steps, args.timeout)
+                        print(*key, got, flush=True)
+                        if "failed" in got:
+                            failures.append(got["failed"])
+                        else:
+                            samples.setdefault(key, []).append(got)
                 loads.append(uptime())
                 # After every cell, so a long benchmark stopped part-way keeps what it measured (and says so).
                 done = sum(map(len, samples.values()))
-                write(args, command, cells, skipped, samples, loads,
+                write(args, command, cells, skipped, samples, loads, failures,
                       f"{done} of {args.repeats * (2 * len(cells) - len(skipped))} runs")
     print(markdown(json.loads((results_dir(args.out, MEASURED_ON) / "attention.json").read_text())))
 
 
 def write(args: argparse.Namespace, command: str, cells: list[tuple[str, int, int]], skipped: set,
-          samples: dict[tuple, list[dict]], loads: list[str], progress: str) -> None:
+          samples: dict[tuple, list[dict]], loads: list[str], failures: list[str], progress: str) -> None:
     """results/<hardware>/attention.{json,md} from the runs so far: per cell and attention, the medians over its
     runs; a skipped cell gets the planner's mask figure, a pending one nothing."""
     rows = []
@@ -145,7 +154,7 @@ def write(args: argparse.Namespace, command: str, cells: list[tuple[str, int, in
             row = {"config": config, "seq": seq, "rows_per_step": per_step, "tokens_per_step": seq * per_step,
                    "attention": attention}
             if (config, seq, attention) in skipped:
-                row["planned_mask_bytes"] = planned_mask_bytes(args.preset, seq)
+                row["planned_mask_bytes"] = planned_mask_bytes(args.preset, config, seq, per_step)
             elif got:
                 row |= {"attn_implementation": got[0]["attn_implementation"], "runs": got,
                         **{k: statistics.median(g[k] for g in got)
@@ -153,7 +162,7 @@ def write(args: argparse.Namespace, command: str, cells: list[tuple[str, int, in
             rows.append(row)
     result = {"command": command, "preset": args.preset, "steps": args.steps, "repeats": args.repeats,
               "progress": progress, "dtype": "fp32", "ranks": 2, "load": loads, "rows": rows,
-              "ratios": ratios(rows, args)}
+              "ratios": ratios(rows, args), "failures": failures}
     out = results_dir(args.out, MEASURED_ON)
     out.mkdir(parents=True, exist_ok=True)
     (out / "attention.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -219,8 +228,11 @@ def markdown(r: dict) -> str:
     for q in r["ratios"]:
         lines.append(f"| {q['config']} | {q['tokens_per_step']:,} | {q['attention']} | {q['long']} vs {q['short']} | "
                      f"{q['tokens_per_s']:.2f} | {q['memory']:.2f} |")
-    lines += ["", "Load (`uptime`) before the runs and after each rung's pair:", ""]
+    lines += ["", "Load (`uptime`) before the runs and after each cell's pair:", ""]
     lines += [f"- {load}" for load in r["load"]]
+    if r["failures"]:
+        lines += ["", "Runs that failed (not in the medians):", ""]
+        lines += [f"- {' '.join(f.split())[:600]}" for f in r["failures"]]
     return "\n".join(lines) + "\n"
 
 
