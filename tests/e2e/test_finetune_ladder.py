@@ -230,6 +230,7 @@ def test_matrix_from_the_runs(runs, tmp_path):
     table = list(csv.DictReader(open(tmp_path / "matrix.csv")))
     assert [r["strategy"] for r in table] == ["ddp", "fsdp_full_shard", "zero3", "zero3+lora"]
     assert all(r[c] not in ("", None) for r in table for c in COLUMNS)
+    assert {r["attn_implementation"] for r in table} == {"hfdist_documents"}  # what each run resolved auto to
     by_name = {r["strategy"]: r for r in table}
     assert float(by_name["zero3"]["param_mb_per_rank"]) < float(by_name["ddp"]["param_mb_per_rank"])
     assert float(by_name["ddp"]["final_loss"]) == pytest.approx(runs["ddp"]["losses"][-1], abs=1e-4)
