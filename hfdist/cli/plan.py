@@ -40,6 +40,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-chunk-size", type=non_negative_int, default=d.loss_chunk_size, metavar="N",
                    help=f"sequence positions per chunk of the chunked loss, as `hfdist finetune --loss-chunk-size` "
                         f"(default {d.loss_chunk_size}): one chunk's logits are counted; 0: the whole sequence's")
+    p.add_argument("--attn-implementation", default=d.attention, metavar="NAME",
+                   help=f"attention as `hfdist finetune --attn-implementation` (default {d.attention}: a "
+                        "document-isolating kernel, nothing S x S); sdpa / eager add their dense S x S mask and its "
+                        "per-layer copies")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
     p.add_argument("--bytes-per-param-adam", type=int, choices=ADAM_BYTES_CHOICES, default=d.bytes_per_param_adam,
                    help="mixed-precision Adam accounting: 16 (default; FSDP2/DDP totals, ZeRO paper) or 20 "
@@ -61,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         seq=args.seq, micro_batch=args.micro_batch, lora=args.lora, lora_r=args.lora_r,
         activation_checkpointing=args.activation_checkpointing, dtype=args.dtype,
         bytes_per_param_adam=args.bytes_per_param_adam, model=args.model, loss_chunk_size=args.loss_chunk_size or None,
+        attention=args.attn_implementation,
     )
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     if plan.recommended is None:

@@ -65,6 +65,7 @@ class FinetuneConfig:
     nvme_path: str | None = None
     activation_checkpointing: bool = False
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
+    attn_implementation: str = "auto"
     compile: bool = False
     mixed_precision: str = "auto"
     pp_schedule: str | None = None
@@ -109,6 +110,13 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Compute lm_head and the fp32 cross-entropy N sequence positions at a time, so the whole "
                         f"batch's logits never exist (default {d.loss_chunk_size}; the same loss). 0: unchunked, "
                         "as transformers does.")
+    g.add_argument("--attn-implementation", default=d.attn_implementation, metavar="NAME",
+                   help="Attention kernel; every choice keeps packed documents apart. auto (default): flash varlen "
+                        "(flash_attention_3/2) where installed on a GPU, else flex_attention; on CPU "
+                        "hfdist_documents (exact per-document attention, no S x S tensor). Also: sdpa, eager (a "
+                        "dense S x S document mask: memory grows with the square of --seq-len), flash_attention_2, "
+                        "flash_attention_3, flex_attention (GPU), hfdist_documents, or a kernels-hub flash kernel "
+                        "id. Refused before launch where it cannot run (docs/attention.md).")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (regional; inductor on CPU and GPU). Runs on single, ddp "
                         "and the FSDP2 / TP rungs; refused on pipeline, context-parallel and DeepSpeed rungs.")

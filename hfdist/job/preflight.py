@@ -7,6 +7,7 @@ paragraph naming the fix.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -16,8 +17,8 @@ from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_mixed_precision
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["batch_layout", "check_deepspeed_json", "plan_check",
-           "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "preflight"]
+__all__ = ["batch_layout", "check_deepspeed_json", "plan_check", "check_model_fits_rung", "check_context_parallel",
+           "check_nvme_offload", "check_attention", "check_dense_mask", "preflight"]
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -67,15 +68,9 @@ def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
     return None
 
 
-def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
-    """Refuse a rung the memory planner predicts cannot fit, showing the ladder and the rung that would.
-
-    Raises:
-        ConfigError: the rung's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
-    """
-    mem = _device_memory_bytes(cfg)
-    if mem is None or cfg.skip_plan_check:
-        return
+def _plan(cfg: FinetuneConfig, rung: Rung, micro: int, mem: int, attention: str, with_others: bool):
+    """The memory plan of `rung` (and of every other rung) for this job, or None for an architecture the planner
+    does not count (others run unplanned on the data-parallel rungs)."""
     from hfdist.config.ladder import known_rung_names
     from hfdist.models.presets import DEFAULT_PRESET, load_config
     from hfdist.models.registry import is_supported
@@ -84,9 +79,9 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     spec = cfg.model or DEFAULT_PRESET
     config = load_config(spec)
     if not is_supported(config):
-        return  # the planner counts registered architectures; others run unplanned on the data-parallel rungs
+        return None
     planned = rung if rung.kind is not StrategyKind.SINGLE else load_rung("ddp").with_num_processes(1)
-    others = [load_rung(n) for n in known_rung_names() if n != planned.name]
+    others = [load_rung(n) for n in known_rung_names() if n != planned.name] if with_others else []
     on_gpu = torch.cuda.is_available()
     dtype = "bf16" if effective_mixed_precision(rung, on_gpu, cfg.mixed_precision) == "bf16" else "fp32"
     # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
@@ -94,10 +89,23 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
                       gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
                       activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec,
-                      loss_chunk_size=cfg.loss_chunk_size or None)
-    mine = next(r for r in plan.rungs if r.name == planned.name)
-    if mine.fits:
+                      loss_chunk_size=cfg.loss_chunk_size or None, attention=attention)
+    return plan, next(r for r in plan.rungs if r.name == planned.name)
+
+
+def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str = "auto") -> None:
+    """Refuse a rung the memory planner predicts cannot fit, showing the ladder and the rung that would.
+
+    Raises:
+        ConfigError: the rung's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
+    """
+    mem = _device_memory_bytes(cfg)
+    if mem is None or cfg.skip_plan_check:
         return
+    planned = _plan(cfg, rung, micro, mem, attention, with_others=True)
+    if planned is None or planned[1].fits:
+        return
+    plan, mine = planned
     rec = plan.recommended
     advice = (f"The simplest rung that fits is {rec.name}: {rec.command}" if rec is not None
               else f"No rung fits: {plan.hint}")
@@ -107,6 +115,32 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
         f"would run out of memory. {advice}. Pass --skip-plan-check to run anyway (e.g. if the plan is too "
         f"pessimistic for your setup).\n\n{plan.table()}"
     )
+
+
+def check_dense_mask(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str) -> None:
+    """The explicit sdpa / eager choice holds a dense (B, 1, S, S) document mask and its per-layer copies on every
+    rank (hfdist.models.attention.dense_mask_bytes): refuse it where those alone exceed a rank's memory (the GPU's,
+    --gpu-mem-gb, or on CPU the host's RAM shared by the rung's processes), naming the fix.
+
+    Raises:
+        ConfigError: the mask bytes do not fit (--skip-plan-check overrides).
+    """
+    from hfdist.models.attention import AUTO, uses_dense_mask
+
+    if not uses_dense_mask(attention) or cfg.skip_plan_check:
+        return
+    mem = _device_memory_bytes(cfg) or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rung.num_processes
+    dense, free = (_plan(cfg, rung, micro, mem, a, with_others=False) for a in (attention, AUTO))
+    if dense is None or dense[1].bytes is None:
+        return
+    mask = dense[1].bytes.activations - free[1].bytes.activations
+    if mask > mem:
+        raise ConfigError(
+            f"--attn-implementation {attention} attends through a dense document mask of --seq-len {cfg.seq_len} x "
+            f"{cfg.seq_len} per sequence, which with its per-layer copies needs {mask / 1e9:.1f} GB per rank on "
+            f"{rung.name}, more than the {mem / 1e9:.1f} GB a rank has here. Use --attn-implementation auto (packed "
+            "documents kept apart by their boundaries, nothing S x S), or a shorter --seq-len; --skip-plan-check "
+            "runs anyway.")
 
 
 def _check_output_dir(cfg: FinetuneConfig) -> None:
@@ -217,6 +251,17 @@ def check_nvme_offload(rung: Rung) -> None:
                           "offload to CPU memory instead (--config zero3_offload_cpu).")
 
 
+def check_attention(cfg: FinetuneConfig, rung: Rung) -> str:
+    """The attention implementation the run will use (hfdist.models.attention.resolve_attention).
+
+    Raises:
+        AttentionChoiceError: one that cannot keep packed documents apart or cannot run on this machine.
+    """
+    from hfdist.models.attention import resolve_attention
+
+    return resolve_attention(cfg.attn_implementation, on_gpu=torch.cuda.is_available(), cp=rung.dims.cp)
+
+
 def _check_gpu_settings(rung: Rung) -> None:
     """YAML settings hfdist does not implement on a GPU (hfdist.config.translate.refuse_on_gpu)."""
     if rung.yaml_path is None or not torch.cuda.is_available():
@@ -235,6 +280,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
     _check_output_dir(cfg)
     _check_gpu_settings(rung)
+    attention = check_attention(cfg, rung)
     if cfg.compile:
         from hfdist.parallel.parallelize import check_compile
 
@@ -247,4 +293,5 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     check_nvme_offload(rung)
     check_checkpoint_weights(cfg.model)
-    plan_check(cfg, rung, micro)
+    check_dense_mask(cfg, rung, micro, attention)
+    plan_check(cfg, rung, micro, attention)

@@ -73,6 +73,9 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
         report_to="none", bf16=mixed == "bf16" and not rung.owns_sharding, fp16=mixed == "fp16", use_cpu=not on_gpu,
         deepspeed=deepspeed,
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
+        # On GPU two worker processes collate the next batches while the device computes (pinned, for an
+        # asynchronous copy); on CPU they would take cores from the ranks, and collation is O(tokens) anyway.
+        dataloader_num_workers=2 if on_gpu else 0, dataloader_persistent_workers=on_gpu, dataloader_pin_memory=on_gpu,
         # Mesh rungs get it from hfdist.parallel.parallelize (the Trainer cannot reach layers inside stages).
         activation_checkpointing=cfg.activation_checkpointing and not rung.owns_sharding,
         activation_checkpointing_kwargs={"use_reentrant": False} if cfg.activation_checkpointing else None,
@@ -82,11 +85,12 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
     )
 
 
-def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype):
-    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len."""
+def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype, attention: str | None = None):
+    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len;
+    attending with `attention` (a resolved --attn-implementation)."""
     from hfdist.models.build import inject_lora, meta_model
 
-    model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype)
+    model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype, attn_implementation=attention)
     model.config.pad_token_id = tokenizer.pad_token_id
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and cfg.seq_len > limit:
@@ -128,7 +132,8 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
         model = parallelize(model, rung, device=args.device, mixed_precision=mixed,
                             activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, weights=plan)
     elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
-        model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed))
+        model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed),
+                            attn_implementation=model.config._attn_implementation)
         model.config.pad_token_id = tokenizer.pad_token_id
         model = inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
         load_gathered(model, plan)
@@ -191,6 +196,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.callbacks.wandb_sink import WandbSink
     from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
+    from hfdist.models.attention import resolve_attention
     from hfdist.models.presets import is_preset
     from hfdist.train.select import trainer_class
     from hfdist.train.watchdog import StepWatchCallback
@@ -203,9 +209,10 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
     # Meta-device structures first (free), before TrainingArguments exist: a ZeRO-3 config in them makes
     # transformers build every model under deepspeed.zero.Init. `skeleton` stays on meta: what the save writes.
-    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed))
+    attention = resolve_attention(cfg.attn_implementation, on_gpu=on_gpu, cp=rung.dims.cp)
+    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed), attention)
     skeleton = _meta_model(cfg, tokenizer, torch.float32)
-    collator = collator_for(model.config, cfg.seq_len)  # the model's attention implementation decides the mask
+    collator = collator_for(model.config, cfg.seq_len)  # the documents' boundaries, or the dense mask for sdpa/eager
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
     watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
     with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
@@ -219,7 +226,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
-                "compile": cfg.compile, "device": "cuda" if on_gpu else "cpu"}
+                "compile": cfg.compile, "attn_implementation": attention, "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
@@ -234,7 +241,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                                   processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                                   checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
                                   skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
-                                  compile=cfg.compile)
+                                  compile=cfg.compile, attention=attention)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)

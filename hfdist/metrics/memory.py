@@ -274,13 +274,16 @@ class LiveTensorBytes(TorchDispatchMode):
     (an output whose storage is none of the op's inputs', so views and in-place ops add nothing) until it is freed.
     Tensors that exist before the mode is entered are not counted: parameters, gradients that backward accumulates
     in place, buffers allocated earlier. Tensor subclasses that wrap others (DTensor, functional collectives'
-    AsyncCollectiveTensor) own no memory: the plain tensors their ops create are what is counted.
+    AsyncCollectiveTensor) own no memory: the plain tensors their ops create are what is counted. `largest` is the
+    biggest single storage an op created (bytes), and `largest_op` that op: what shows an S x S tensor.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.largest = 0
+        self.largest_op = ""
         self._tracked: weakref.WeakSet = weakref.WeakSet()
 
     def _free(self, nbytes: int) -> None:
@@ -300,4 +303,6 @@ class LiveTensorBytes(TorchDispatchMode):
             weakref.finalize(storage, self._free, nbytes)
             self.live += nbytes
             self.peak = max(self.peak, self.live)
+            if nbytes > self.largest:
+                self.largest, self.largest_op = nbytes, str(func)
         return out

@@ -5,8 +5,9 @@ Nothing here builds a model, so a 405B config is planned in microseconds; tests 
 LoRA model. Projection shapes and biases come from the registry, so Mistral, Qwen2 (q/k/v biases) and Qwen3
 (per-head q/k norms, head_dim apart from hidden / heads) are counted by the same code.
 
-Activation bytes per decoder layer (HF transformers 5 `LlamaDecoderLayer`, SDPA / flash attention, so no S x S
-score matrix; no dropout). Counted tensor by tensor from what autograd saves for backward, per token, with e the
+Activation bytes per decoder layer (HF transformers 5 `LlamaDecoderLayer`, attention without an S x S tensor:
+flash varlen, flex or hfdist's document attention, hfdist's default; no dropout). The explicit sdpa / eager choices
+add their dense document mask and its per-layer copies, counted apart (hfdist.models.attention.dense_mask_bytes). Counted tensor by tensor from what autograd saves for backward, per token, with e the
 activation element size (2 for bf16, 4 for fp32):
 
     input_layernorm, post_attention_layernorm (each): the input upcast to fp32 (4 H), the fp32 rsqrt (4) and

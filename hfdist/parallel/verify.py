@@ -151,13 +151,29 @@ def _check_lora(rung: Rung, model: nn.Module) -> None:
         _fail(rung, f"--lora was asked but non-LoRA parameters train too, e.g. {stray[:3]}")
 
 
-def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool) -> None:
+def _check_attention(rung: Rung, model: nn.Module, attention: str) -> None:
+    """The attention implementation every layer reads is the one the run resolved (under cp: the one the Ulysses
+    exchange calls on the gathered sequence)."""
+    from hfdist.parallel.context import CP_ATTENTION
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    in_effect = {base.config._attn_implementation}
+    if in_effect == {CP_ATTENTION}:
+        in_effect = {m.hfdist_cp[2] for m in base.modules() if getattr(m, "hfdist_cp", None) is not None}
+    if in_effect != {attention}:
+        _fail(rung, f"the model attends with {', '.join(sorted(map(str, in_effect)))}, not the "
+                    f"--attn-implementation resolved for this run ({attention}), so packed documents would not be "
+                    "kept apart as the batch describes them")
+
+
+def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool, attention: str | None = None) -> None:
     """Raise StrategyNotInEffect unless `rung` is really applied.
 
     Args:
         wrapped: what the Trainer trains (DDP / DeepSpeedEngine / the FSDP2 model itself).
         model: the underlying model (Trainer.model).
         lora: whether LoRA adapters were asked for.
+        attention: the attention implementation the run resolved (hfdist.models.attention); None: not checked.
     """
     world = _world_size()
     if world != rung.num_processes:
@@ -174,3 +190,5 @@ def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool
         _check_deepspeed(rung, wrapped)
     if lora:
         _check_lora(rung, model)
+    if attention is not None:
+        _check_attention(rung, model, attention)

@@ -35,7 +35,9 @@ Activations: hfdist.models.shape's per-layer formula (for DDP and the single pro
 runs them in bf16 as autocast over fp32 weights, so the residual stream stays fp32; the mesh rungs, a pipeline with
 one data-parallel rank included, compute in bf16 through FSDP2's policy); data parallelism does not split them; a
 1F1B pipeline stage s holds pp - s micro-batches in flight (at least pp micro-batches assumed), so the first stage
-holds a whole model's worth of layer activations for one micro-batch.
+holds a whole model's worth of layer activations for one micro-batch. Attention as the default (`auto`: flash varlen,
+flex or hfdist's document attention) holds nothing S x S; the explicit sdpa / eager choices add their dense mask and
+its per-layer copies (hfdist.models.attention.dense_mask_bytes), on every tp and cp rank whole.
 
 Buffers: 1 GiB of CUDA context + cuBLAS/NCCL workspace on every rung; DDP's gradient buckets (a second copy
 of the trainable grads: gradient_as_bucket_view is off by default); DeepSpeed's reduce buckets
@@ -60,6 +62,7 @@ from hfdist.config.dims import ParallelDims
 from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.errors import HfdistError
+from hfdist.models.attention import AUTO, CHOICES, dense_mask_bytes, is_hub_kernel
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 
@@ -101,8 +104,12 @@ class Workload:
     dtype: str = "bf16"
     bytes_per_param_adam: int = 16
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE  # sequence positions per loss chunk; None: unchunked
+    attention: str = AUTO  # --attn-implementation: sdpa / eager add a dense mask (hfdist.models.attention)
 
     def __post_init__(self) -> None:
+        if self.attention not in CHOICES and not is_hub_kernel(self.attention):
+            raise PlanError(f"attention must be one of {', '.join(CHOICES)} or a kernels-hub id, got "
+                            f"{self.attention!r}.")
         if self.dtype not in DTYPES:
             raise PlanError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.bytes_per_param_adam not in ADAM_BYTES_CHOICES:
@@ -265,6 +272,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     residual_elem = 4 if autocast else elem  # autocast keeps the residual stream between layers in fp32
     kept = shape.checkpointed_layer_bytes(tokens, residual_elem, tp) if w.activation_checkpointing else full_layer
     activations = (pp - stage) * layers * kept + (full_layer if w.activation_checkpointing else 0)
+    activations += _dense_mask_bytes(shape, dims, w, stage, layers, elem)
     if last:
         # hfdist's loss holds one chunk of every sequence's fp32 logits at a time (hfdist.models.chunked_loss).
         rows = w.seq // dims.cp
@@ -278,6 +286,23 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     if rung.uses_deepspeed:
         buffers += _ds_reduce_bucket_bytes(rung, shape, pb.grad)
     return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded)))
+
+
+def _dense_mask_bytes(shape: ModelShape, dims: ParallelDims, w: Workload, stage: int, layers: int, elem: int) -> int:
+    """What the explicit sdpa / eager choice adds (hfdist.models.attention.dense_mask_bytes): every rank holds the
+    whole (micro_batch, 1, S, S) mask of each micro-batch in flight, tp and cp ranks alike (attention sees the full
+    sequence), and the per-layer copies of every layer whose activations are kept (one layer's, recomputed, with
+    activation checkpointing; under cp sdpa's bias is one copy shared by all layers)."""
+    heads = max(shape.heads // (dims.tp * dims.cp), 1)
+    mask, per_layer = dense_mask_bytes(w.attention, seq=w.seq, micro_batch=w.micro_batch, heads=heads, elem=elem)
+    in_flight = dims.pp - stage
+    if w.activation_checkpointing:
+        kept = 1
+    elif dims.cp > 1 and w.attention == "sdpa":
+        kept = in_flight
+    else:
+        kept = in_flight * layers
+    return in_flight * mask + kept * per_layer
 
 
 def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, pb: _PerParam, layers: int,

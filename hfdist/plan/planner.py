@@ -19,6 +19,7 @@ from typing import Any, Iterable
 from hfdist.config.dims import ParallelDims
 from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
 from hfdist.config.ladder import Rung, known_rung_names, load_rung
+from hfdist.models.attention import AUTO, uses_dense_mask
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, dims_on_cluster, offload_device, rung_rank_bytes
@@ -80,10 +81,14 @@ class Plan:
         ckpt = "with" if w.activation_checkpointing else "without"
         logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
                   if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
+        attention = {"sdpa": "sdpa with a dense S x S document mask (the mask + its bias saved per layer counted)",
+                     "eager": "eager with a dense S x S document mask (the mask + every head's S x S weights saved "
+                              "per layer counted)"}.get(
+            w.attention, f"{w.attention} attention (document boundaries or a BlockMask: nothing S x S)")
         return [
             states,
             train,
-            f"activations: seq {w.seq} x micro-batch {w.micro_batch}, SDPA/flash attention, {ckpt} activation "
+            f"activations: seq {w.seq} x micro-batch {w.micro_batch}, {attention}, {ckpt} activation "
             f"checkpointing, fp32 logits of {logits}; PP: 1F1B with pp micro-batches in flight",
             "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers",
             "offload rungs count GPU bytes only; 1 GB = 1e9 bytes; allocator fragmentation not modelled",
@@ -197,6 +202,8 @@ def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload
               "--global-batch-size", str(per_rank * dims.dp)]
     if w.activation_checkpointing:
         parts.append("--activation-checkpointing")
+    if w.attention != AUTO:
+        parts += ["--attn-implementation", w.attention]
     return shlex.join(parts)
 
 
@@ -243,6 +250,8 @@ def _find_fix(config, rungs: list[Rung], model: str, gpus_per_node: int, nodes: 
               w: Workload, avoid_offload: bool) -> str:
     """The first single change (in order of cost to the user) after which a rung fits, as advice."""
     candidates: list[tuple[str, int, Workload]] = []
+    if uses_dense_mask(w.attention):
+        candidates.append(("use --attn-implementation auto (no S x S mask)", nodes, replace(w, attention=AUTO)))
     if not w.activation_checkpointing:
         candidates.append(("add --activation-checkpointing", nodes, replace(w, activation_checkpointing=True)))
     ckpt = replace(w, activation_checkpointing=True)
@@ -281,6 +290,7 @@ def plan_rungs(
     bytes_per_param_adam: int = 16,
     model: str = "model",
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
+    attention: str = AUTO,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
 
@@ -303,7 +313,7 @@ def plan_rungs(
         raise PlanError(f"{bad} must be positive integers: describe the cluster as --nodes K x --gpus-per-node G "
                         "GPUs of --gpu-mem-gb M each.")
     w = Workload(seq, micro_batch, lora, lora_r, tuple(lora_targets), activation_checkpointing, dtype,
-                 bytes_per_param_adam, loss_chunk_size)
+                 bytes_per_param_adam, loss_chunk_size, attention)
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]
     plan = _plan(config, loaded, model, gpus_per_node, nodes, gpu_mem_bytes, w)
     rec = plan.recommended

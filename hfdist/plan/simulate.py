@@ -97,6 +97,7 @@ class Simulation:
     roles: tuple[RoleBytes, ...]
     seconds: float
     failure: str = ""  # verify's message for the first role that failed it
+    attention: str = "auto"  # --attn-implementation the simulated step's memory stands for
 
     @property
     def verified(self) -> bool:
@@ -107,7 +108,7 @@ class Simulation:
         """The `hfdist simulate --json` object."""
         return {"model": self.model, "config": self.rung.name, "num_processes": self.rung.num_processes,
                 "dims": self.rung.dims.to_dict(), "mixed_precision": self.mixed_precision,
-                "verified": self.verified, "seconds": round(self.seconds, 2),
+                "attn_implementation": self.attention, "verified": self.verified, "seconds": round(self.seconds, 2),
                 "ranks": [r.to_json() for r in self.roles], **({"failure": self.failure} if self.failure else {})}
 
     def table(self) -> str:
@@ -127,7 +128,9 @@ class Simulation:
                          f"{r.optimizer_bytes / gb:>9.3f}  {predicted:>24} {r.relative_error():>7.2%}")
         for r in self.roles:
             if r.step is not None:
-                lines.append(f"rank {r.rank}: a simulated step (seq {r.step.seq} x micro-batch {r.step.micro_batch}) "
+                attention = "" if self.attention == "auto" else f", {self.attention} attention"
+                lines.append(f"rank {r.rank}: a simulated step (seq {r.step.seq} x micro-batch {r.step.micro_batch}"
+                             f"{attention}) "
                              f"peaks at {r.step.peak_bytes / gb:.3f} {unit}, activations "
                              f"{r.step.activation_bytes / gb:.3f} {unit}; planner "
                              f"{r.step.predicted_activation_bytes / gb:.3f} {unit} "
@@ -255,8 +258,30 @@ def _meta_state_bytes(model) -> tuple[int, int, int]:
     return _state_bytes(params, optimizer)
 
 
-def _simulated_step(model, rung: Rung, seq: int, micro_batch: int,
-                    mixed_precision: str) -> tuple[tuple[int, int, int], dict[str, int]]:
+def step_attention(attention: str) -> str:
+    """The implementation a simulated step runs for `attention`: sdpa / eager as asked, with their dense mask (what
+    the step is to show); every mask-free choice as sdpa without a mask: the step's rows are one document each, so
+    causal attention is their document attention, and sdpa's causal kernel holds what flash varlen holds."""
+    from hfdist.models.attention import uses_dense_mask
+
+    return attention if uses_dense_mask(attention) else "sdpa"
+
+
+def _dense_mask(attention: str, seq: int, micro_batch: int) -> dict:
+    """A simulated step's dense mask (one document per row; fake like every tensor of the step: no memory at any
+    length), or nothing for a mask-free `attention`."""
+    import torch
+
+    from hfdist.data.collation import attention_inputs
+    from hfdist.models.attention import uses_dense_mask
+
+    if not uses_dense_mask(attention):
+        return {}
+    return attention_inputs(torch.arange(seq).repeat(micro_batch, 1), attention)
+
+
+def _simulated_step(model, rung: Rung, seq: int, micro_batch: int, mixed_precision: str,
+                    attention: str) -> tuple[tuple[int, int, int], dict[str, int]]:
     """One training step of a sharded meta model in fake tensors (shapes and dtypes, no data), under torch's FSDP2
     memory tracker: forward with the job's loss (vocab-parallel under TP), backward, AdamW step. Returns the state
     bytes after the step and the tracker's breakdown at the step's peak ("Total", ...), with "Activation" the
@@ -275,13 +300,14 @@ def _simulated_step(model, rung: Rung, seq: int, micro_batch: int,
         materialize(model, torch.device("cpu"))
         params = _rank_params(model)
         optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-5, foreach=False)
-        input_ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq))
+        batch = {"input_ids": torch.randint(0, model.config.vocab_size, (micro_batch, seq)),
+                 **_dense_mask(attention, seq, micro_batch)}
         tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((input_ids,))
+        tracker.track_inputs((batch["input_ids"],))
         with tracker, (loss_parallel() if rung.uses_tp else contextlib.nullcontext()):
             # The job's loss (HfdistTrainer.causal_lm_loss): chunked over the sequence (the planner's default
             # chunk), each chunk's logits vocab-parallel under TP.
-            loss = causal_lm_loss(model, {"input_ids": input_ids})
+            loss = causal_lm_loss(model, batch)
             forward = [*tracker.get_tracker_snapshot("peak").values(), *tracker.get_tracker_snapshot("current").values()]
             loss.backward()
             optimizer.step()
@@ -322,24 +348,27 @@ def _distinct_stages(num_layers: int, pp: int) -> list[tuple[int, tuple[int, ...
 
 
 def _planned_activations(config, rung: Rung, mixed_precision: str, activation_checkpointing: bool, seq: int,
-                         micro_batch: int) -> int:
+                         micro_batch: int, attention: str) -> int:
     from hfdist.models.shape import ModelShape
     from hfdist.plan.bytes import Workload, rung_rank_bytes
 
     workload = Workload(seq=seq, micro_batch=micro_batch, dtype=mixed_precision,
-                        activation_checkpointing=activation_checkpointing or rung.fsdp.activation_checkpointing)
+                        activation_checkpointing=activation_checkpointing or rung.fsdp.activation_checkpointing,
+                        attention=attention)
     return rung_rank_bytes(ModelShape.from_config(config), rung, rung.dims, workload).activations
 
 
 def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", activation_checkpointing: bool = False,
-             gpus_per_node: int = 8, step_seq: int | None = None, micro_batch: int = 1) -> Simulation:
+             gpus_per_node: int = 8, step_seq: int | None = None, micro_batch: int = 1,
+             attention: str = "auto") -> Simulation:
     """Run the parallelize recipe for every distinct rank role of `rung` (from `simulation_rung`) on a meta
     `model_spec` under a fake process group; see the module docstring.
 
     `step_seq`: also run one training step of `micro_batch` sequences of that length in fake tensors under FSDP2's
     memory tracker (hfdist's own non-pipeline rungs; a pipeline's schedule exchanges activations between stages,
     which this does not drive) and report its activation peak against the planner's; the state bytes then come
-    from that step's real gradients and optimizer state.
+    from that step's real gradients and optimizer state. `attention`: the --attn-implementation the step stands
+    for (`step_attention`: sdpa / eager hold their dense mask in the step and in the planner's figure).
 
     A role that fails verification (a bug in the recipe, not bad input) is reported in `failure`; its bytes are
     still read.
@@ -360,7 +389,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
                             "fsdp_hybrid / fsdp_tp.")
     start = time.perf_counter()
     dims = rung.dims
-    template = meta_model(model_spec)
+    template = meta_model(model_spec, attn_implementation=step_attention(attention))
     roles, failure = [], ""
     for stage, stages in _distinct_stages(template.config.num_hidden_layers, dims.pp):
         rank = stage * dims.tp  # mesh coordinates (dp_replicate 0, dp_shard 0, pp stage, tp 0)
@@ -375,10 +404,11 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
             if step_seq is None:
                 param, grad, optimizer = _meta_state_bytes(model)
             else:
-                (param, grad, optimizer), peak = _simulated_step(model, rung, step_seq, micro_batch, mixed_precision)
+                (param, grad, optimizer), peak = _simulated_step(model, rung, step_seq, micro_batch, mixed_precision,
+                                                                 attention)
                 step = StepPeak(step_seq, micro_batch, peak["Activation"], peak["Total"],
                                 _planned_activations(template.config, rung, mixed_precision, activation_checkpointing,
-                                                     step_seq, micro_batch))
+                                                     step_seq, micro_batch, attention))
         predicted = predict_state_bytes(template.config, rung, dtype=mixed_precision, stage=stage)
         roles.append(RoleBytes(rank, stage, param, grad, optimizer, predicted, step, stages))
-    return Simulation(model_spec, rung, mixed_precision, tuple(roles), time.perf_counter() - start, failure)
+    return Simulation(model_spec, rung, mixed_precision, tuple(roles), time.perf_counter() - start, failure, attention)

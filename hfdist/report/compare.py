@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, default=20, help="Optimizer steps per rung (default 20).")
     g.add_argument("--global-batch-size", type=int, default=16, help="Sequences per step over all ranks (default 16).")
     g.add_argument("--seq-len", type=int, default=128, help="Tokens per sequence (default 128).")
+    g.add_argument("--attn-implementation", default="auto", metavar="NAME",
+                   help="Attention of every run, as `hfdist finetune --attn-implementation` (default auto); the "
+                        "matrix records what each run resolved it to.")
     g = p.add_argument_group("Output")
     g.add_argument("--out", type=Path, default=None, help="Matrix folder (default results/<hardware>).")
     g.add_argument("--runs-dir", type=Path, default=None, help="Where the runs write (default outputs/compare/<id>).")
@@ -60,11 +63,17 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
     out = args.out or Path("results") / hardware
     runs_dir = args.runs_dir or Path("outputs") / "compare" / compare_id
     shared = ["--model", args.model, "--max-steps", str(args.max_steps), "--global-batch-size",
-              str(args.global_batch_size), "--seq-len", str(args.seq_len), "--compare-id", compare_id]
+              str(args.global_batch_size), "--seq-len", str(args.seq_len), "--compare-id", compare_id,
+              "--attn-implementation", args.attn_implementation]
     if args.lora:
         shared.append("--lora")
 
     def job() -> int:
+        import torch
+
+        from hfdist.models.attention import resolve_attention
+
+        resolve_attention(args.attn_implementation, on_gpu=torch.cuda.is_available())  # refused before any run
         summaries = []
         for i, name in enumerate(args.configs, 1):
             cmd = [sys.executable, "-m", "hfdist.cli", "finetune", "--config", name, *shared,

@@ -69,12 +69,14 @@ class StrategyMixin(CheckpointingMixin):
         mixed_precision: "bf16" or "no", as the run trains (checked before the first step).
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
         compile: whether the decoder layers were compiled (--compile; verified before the first step).
+        attention: the attention implementation the run resolved (verified before the first step).
     """
 
     def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
                  mixed_precision: str = "no", skeleton: nn.Module | None = None, compile: bool = False,
-                 **kwargs) -> None:
+                 attention: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.attention = attention
         self.rung = rung
         self.lora = lora
         self.checkpoint_identity = checkpoint_identity or {}
@@ -133,7 +135,7 @@ class StrategyMixin(CheckpointingMixin):
         with cuda_peaks_kept_through_resets():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
                                                                     resume_from_checkpoint)
-        verify_strategy(self.rung, model, self.model, self.lora)
+        verify_strategy(self.rung, model, self.model, self.lora, self.attention)
         if self.compile:
             verify_compiled(self.rung, self.model)
         check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model)

@@ -140,3 +140,17 @@ def test_dataset_without_usable_columns(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "instruction/response" in proc.stderr and "question_text" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("attention, said", [
+    ("flash_attention_2", "needs the 'flash_attn' package, which is not installed here"),
+    ("flex_attention", "has no CPU backward"),
+    ("kernels-community/paged-attention", "cannot give document boundaries to"),
+])
+def test_attention_that_cannot_run_here_is_refused_before_any_process(tmp_path, attention, said):
+    proc = _finetune("--config", "ddp", "--model", "llama-tiny", "--attn-implementation", attention,
+                     "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and said in proc.stderr and "--attn-implementation auto" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "starting" not in proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1  # one paragraph
+    assert not (tmp_path / "o").exists()

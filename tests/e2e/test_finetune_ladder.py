@@ -1,6 +1,7 @@
 """End-to-end: every shipped rung through scripts/finetune.py on CPU/gloo, against the single-process run.
 
-Each run trains llama-tiny for 4 steps on the same global batch (8 sequences) and seed. What must hold:
+Each run trains llama-tiny for 4 steps on the same global batch (8 sequences) and seed, attending with the CPU
+default, hfdist's document attention (packed documents kept apart by their boundaries). What must hold:
 - losses equal the single-process losses within LOSS_RTOL (fp32; only the order of reductions differs);
 - per-rank bytes show the sharding the rung promises;
 - the saved model (or LoRA adapter) loads in a fresh process and reproduces the trained model's loss on a batch.
@@ -72,6 +73,7 @@ def test_strategy_and_world_recorded(runs, name):
     assert s["dp_replicate"] * s["dp_shard"] * s["pp"] * s["tp"] == rung.num_processes
     assert s["zero_stage"] == rung.zero_stage
     assert s["mixed_precision"] == "no"  # the YAMLs say bf16: translated on CPU
+    assert s["attn_implementation"] == "hfdist_documents"  # the CPU default: documents apart, no S x S mask
 
 
 def test_cpu_translation_is_announced(runs):
@@ -228,6 +230,7 @@ def test_matrix_from_the_runs(runs, tmp_path):
     table = list(csv.DictReader(open(tmp_path / "matrix.csv")))
     assert [r["strategy"] for r in table] == ["ddp", "fsdp_full_shard", "zero3", "zero3+lora"]
     assert all(r[c] not in ("", None) for r in table for c in COLUMNS)
+    assert {r["attn_implementation"] for r in table} == {"hfdist_documents"}  # what each run resolved auto to
     by_name = {r["strategy"]: r for r in table}
     assert float(by_name["zero3"]["param_mb_per_rank"]) < float(by_name["ddp"]["param_mb_per_rank"])
     assert float(by_name["ddp"]["final_loss"]) == pytest.approx(runs["ddp"]["losses"][-1], abs=1e-4)

@@ -225,8 +225,9 @@ class PipelineRunner:
         Call it on every rank of the pipeline group with the same batch (B, S): input_ids feed the first stage,
         labels (IGNORE_INDEX = -100 for tokens without a loss, unshifted as for HF models) the last, and the
         attention mask / position ids every stage, split into micro-batches with the rest (a packed batch's 4-D
-        block mask from hfdist.data.collate, or under flash-attention its position ids alone, from which each
-        stage rebuilds the micro-batch's document boundaries). A new (B, S) rebuilds the schedule's communication buffers,
+        block mask from hfdist.data.collate under sdpa / eager, or its position ids alone, from which each stage
+        rebuilds the micro-batch's document boundaries under hfdist_documents / flash varlen, or transformers its
+        BlockMask under flex). A new (B, S) rebuilds the schedule's communication buffers,
         so pad batches to a fixed length for speed.
 
         Args:
