@@ -66,11 +66,14 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         loss_chunk_size: sequence positions per lm_head + cross-entropy chunk (hfdist.models.chunked_loss), on
             every rung; None: the whole sequence at once.
         compile: whether the decoder layers were compiled (--compile; verified before the first step).
+        fp8: the float8 recipe the decoder projections compute with (--fp8; verified before the first step), or
+            None.
     """
 
     def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
                  mixed_precision: str = "no", skeleton: torch.nn.Module | None = None,
-                 loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, compile: bool = False, **kwargs) -> None:
+                 loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, compile: bool = False,
+                 fp8: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.loss_chunk_size = loss_chunk_size
         if rung.uses_pipeline:
@@ -82,6 +85,11 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         self.precision = PrecisionProbe()
         self.skeleton = skeleton
         self.compile = compile
+        self.fp8 = fp8
+        if fp8 is not None:  # the scales of FSDP2's float8 all-gather, once per step (a no-op without it)
+            from hfdist.train.float8_scales import Float8ScalesCallback
+
+            self.add_callback(Float8ScalesCallback())
         if rung.owns_sharding:
             # The Trainer's own switch for "the model already owns its placement and gradient reduction": with it,
             # accelerate prepares autocast only (no DDP wrap, no .to()) and saving joins all ranks.
@@ -227,7 +235,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         verify_strategy(self.rung, model, self.model, self.lora)
         if self.compile:
             verify_compiled(self.rung, self.model)
-        check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model)
+        check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model, self.fp8)
         self.precision.attach(self.model)
         return model, train_dataloader
 
