@@ -63,8 +63,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         checkpoint_identity: what a checkpoint records about the run, to refuse resuming another setup's.
         mixed_precision: "bf16" or "no", as the run trains (checked before the first step).
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
-        loss_chunk_size: sequence positions per lm_head + cross-entropy chunk (hfdist.models.chunked_loss), on
-            every rung; None: the whole sequence at once.
+        loss_chunk_size: sequence positions per lm_head + cross-entropy chunk (hfdist.models.chunked_loss: fused,
+            or recomputing where lm_head is not a plain Linear), on every rung; None: the whole sequence at once.
         compile: whether the decoder layers were compiled (--compile; verified before the first step).
         fp8: the float8 recipe the decoder projections compute with (--fp8; verified before the first step), or
             None.
@@ -154,7 +154,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         return shard_batch(inputs, dist.get_rank(group), self.rung.dims.cp)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
-        """`loss_parallel()` under TP (cross-entropy on vocab-sharded logits, forward and backward), else nothing."""
+        """`loss_parallel()` under TP (cross-entropy on vocab-sharded logits, forward and backward, where the loss
+        is not fused: the fused loss does its vocab-parallel softmax itself), else nothing."""
         if self.rung.uses_tp:
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -162,8 +163,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         return contextlib.nullcontext()
 
     def causal_lm_loss(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """The causal-LM loss, chunked (hfdist.models.chunked_loss: never the whole batch's logits); under TP
-        the chunks' logits are vocab-sharded (loss_context)."""
+        """The causal-LM loss, chunked and fused (hfdist.models.chunked_loss: never the whole batch's logits, lm_head's
+        gradients computed in the forward); under TP vocab-parallel."""
         return causal_lm_loss(model, inputs, num_items_in_batch, self.loss_chunk_size)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
