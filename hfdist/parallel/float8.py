@@ -1,8 +1,8 @@
 """FP8 training (`--fp8 tensorwise|rowwise`) through torchao's float8 linears: which layers compute in float8, the
 recipes, FSDP2's float8 all-gather, and what a rank reports and checks of them.
 
-Which layers convert is one rule (hfdist.parallel.float8_check.converts): a decoder layer's projection (the registry's q/k/v/o/gate/up/down)
-whose in- and out-features, as a rank holds them under tensor parallelism, are both multiples of 16 (what the float8
+Which layers convert is one rule (hfdist.parallel.float8_check.converts): a decoder layer's projection (the
+registry's q/k/v/o/gate/up/down) whose in- and out-features, as a rank holds them under tensor parallelism, are both multiples of 16 (what the float8
 matmul, `torch._scaled_mm`, requires). Never lm_head (the logits feed the fp32 loss and carry the largest values of
 the network: torchtitan and torchao keep it in the training precision too), never the embedding (a lookup, not a
 matmul), never LoRA's adapters (LoRA with FP8 is refused before launch). torchao's own filter also skips layers it

@@ -7,6 +7,7 @@ the launcher's checks import nothing heavy. The rule itself (`converts`) is docu
 
 from __future__ import annotations
 
+from hfdist.config.features import refuse_unless
 from hfdist.config.finetune import ConfigError
 from hfdist.config.ladder import Rung
 from hfdist.models.registry import ModelFacts, facts_for, is_supported
@@ -63,20 +64,6 @@ def gathers_in_float8(recipe: str | None, fsdp_shards: int) -> bool:
 
 
 
-def _refuse_rung(rung: Rung) -> None:
-    """--fp8 on a rung it is not built for (DeepSpeed's engine; context parallelism, whose tokens split over cp
-    would give each rank's float8 scales a part of every sequence)."""
-    if rung.uses_deepspeed:
-        why = "DeepSpeed's engine casts and partitions the model itself, around torchao's float8 linears"
-    elif rung.dims.cp > 1:
-        why = "context parallelism splits every sequence's tokens over cp ranks, and the float8 scales would see a part"
-    else:
-        return
-    raise ConfigError(f"--fp8 does not run on {rung.name}: {why}, and hfdist has not verified FP8 matmuls there. "
-                      "Drop --fp8, or use a rung that takes it: single, ddp, fsdp_full_shard, fsdp_hybrid, pp, fsdp_tp, "
-                      "3d (or a YAML of theirs).")
-
-
 def check_fp8(recipe: str, rung: Rung, config, *, seq_len: int, lora: bool) -> str:
     """Refuse, before any process starts, an FP8 run hfdist has not built: with LoRA, on a rung that does not take
     --fp8, a model of an architecture outside the registry or with no projection the rule converts, or a sequence
@@ -90,7 +77,7 @@ def check_fp8(recipe: str, rung: Rung, config, *, seq_len: int, lora: bool) -> s
                           "trains, and has not built or verified float8 matmuls inside peft's LoRA layers (a frozen "
                           "base beside bf16 adapters). Drop --lora to fine-tune every weight in FP8, or drop --fp8 "
                           "to train LoRA in bf16.")
-    _refuse_rung(rung)
+    refuse_unless(rung, "fp8")  # the rung table says which rungs take --fp8
     if not is_supported(config):
         facts_for(config, "--fp8 (which decoder projections compute in float8)")  # raises, naming the supported ones
     picked, total = count_float8_projections(config, rung.dims.tp)

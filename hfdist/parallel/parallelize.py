@@ -5,7 +5,7 @@ arrives on the meta device (hfdist.models.build.meta_model, LoRA already injecte
 before the last two steps, and then only this rank's shards:
 
     mesh = dims.build_mesh(device)          the DeviceMesh: dp_replicate x dp_shard x cp x pp x tp
-    convert_to_float8(model, recipe)        torchao's float8 linears in the decoder layers (--fp8; hfdist.parallel.float8)
+    convert_to_float8(model, recipe)        float8 linears in the decoder layers (--fp8; hfdist.parallel.float8)
     apply_tp(model, mesh["tp"])             Megatron TP + sequence parallel + vocab-parallel loss (tp > 1)
     apply_cp(model, mesh["cp"])             attention over sequences sharded across cp ranks (Ulysses, cp > 1)
     apply_ac(model)                         activation checkpointing per decoder layer (asked for or in the YAML)
@@ -17,9 +17,10 @@ before the last two steps, and then only this rank's shards:
     load_weights(local tensors, plan)       each rank reads just its slices of the checkpoint (or seeded init)
 
 The float8 conversion comes first, on the meta model: TP's local linears, the pipeline split and FSDP2 (whose
-float8 all-gather needs the converted weights' tensor subclass) all see the float8 linears. TP goes first because FSDP2 shards the TP-split DTensors further over dp (2-D parameters); activation
-checkpointing is set on the decoder layers before the split, where they are still reachable from the model; FSDP
-comes after the split because it must see the final module tree (stages) to pick its units.
+float8 all-gather needs the converted weights' tensor subclass) all see the float8 linears. TP goes before FSDP2
+because FSDP2 shards the TP-split DTensors further over dp (2-D parameters); activation checkpointing is set on
+the decoder layers before the split, where they are still reachable from the model; FSDP comes after the split
+because it must see the final module tree (stages) to pick its units.
 
 Compilation (torchtitan's order: after TP and activation checkpointing, before FSDP): each decoder layer is compiled
 as it will run, with its TP plan's input/output redistributions and its checkpointed forward (HF checkpoints inside
