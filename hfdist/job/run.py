@@ -221,7 +221,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     if fp8 is not None and _is_rank0():
         from hfdist.parallel.float8_check import check_fp8
 
-        print(check_fp8(fp8, rung, skeleton.config, seq_len=cfg.seq_len, lora=cfg.lora), flush=True)
+        print(check_fp8(fp8, rung, skeleton.config, seq_len=cfg.seq_len, lora=cfg.lora, compile=cfg.compile,
+                        mixed_precision=mixed, on_gpu=on_gpu), flush=True)
     watch.cover_groups()  # the mesh's groups
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))

@@ -64,10 +64,12 @@ def gathers_in_float8(recipe: str | None, fsdp_shards: int) -> bool:
 
 
 
-def check_fp8(recipe: str, rung: Rung, config, *, seq_len: int, lora: bool) -> str:
+def check_fp8(recipe: str, rung: Rung, config, *, seq_len: int, lora: bool, compile: bool = False,
+              mixed_precision: str = "no", on_gpu: bool = True) -> str:
     """Refuse, before any process starts, an FP8 run hfdist has not built: with LoRA, on a rung that does not take
-    --fp8, a model of an architecture outside the registry or with no projection the rule converts, or a sequence
-    length the float8 matmuls cannot contract. Returns the one line the run prints about what converts.
+    --fp8, a model of an architecture outside the registry or with no projection the rule converts, a sequence
+    length the float8 matmuls cannot contract, or compiled under autocast on a CPU. Returns the one line the run
+    prints about what converts.
 
     Raises:
         ConfigError: one paragraph naming the problem and the fix.
@@ -78,6 +80,12 @@ def check_fp8(recipe: str, rung: Rung, config, *, seq_len: int, lora: bool) -> s
                           "base beside bf16 adapters). Drop --lora to fine-tune every weight in FP8, or drop --fp8 "
                           "to train LoRA in bf16.")
     refuse_unless(rung, "fp8")  # the rung table says which rungs take --fp8
+    if compile and mixed_precision == "bf16" and not rung.owns_sharding and not on_gpu:
+        raise ConfigError(f"--fp8 with --compile does not run on {rung.name} in bf16 on a CPU: {rung.name} computes in "
+                          "bf16 through autocast over fp32 weights, and inductor's CPU kernels for that graph give NaN "
+                          "gradients in the float8 attention projections (measured with torch 2.13; eager, and "
+                          "bf16 through FSDP2's policy, are fine). Drop --compile or --mixed-precision bf16, or use an "
+                          "FSDP2 rung (fsdp_full_shard on one or more processes), or a GPU.")
     if not is_supported(config):
         facts_for(config, "--fp8 (which decoder projections compute in float8)")  # raises, naming the supported ones
     picked, total = count_float8_projections(config, rung.dims.tp)
