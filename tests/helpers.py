@@ -148,6 +148,7 @@ def free_port() -> int:
 # test_chunked_loss_job reads the two runs with the loss in sequence chunks (LOSS_CHUNKS).
 # name -> (finetune arguments, accelerate config file under accelerate_configs/ or None, via).
 LOSS_CHUNKS = ("--loss-chunk-size", "16")  # 4 chunks of the 64 positions (the default chunk holds all of them)
+BF16_ARGS = ("--mixed-precision", "bf16", "--no-wandb")
 SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "single": ((), None, "python"),
     "lora_single": (("--lora",), None, "python"),
@@ -166,6 +167,9 @@ SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     # loss's, since chunking changes no loss beyond the 1e-5 those modules allow against the unchunked single run.
     "zero2": (("--config", "zero2.yaml", *LOSS_CHUNKS), None, "accelerate"),
     "pp_Interleaved1F1B": (("--config", "pp", "--pp-schedule", "Interleaved1F1B", *LOSS_CHUNKS), None, "python"),
+    # The bf16 runs test_bf16.py checks and test_fp8.py compares its float8 runs with (BF16_SHARED).
+    **{f"bf16_{name}": ((*(("--config", name) if name != "single" else ()), *BF16_ARGS), None, "python")
+       for name in ("single", "fsdp_full_shard", "fsdp_tp", "pp", "3d")},
 }
 SHARED_SAVE_STEPS = ("--save-steps", "2")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from hfdist.config.finetune import ConfigError, FinetuneConfig
 from hfdist.config.ladder import Rung
-from hfdist.config.precision import effective_mixed_precision
+from hfdist.config.precision import effective_fp8, effective_mixed_precision
 
 __all__ = ["checkpoint_identity", "resume_point", "resume_line", "LAYOUT_KEYS", "WORKLOAD_KEYS"]
 
@@ -50,7 +50,7 @@ def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
             "lora_alpha": cfg.lora_alpha if cfg.lora else None,
             "model": cfg.model or DEFAULT_PRESET, "global_batch_size": cfg.global_batch_size, "seq_len": cfg.seq_len,
             "mixed_precision": effective_mixed_precision(rung, on_gpu, cfg.mixed_precision),
-            "device": "cuda" if on_gpu else "cpu"}
+            "fp8": effective_fp8(rung, on_gpu, cfg.fp8), "device": "cuda" if on_gpu else "cpu"}
 
 
 def _check_precision_and_device(checkpoint: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
@@ -61,6 +61,10 @@ def _check_precision_and_device(checkpoint: Path, saved: dict[str, Any], identit
     if saved.get("mixed_precision", "no") != identity["mixed_precision"]:
         fixes.append(f"it trained with --mixed-precision {saved.get('mixed_precision', 'no')}, this run with "
                      f"{identity['mixed_precision']}: pass --mixed-precision {saved.get('mixed_precision', 'no')}")
+    if saved.get("fp8") != identity["fp8"]:
+        asked = f"--fp8 {saved['fp8']}" if saved.get("fp8") else "no --fp8"
+        fixes.append(f"it trained with {asked}, this run with "
+                     f"{'--fp8 ' + identity['fp8'] if identity['fp8'] else 'no --fp8'}: pass {asked}")
     if saved.get("device", "cpu") != identity["device"]:
         fixes.append(f"it trained on {saved.get('device', 'cpu')}, this run is on {identity['device']}: resume on "
                      f"a {saved.get('device', 'cpu')} machine")

@@ -22,7 +22,7 @@ what FSDP2 and DDP hold in total; 20 = DeepSpeed's own accounting (adds a 4-byte
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from hfdist.config.finetune import non_negative_int
+    from hfdist.config.finetune import FP8_RECIPES, non_negative_int
     from hfdist.plan import ADAM_BYTES_CHOICES, DTYPES, Workload
 
     d = Workload()
@@ -45,6 +45,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "document-isolating kernel, nothing S x S); sdpa / eager add their dense S x S mask and its "
                         "per-layer copies")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
+    p.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=d.fp8, choices=FP8_RECIPES, metavar="RECIPE",
+                   help="decoder projections in float8, as `hfdist finetune --fp8` (tensorwise, the default, or "
+                        "rowwise): FSDP2 gathers them at 1 byte per element (tensorwise); rungs that refuse --fp8 "
+                        "are left out")
     p.add_argument("--bytes-per-param-adam", type=int, choices=ADAM_BYTES_CHOICES, default=d.bytes_per_param_adam,
                    help="mixed-precision Adam accounting: 16 (default; FSDP2/DDP totals, ZeRO paper) or 20 "
                         "(DeepSpeed's estimators)")
@@ -66,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         activation_checkpointing=args.activation_checkpointing, dtype=args.dtype,
         bytes_per_param_adam=args.bytes_per_param_adam, model=args.model, loss_chunk_size=args.loss_chunk_size or None,
         attention=args.attn_implementation,
+        fp8=args.fp8,
     )
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     if plan.recommended is None:

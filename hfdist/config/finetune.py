@@ -8,8 +8,8 @@ from dataclasses import dataclass
 
 from hfdist.errors import HfdistError
 
-__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "USAGE", "add_finetune_arguments",
-           "build_parser", "config_from_namespace", "parse_args"]
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "USAGE",
+           "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 
@@ -27,6 +27,8 @@ log (logs/) into --output-dir. `hfdist configs` lists the rungs.
 # default kept here, torch-free, so the command line and the planner read it too: B x 512 x V x 4 bytes of fp32
 # logits at once (256 MiB at B=1 for a 128K vocabulary), matmuls still large enough to run at full speed.
 DEFAULT_LOSS_CHUNK_SIZE = 512
+# torchao's float8 training recipes --fp8 takes (hfdist.parallel.float8), the first the default of a bare --fp8.
+FP8_RECIPES = ("tensorwise", "rowwise")
 
 
 class ConfigError(HfdistError, ValueError):
@@ -68,6 +70,7 @@ class FinetuneConfig:
     attn_implementation: str = "auto"
     compile: bool = False
     mixed_precision: str = "auto"
+    fp8: str | None = None
     pp_schedule: str | None = None
     pp_microbatches: int | None = None
     gpu_mem_gb: float | None = None
@@ -99,6 +102,11 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
                    help="bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; "
                         "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU.")
+    g.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=d.fp8, choices=FP8_RECIPES, metavar="RECIPE",
+                   help="Compute the decoder layers' projections in float8 (torchao; recipe tensorwise (a bare --fp8) "
+                        "or rowwise); the rest in --mixed-precision, weights and gradients fp32. FSDP2 gathers the "
+                        "weights in float8 where it shards them (tensorwise). Runs on single, ddp and the FSDP2 / "
+                        "TP / PP rungs; refused with --lora and on DeepSpeed rungs (docs/fp8.md).")
     g.add_argument("--pp-schedule", default=d.pp_schedule,
                    choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
                    help="Pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule).")

@@ -14,7 +14,7 @@ import torch
 
 from hfdist.config.finetune import ConfigError, FinetuneConfig
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
-from hfdist.config.precision import effective_mixed_precision
+from hfdist.config.precision import effective_fp8, effective_mixed_precision
 from hfdist.parallel.pipeline.plan import check_pipeline
 
 __all__ = ["batch_layout", "check_deepspeed_json", "plan_check", "check_model_fits_rung", "check_context_parallel",
@@ -288,6 +288,13 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
     check_model_fits_rung(config, rung)
+    on_gpu = torch.cuda.is_available()
+    fp8 = effective_fp8(rung, on_gpu, cfg.fp8)
+    if fp8 is not None:
+        from hfdist.parallel.float8_check import check_fp8
+
+        check_fp8(fp8, rung, config, seq_len=cfg.seq_len, lora=cfg.lora, compile=cfg.compile,
+                  mixed_precision=effective_mixed_precision(rung, on_gpu, cfg.mixed_precision), on_gpu=on_gpu)
     check_context_parallel(config, rung, cfg.seq_len)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])

@@ -18,7 +18,7 @@ from hfdist import console
 from hfdist.checkpoint.resume import checkpoint_identity, resume_line, resume_point
 from hfdist.config.finetune import ConfigError, FinetuneConfig
 from hfdist.config.ladder import Rung, StrategyKind
-from hfdist.config.precision import cpu_translation, settle_mixed_precision
+from hfdist.config.precision import cpu_translation, effective_fp8, settle_mixed_precision
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import batch_layout, preflight
 from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_summary
@@ -105,17 +105,18 @@ def _training_dtype(rung: Rung, mixed: str) -> torch.dtype:
     return torch.bfloat16 if rung.uses_deepspeed and mixed == "bf16" else torch.float32
 
 
-def _build_model(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed: str):
+def _build_model(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed: str, fp8: str | None):
     """This rank's model for its rung, weights loaded, from `model` (on the meta device): mesh rungs shard it and
     materialise their shards (hfdist.parallel.parallelize), ZeRO-3 builds under deepspeed.zero.Init, DDP /
-    ZeRO-1/2 / single materialise it whole (hfdist.models.build). Returns (model, what loading it cost)."""
+    ZeRO-1/2 / single materialise it whole (hfdist.models.build); `fp8`: its decoder projections in float8
+    (hfdist.parallel.float8). Returns (model, what loading it cost)."""
     from hfdist.metrics.memory import freed_memory_returned_to_os
 
     with freed_memory_returned_to_os():  # the load figures count tensors, not glibc's heap
-        return _build_and_load(cfg, rung, tokenizer, model, args, mixed)
+        return _build_and_load(cfg, rung, tokenizer, model, args, mixed, fp8)
 
 
-def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed: str):
+def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mixed: str, fp8: str | None):
     """`_build_model`'s work, inside its allocator window."""
     import time
 
@@ -130,7 +131,8 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
         from hfdist.parallel.parallelize import parallelize
 
         model = parallelize(model, rung, device=args.device, mixed_precision=mixed,
-                            activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, weights=plan)
+                            activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, fp8=fp8,
+                            weights=plan)
     elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
         model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed),
                             attn_implementation=model.config._attn_implementation)
@@ -138,6 +140,10 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
         model = inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
         load_gathered(model, plan)
     else:
+        if fp8 is not None:  # on the meta model, as the recipe converts (check_fp8 refused DeepSpeed rungs)
+            from hfdist.parallel.float8 import convert_to_float8
+
+            convert_to_float8(model, fp8)
         materialize(model, args.device)
         load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
         if cfg.compile:  # before the Trainer wraps it in DDP (the recipe's order: compile, then the data-parallel wrap)
@@ -203,7 +209,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
 
     on_gpu = torch.cuda.is_available()
     mixed = settle_mixed_precision(rung, on_gpu, cfg.mixed_precision)
-    translation = cpu_translation(rung, on_gpu, cfg.mixed_precision)
+    fp8 = effective_fp8(rung, on_gpu, cfg.fp8)
+    translation = cpu_translation(rung, on_gpu, cfg.mixed_precision, cfg.fp8)
     if translation is not None and rung.kind is not StrategyKind.SINGLE and _is_rank0():
         print(translation.line(rung), flush=True)
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
@@ -217,7 +224,12 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
     with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
         dataset = _prepare_data(cfg, tokenizer, args)
-    model, load = _build_model(cfg, rung, tokenizer, model, args, mixed)
+    model, load = _build_model(cfg, rung, tokenizer, model, args, mixed, fp8)
+    if fp8 is not None and _is_rank0():
+        from hfdist.parallel.float8_check import check_fp8
+
+        print(check_fp8(fp8, rung, skeleton.config, seq_len=cfg.seq_len, lora=cfg.lora, compile=cfg.compile,
+                        mixed_precision=mixed, on_gpu=on_gpu), flush=True)
     watch.cover_groups()  # the mesh's groups
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
@@ -226,7 +238,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
-                "compile": cfg.compile, "attn_implementation": attention, "device": "cuda" if on_gpu else "cpu"}
+                "compile": cfg.compile, "fp8": fp8, "attn_implementation": attention,
+                "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
@@ -241,7 +254,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                                   processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                                   checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
                                   skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
-                                  compile=cfg.compile, attention=attention)
+                                  compile=cfg.compile, attention=attention, fp8=fp8)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
@@ -286,7 +299,8 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
 
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
-                                                  "precision": precision, **_compile_record(cfg, rung, run)})
+                                                  "precision": precision, **_compile_record(cfg, rung, run),
+                                                  **_fp8_record(run)})
     with watch.alone("writing the summary", "SUMMARY"):  # and finishing W&B's run (an upload, online)
         if _is_rank0():
             write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
@@ -301,6 +315,15 @@ def _compile_record(cfg: FinetuneConfig, rung: Rung, run: Run) -> dict[str, Any]
     from hfdist.parallel.parallelize import compile_record
 
     return {"compile": compile_record(run.trainer.model, rung.fsdp.layer_cls_to_wrap if rung.fsdp else None)}
+
+
+def _fp8_record(run: Run) -> dict[str, Any]:
+    """Under --fp8, what this rank computed in float8 ({} otherwise; hfdist.parallel.float8.float8_record)."""
+    if run.strategy["fp8"] is None:
+        return {}
+    from hfdist.parallel.float8 import float8_record
+
+    return {"fp8": float8_record(run.trainer.model)}
 
 
 def _arm_watch(cfg: FinetuneConfig) -> CollectiveWatch:

@@ -43,12 +43,17 @@ def held_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     total = 0
     for t in tensors:
         if t is None:
             continue
         held = held_tensor(t)
         if held.numel() == 0:
+            continue
+        if is_traceable_wrapper_subclass(held):  # no storage of its own (torchao's float8 weights): its inner ones
+            total += _storage_bytes((getattr(held, name) for name in held.__tensor_flatten__()[0]), seen)
             continue
         storage = held.untyped_storage()
         key = storage.data_ptr()

@@ -49,6 +49,11 @@ one data-parallel rank has FSDP2, and so gathered copies, only under bf16); ZeRO
 (largest module's params + grads, DeepSpeed's own 4 x largest-layer term, plus the prefetch bucket). Allocator
 fragmentation is not modelled.
 
+FP8 (--fp8, torchao's float8 linears in the decoder projections): the model states are unchanged (fp32 masters,
+gradients and Adam state), and so are the activations (torchao's float8 linear saves its input in the training
+precision, as a plain linear does); where FSDP2 gathers the weights in float8 (tensorwise, sharded weights) the
+gathered copies of the float8 projections take 1 byte per element instead of the training precision's 2 or 4.
+
 "Fits" means total <= the GPU memory given (1 GB = 1e9 bytes, so an "80 GB" H100 with 85.1e9 bytes is planned
 conservatively).
 """
@@ -65,6 +70,7 @@ from hfdist.errors import HfdistError
 from hfdist.models.attention import AUTO, CHOICES, dense_mask_bytes, is_hub_kernel
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
+from hfdist.parallel.float8_check import gathers_in_float8
 
 __all__ = [
     "PlanError",
@@ -105,6 +111,7 @@ class Workload:
     bytes_per_param_adam: int = 16
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE  # sequence positions per loss chunk; None: unchunked
     attention: str = AUTO  # --attn-implementation: sdpa / eager add a dense mask (hfdist.models.attention)
+    fp8: str | None = None  # --fp8's recipe (hfdist.parallel.float8): FSDP2 gathers float8 weights (tensorwise)
 
     def __post_init__(self) -> None:
         if self.attention not in CHOICES and not is_hub_kernel(self.attention):
@@ -219,7 +226,7 @@ def _stage_layers(shape: ModelShape, pp: int) -> list[int]:
 
 
 def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, stage: int,
-                 layers: int) -> RankBytes:
+                 layers: int, float8_params: float) -> RankBytes:
     pp, tp = dims.pp, dims.tp
     first, last = stage == 0, stage == pp - 1
     layer = shape.layer_linear_params / tp + 2 * shape.hidden
@@ -280,7 +287,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
         activations += shape.head_activation_bytes(tokens, elem, tp, logit_tokens)
 
     buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, embed + head,
-                                                trainable / max(params, 1))
+                                                trainable / max(params, 1), float8_params)
     if rung.kind is StrategyKind.DDP and dims.dp_replicate > 1:
         buffers += trainable * pb.grad  # the reducer's flat buckets: a second copy of the grads
     if rung.uses_deepspeed:
@@ -306,18 +313,22 @@ def _dense_mask_bytes(shape: ModelShape, dims: ParallelDims, w: Workload, stage:
 
 
 def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, pb: _PerParam, layers: int,
-                    layer: float, root: float, trainable_share: float) -> float:
-    """Unsharded parameters (and their grads) that exist while a sharded-weight rung computes."""
+                    layer: float, root: float, trainable_share: float, float8_params: float) -> float:
+    """Unsharded parameters (and their grads) that exist while a sharded-weight rung computes. Under FSDP2's float8
+    all-gather (--fp8 tensorwise where FSDP2 shards) a layer's float8 projections (`float8_params` elements per
+    layer on this rank) are gathered at 1 byte per element."""
     unit_grad = pb.grad * trainable_share
     if rung.owns_sharding and dims.pp > 1 and dims.dp == 1 and w.dtype == "fp32":
         return 0.0  # a pipeline with one data-parallel rank gets FSDP2 only for bf16 (hfdist.parallel.parallelize)
     if rung.owns_sharding:
+        float8 = float8_params if gathers_in_float8(w.fp8, dims.dp_shard * dims.cp) else 0.0
+        layer_weights = float8 + (layer - float8) * pb.weight  # one gathered layer's weights, in bytes
         # Under PP, torch's schedules keep a stage's FSDP units unsharded through all micro-batches and
         # reduce-scatter once at the end of the step (pipelining/stage.py), as without resharding after forward.
         if rung.fsdp is not None and not rung.fsdp.reshard_after_forward or dims.pp > 1:
-            return (layers * layer + root) * (pb.weight + unit_grad)
+            return layers * (layer_weights + layer * unit_grad) + root * (pb.weight + unit_grad)
         # Root unit unsharded all step, two layers gathered (current + prefetched), one layer's grads.
-        return root * (pb.weight + unit_grad) + layer * (2 * pb.weight + unit_grad)
+        return root * (pb.weight + unit_grad) + 2 * layer_weights + layer * unit_grad
     if rung.uses_deepspeed and rung.zero_stage >= 3:
         largest = max(shape.embed_params, shape.hidden * shape.intermediate, shape.heads * shape.head_dim
                       * shape.hidden) / dims.tp
@@ -326,10 +337,13 @@ def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Worklo
     return 0.0
 
 
-def rung_rank_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, workload: Workload) -> RankBytes:
-    """Per-GPU bytes of `rung` laid out as `dims`: the pipeline stage with the largest total."""
+def rung_rank_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, workload: Workload,
+                    float8_params: float = 0.0) -> RankBytes:
+    """Per-GPU bytes of `rung` laid out as `dims`: the pipeline stage with the largest total. `float8_params`: the
+    weight elements per decoder layer (on a rank, after tp) that compute in float8 under workload.fp8
+    (hfdist.parallel.float8.float8_params_per_layer)."""
     stages = _stage_layers(shape, dims.pp)
-    per_stage = [_stage_bytes(shape, rung, dims, workload, s, n) for s, n in enumerate(stages)]
+    per_stage = [_stage_bytes(shape, rung, dims, workload, s, n, float8_params) for s, n in enumerate(stages)]
     return max(per_stage, key=lambda b: b.total)
 
 

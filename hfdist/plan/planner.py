@@ -22,6 +22,7 @@ from hfdist.config.ladder import Rung, known_rung_names, load_rung
 from hfdist.models.attention import AUTO, uses_dense_mask
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
+from hfdist.parallel.float8_check import check_fp8, float8_params_per_layer
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, dims_on_cluster, offload_device, rung_rank_bytes
 
 __all__ = ["Plan", "RungPlan", "plan_rungs", "plan_order"]
@@ -90,7 +91,9 @@ class Plan:
             train,
             f"activations: seq {w.seq} x micro-batch {w.micro_batch}, {attention}, {ckpt} activation "
             f"checkpointing, fp32 logits of {logits}; PP: 1F1B with pp micro-batches in flight",
-            "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers",
+            "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers"
+            + (f"; --fp8 {w.fp8}: decoder projections in float8, gathered at 1 B/param where FSDP2 shards them "
+               "(tensorwise); model states and activations as without" if w.fp8 else ""),
             "offload rungs count GPU bytes only; 1 GB = 1e9 bytes; allocator fragmentation not modelled",
         ]
 
@@ -204,6 +207,8 @@ def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload
         parts.append("--activation-checkpointing")
     if w.attention != AUTO:
         parts += ["--attn-implementation", w.attention]
+    if w.fp8:
+        parts += ["--fp8", w.fp8]
     return shlex.join(parts)
 
 
@@ -220,11 +225,13 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
             from hfdist.parallel.context_check import check_cp
 
             check_cp(config, dims.cp, w.seq, tp=dims.tp)
+        if w.fp8:
+            check_fp8(w.fp8, replace(rung, dims=dims), config, seq_len=w.seq, lora=w.lora)
     except (PlanError, ValueError) as exc:
         return RungPlan(rung.name, None, None, False, "", offload, note=f"cannot run here: {exc}")
     if rung.fsdp is not None and rung.fsdp.activation_checkpointing:
         w = replace(w, activation_checkpointing=True)
-    b = rung_rank_bytes(shape, rung, dims, w)
+    b = rung_rank_bytes(shape, rung, dims, w, float8_params_per_layer(config, dims.tp) if w.fp8 else 0.0)
     note = ""
     if rung.owns_sharding and rung.dims.dp_replicate > 1 and rung.dims.dp_shard != dims.dp_shard:
         note = (f"set parallelism_config_dp_shard_size: {dims.dp_shard} and parallelism_config_dp_replicate_size: "
@@ -291,6 +298,7 @@ def plan_rungs(
     model: str = "model",
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
     attention: str = AUTO,
+    fp8: str | None = None,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
 
@@ -313,7 +321,7 @@ def plan_rungs(
         raise PlanError(f"{bad} must be positive integers: describe the cluster as --nodes K x --gpus-per-node G "
                         "GPUs of --gpu-mem-gb M each.")
     w = Workload(seq, micro_batch, lora, lora_r, tuple(lora_targets), activation_checkpointing, dtype,
-                 bytes_per_param_adam, loss_chunk_size, attention)
+                 bytes_per_param_adam, loss_chunk_size, attention, fp8)
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]
     plan = _plan(config, loaded, model, gpus_per_node, nodes, gpu_mem_bytes, w)
     rec = plan.recommended

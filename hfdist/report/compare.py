@@ -25,6 +25,7 @@ __all__ = ["add_arguments", "build_parser", "run_comparison"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The comparison's options (`hfdist compare` and scripts/compare.py share them)."""
+    from hfdist.config.finetune import FP8_RECIPES
     from hfdist.config.ladder import known_rung_names
 
     g = p.add_argument_group("Rungs and workload", "Every rung runs the same model, data and global batch.")
@@ -32,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="Rungs to run, in this order (default: every shipped rung).")
     g.add_argument("--model", default="llama-small", help="HF id, local folder or preset (default llama-small).")
     g.add_argument("--lora", action="store_true", help="Train LoRA adapters instead of all weights.")
+    g.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=None, choices=FP8_RECIPES, metavar="RECIPE",
+                   help="Every rung with float8 matmuls (hfdist finetune --fp8; tensorwise or rowwise); leave the "
+                        "rungs that refuse it (DeepSpeed, fsdp_cp) out of --configs.")
     g.add_argument("--max-steps", type=int, default=20, help="Optimizer steps per rung (default 20).")
     g.add_argument("--global-batch-size", type=int, default=16, help="Sequences per step over all ranks (default 16).")
     g.add_argument("--seq-len", type=int, default=128, help="Tokens per sequence (default 128).")
@@ -67,6 +71,8 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
               "--attn-implementation", args.attn_implementation]
     if args.lora:
         shared.append("--lora")
+    if args.fp8:
+        shared += ["--fp8", args.fp8]
 
     def job() -> int:
         import torch
@@ -88,8 +94,9 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
                 return proc.returncode
             summaries.append(runs_dir / name / "hfdist_summary.json")
         rows = load_rows(summaries)
+        trained = f"{' + LoRA' if args.lora else ''}{f' in FP8 ({args.fp8})' if args.fp8 else ''}"
         notes = [f"Measured by `{command.strip()}` (compare id {compare_id}) on {hardware}.",
-                 f"Model {args.model}{' + LoRA' if args.lora else ''}, global batch {args.global_batch_size} x "
+                 f"Model {args.model}{trained}, global batch {args.global_batch_size} x "
                  f"{args.seq_len} tokens, {args.max_steps} steps; tokens/s per device excludes the first step.",
                  "MFU on CPU is against the measured fp32 matmul peak of one process (hfdist.metrics.flops); "
                  "peak memory is the process's peak RSS on CPU, CUDA max allocated on GPU."]

@@ -45,7 +45,8 @@ def matrix_row(summary: dict[str, Any]) -> dict[str, Any]:
     """One row of the matrix from one run summary (per-rank figures: max over ranks unless named min/mean)."""
     s, ranks = summary["strategy"], summary["ranks"]
     schedule = f"[{s['pp_schedule']}]" if s.get("pp_schedule") else ""  # which pipeline schedule ran
-    name = s["name"] + schedule + ("+lora" if s["lora"] else "")
+    fp8 = {None: "", "tensorwise": "+fp8"}.get(s.get("fp8"), f"+fp8-{s.get('fp8')}")  # which float8 recipe ran
+    name = s["name"] + schedule + ("+lora" if s["lora"] else "") + fp8
     row: dict[str, Any] = {"strategy": name, **{k: s[k] for k in COLUMNS[1:11]},
                            "attn_implementation": s.get("attn_implementation", "sdpa")}  # summaries before the flag: sdpa
     # Ranks of one tp x pp group process the same tokens: a device's share is its rate over tp x pp.

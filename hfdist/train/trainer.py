@@ -70,11 +70,13 @@ class StrategyMixin(CheckpointingMixin):
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
         compile: whether the decoder layers were compiled (--compile; verified before the first step).
         attention: the attention implementation the run resolved (verified before the first step).
+        fp8: the float8 recipe the decoder projections compute with (--fp8; verified before the first step), or
+            None.
     """
 
     def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
                  mixed_precision: str = "no", skeleton: nn.Module | None = None, compile: bool = False,
-                 attention: str | None = None, **kwargs) -> None:
+                 attention: str | None = None, fp8: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.attention = attention
         self.rung = rung
@@ -84,6 +86,11 @@ class StrategyMixin(CheckpointingMixin):
         self.precision = PrecisionProbe()
         self.skeleton = skeleton
         self.compile = compile
+        self.fp8 = fp8
+        if fp8 is not None:  # the scales of FSDP2's float8 all-gather, once per step (a no-op without it)
+            from hfdist.train.float8_scales import Float8ScalesCallback
+
+            self.add_callback(Float8ScalesCallback())
         if rung.owns_sharding:
             # The Trainer's own switch for "the model already owns its placement and gradient reduction": with it,
             # accelerate prepares autocast only (no DDP wrap, no .to()) and saving joins all ranks.
@@ -138,7 +145,7 @@ class StrategyMixin(CheckpointingMixin):
         verify_strategy(self.rung, model, self.model, self.lora, self.attention)
         if self.compile:
             verify_compiled(self.rung, self.model)
-        check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model)
+        check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model, self.fp8)
         self.precision.attach(self.model)
         return model, train_dataloader
 
