@@ -193,7 +193,7 @@ def _write(out: Path, result: dict) -> None:
         f"Under 2 processes TRL is launched with its own accelerate config ({result['trl_config']}: "
         f"distributed_type FSDP, fsdp_version 2) and really runs {ran}: accelerate's FSDP switch engages only "
         f"for GPU-like distributed types, so on CPU the model is wrapped in DistributedDataParallel (replicated, "
-        f"not sharded; /work/shared/design.md §3). hfdist's fsdp_full_shard row is real FSDP2 sharding "
+        f"not sharded; the wrapper above is what the Trainer held). hfdist's fsdp_full_shard row is real FSDP2 sharding "
         f"(verified by hfdist before the first step).\n\n"
         f"What each trains on: {result['what_each_trains_on']}\n\n"
         f"{load_line(result['load_average'], result['cpu_count'])} {result['load_note']}\n")

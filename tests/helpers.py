@@ -121,6 +121,15 @@ def side_by_side(calls: dict[Hashable, Callable[[], Any]]) -> dict[Hashable, Any
         return {key: future.result() for key, future in futures.items()}
 
 
+def table_rungs(module: str | None = None, option: str | None = None) -> list[str]:
+    """The rungs the rung table (hfdist.config.rungs.RUNG_INFO) has the suite train end to end, in table order: those
+    of e2e `module` (an E2E_MODULES key), those it also trains with `option` ("lora", "compile", ...), or both."""
+    from hfdist.config.rungs import rungs_where
+
+    return rungs_where(lambda info: (module is None or info.e2e == module)
+                       and (option is None or option in info.tested_with))
+
+
 def finetune_all(jobs: dict[Hashable, tuple[Path, tuple[str, ...], dict]]) -> dict[Hashable, dict]:
     """`finetune(out, *args, **kwargs)` for each job {key: (out, args, kwargs)}, side by side: {key: summary}."""
     return side_by_side({key: partial(finetune, out, *args, **kwargs) for key, (out, args, kwargs) in jobs.items()})

@@ -27,7 +27,8 @@ dynamo-disabled). The compile is in place (`module.compile()`, as accelerate's `
 `torch.compile(module)` would return a wrapper whose call bypasses the hooks `fully_shard` adds afterwards, and
 would rename every parameter (`_orig_mod.`), which checkpoints and the weight loader key on. DDP
 and single-process runs compile the same way in hfdist.job.run, before the Trainer wraps the model in DDP.
-Pipeline, context-parallel and DeepSpeed rungs refuse --compile before launch (check_compile).
+The rung table (hfdist.config.rungs) says which rungs take --compile; the others are refused before launch
+(check_compile).
 
 Precision: FSDP2's MixedPrecisionPolicy is the one mechanism (compute in bf16, parameters, gradient reduction
 and optimizer in fp32): a pipeline with one data-parallel rank gets FSDP2 on its 1-rank dp mesh under bf16, so
@@ -41,7 +42,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfdist.config.finetune import ConfigError
+from hfdist.config.features import refuse_unless
 from hfdist.config.ladder import Rung
 
 __all__ = ["parallelize", "reshard_after_forward", "apply_ac", "apply_compile", "check_compile", "compile_record",
@@ -55,22 +56,13 @@ def apply_ac(model: nn.Module) -> None:
 
 
 def check_compile(rung: Rung) -> None:
-    """Refuse --compile on the rungs it is not built or tested for, before any process starts.
+    """Refuse --compile on the rungs it is not built or tested for, before any process starts (the rung table's
+    `compile`: hfdist.config.features.refuse_unless).
 
     Raises:
-        ConfigError: naming the rung and the rungs that take --compile.
+        ConfigError: naming the rung, why, and the rungs that take --compile.
     """
-    if rung.uses_pipeline:
-        why = "pipeline stages run their layers through torch.distributed.pipelining's schedule, not built for it"
-    elif rung.uses_deepspeed:
-        why = "DeepSpeed's engine puts its own hooks on the layers (ZeRO-3 gathers parameters in them)"
-    elif rung.dims.cp > 1:
-        why = "context parallelism swaps the attention function for an all-to-all one the compiler would trace"
-    else:
-        return
-    raise ConfigError(f"--compile does not run on {rung.name}: {why}, and hfdist has not verified compiled layers "
-                      "there. Drop --compile, or use a rung that takes it: single, ddp, fsdp_full_shard, fsdp_hybrid, "
-                      "fsdp_tp (or a YAML of theirs).")
+    refuse_unless(rung, "compile")
 
 
 def _decoder_layers(model: nn.Module, layer_cls_name: str | None = None) -> list[nn.Module]:

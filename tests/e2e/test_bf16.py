@@ -17,13 +17,15 @@ import json
 import pytest
 import torch
 
-from helpers import finetune_all
+from hfdist.config.ladder import load_rung
+
+from helpers import finetune_all, table_rungs
 
 pytestmark = pytest.mark.multiproc
 
 BF16_RTOL = 2e-2
-RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp", "3d", "zero2_tp"]
-DEEPSPEED = ("zero3", "zero2_tp")
+RUNGS = [n for n in table_rungs(option="bf16") if n != "single"]  # the rung table: one rung per mechanism
+DEEPSPEED = [n for n in RUNGS if load_rung(n).uses_deepspeed]  # zero3, zero2_tp
 # zero2_tp on 2 processes (tp 2 x dp 1): its bf16 save is what this module checks; the ladder's fp32 run assembles
 # it over dp 2 x tp 2 (tests/e2e/test_finetune_ladder.py).
 WORLD = {"zero2_tp": ("--num-processes", "2")}
