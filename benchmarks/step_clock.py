@@ -1,10 +1,11 @@
 """One clock for timing any Trainer-based training script, and what the benchmarks that use it share.
 
 `python step_clock.py SCRIPT ARGS...` runs SCRIPT as __main__ with ARGS, every transformers.Trainer it creates
-carrying one more callback that notes the time at the start of training, at the end of each optimizer step and at
-the end of training (after the Trainer's last checkpoint has been written), the non-padding input tokens of every
-step (counted where the Trainer's training step receives its batch; the tokenizer's pad id, none without a
-tokenizer), the logged losses and the process's peak resident memory. Each rank writes them to
+carrying one more callback that notes the time at the start of training, at the start and the end of each optimizer
+step (from one step's end to the next one's start the Trainer logs and saves its checkpoints) and at the end of
+training (after the Trainer's last checkpoint has been written); it also counts the non-padding input tokens of every
+step (where the Trainer's training step receives its batch; padding is the tokenizer's pad id, none without a
+tokenizer) and keeps the logged losses and the process's peak resident memory. Each rank writes them to
 $STEP_CLOCK_DIR/rank-<RANK>.json when training ends.
 
 The same clock, on the same callback events, times hfdist's job and the plain Trainer script
@@ -83,6 +84,7 @@ def _install_clock() -> None:
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
             self.train_begin = 0.0
+            self.step_begins: list[float] = []
             self.step_ends: list[float] = []
             self.step_tokens: list[int] = []  # this rank's non-padding input tokens per optimizer step
             self.tokens = 0
@@ -90,6 +92,9 @@ def _install_clock() -> None:
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.train_begin = time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.step_begins.append(time.perf_counter())
 
         def on_step_end(self, args, state, control, **kwargs):
             self.step_ends.append(time.perf_counter())
@@ -102,7 +107,8 @@ def _install_clock() -> None:
 
         def on_train_end(self, args, state, control, **kwargs):
             out = Path(os.environ[CLOCK_DIR_ENV]) / f"rank-{os.environ.get('RANK', '0')}.json"
-            out.write_text(json.dumps({"train_begin": self.train_begin, "step_ends": self.step_ends,
+            out.write_text(json.dumps({"train_begin": self.train_begin, "step_begins": self.step_begins,
+                                       "step_ends": self.step_ends,
                                        "train_end": time.perf_counter(), "step_tokens": self.step_tokens,
                                        "losses": self.losses, "peak_rss_bytes": _peak_rss_bytes()}))
 
