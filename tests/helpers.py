@@ -135,6 +135,21 @@ def finetune_all(jobs: dict[Hashable, tuple[Path, tuple[str, ...], dict]]) -> di
     return side_by_side({key: partial(finetune, out, *args, **kwargs) for key, (out, args, kwargs) in jobs.items()})
 
 
+def pid_of_rank(rank: int, marker: str) -> int | None:
+    """PID of the training process (scripts/finetune.py) with RANK=rank whose command line contains `marker`."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in cmdline and "finetune.py" in cmdline and f"RANK={rank}" in environ:
+            return int(proc.name)
+    return None
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface now."""
     with socket.socket() as s:

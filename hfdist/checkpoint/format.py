@@ -10,9 +10,10 @@ Layout of OUTPUT_DIR/checkpoint-N (the HF Trainer's names, so its resume logic a
   of one layout and world loads into any other (resharding), DDP's full tensors included;
 - hfdist_checkpoint.json, written last: what it holds, and which strategy, world and run wrote it.
 
-Atomicity: every rank writes into OUTPUT_DIR/.partial-checkpoint-N; after a barrier rank 0 writes the marker and
-renames the folder to checkpoint-N (one rename is atomic on POSIX). A crash at any moment leaves either the
-complete checkpoint or a `.partial-` folder that nothing reads, so a half-written checkpoint is never the latest.
+Atomicity: every rank writes into OUTPUT_DIR/.partial-checkpoint-N; once every rank's files are written (a barrier,
+or, for a save written in the background, DCP's closing gather: hfdist.checkpoint.background) rank 0 writes the
+marker and renames the folder to checkpoint-N (one rename is atomic on POSIX). A crash at any moment leaves either
+the complete checkpoint or a `.partial-` folder that nothing reads, so a half-written checkpoint is never the latest.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from torch import nn
 from hfdist.errors import HfdistError
 
 __all__ = ["CheckpointError", "MARKER", "SHARDED_DIR", "staging_dir", "remove_unfinished", "latest_checkpoint",
-           "write_marker",
-           "read_marker", "check_shard_files", "save_sharded", "load_sharded", "replace_staging"]
+           "write_marker", "read_marker", "check_shard_files", "sharded_state", "raise_write_error", "save_sharded",
+           "load_sharded", "replace_staging"]
 
 MARKER = "hfdist_checkpoint.json"
 SHARDED_DIR = "sharded"
@@ -144,15 +145,35 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rename: Renam
     return state, local_of
 
 
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, rename: Rename | None = None) -> dict:
+    """What `save_sharded` writes: {"model": ..., "optimizer": ...} of this rank's tensors (its shards, its stage's,
+    or whole), keyed by the full model's parameter names. The tensors are the live ones, not copies.
+
+    Args:
+        rename: maps this rank's parameter names to the full model's (pipeline stages); None: they are the same.
+    """
+    return _dcp_state(model, optimizer, rename)[0]
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     """The first rank's own error inside DCP's CheckpointException (failures: rank -> (error, traceback))."""
     cause = next(iter(getattr(exc, "failures", {}).values()), exc)
     return cause[0] if isinstance(cause, tuple) else cause
 
 
+def raise_write_error(exc: BaseException) -> None:
+    """Raise what a failed DCP save raised: the writing rank's OSError (full disk, quota, permissions) itself when
+    that is the cause DCP gathered from the ranks, else `exc`."""
+    cause = _root_cause(exc)
+    if isinstance(cause, OSError):
+        raise cause from exc
+    raise exc
+
+
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
                  rename: Rename | None = None) -> None:
-    """Every rank writes its own shards of the model and optimizer state (DCP) into checkpoint/sharded.
+    """Every rank writes its own shards of the model and optimizer state (DCP) into checkpoint/sharded, and returns
+    once they are written (hfdist.checkpoint.background writes them from a thread instead).
 
     Args:
         rename: maps this rank's parameter names to the full model's (pipeline stages); None: they are the same.
@@ -164,12 +185,9 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(_dcp_state(model, optimizer, rename)[0], checkpoint_id=str(checkpoint / SHARDED_DIR))
+        dcp.save(sharded_state(model, optimizer, rename), checkpoint_id=str(checkpoint / SHARDED_DIR))
     except CheckpointException as exc:  # a BaseException gathering every rank's failure
-        cause = _root_cause(exc)
-        if isinstance(cause, OSError):
-            raise cause from exc
-        raise
+        raise_write_error(exc)
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,

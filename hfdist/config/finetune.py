@@ -58,6 +58,7 @@ class FinetuneConfig:
     overwrite: bool = False
     save_steps: int = 50
     save_total_limit: int = 2
+    save_async: bool = True
     resume: bool = False
     collective_timeout: float = 300.0
     num_processes: int | None = None
@@ -172,6 +173,10 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"Write OUTPUT_DIR/checkpoint-N every N optimizer steps (0: none; default {d.save_steps}).")
     g.add_argument("--save-total-limit", type=int, default=d.save_total_limit,
                    help=f"Checkpoints kept, newest first (default {d.save_total_limit}).")
+    g.add_argument("--save-async", action=argparse.BooleanOptionalAction, default=d.save_async,
+                   help="Write checkpoints in the background: the saving step copies the model and optimizer state to "
+                        "host memory and training goes on while a thread writes it (default; DeepSpeed rungs always "
+                        "save synchronously). --no-save-async: every rank waits until its checkpoint is written.")
     g.add_argument("--resume", action="store_true",
                    help="Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has "
                         "none); use it under launchers that restart failed jobs.")

@@ -254,7 +254,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                                   processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                                   checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
                                   skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
-                                  compile=cfg.compile, attention=attention, fp8=fp8)
+                                  compile=cfg.compile, attention=attention, fp8=fp8, save_async=cfg.save_async)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)

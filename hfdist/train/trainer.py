@@ -41,6 +41,7 @@ PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_defer_fsdp_gradient_reduction": (),
     "_save": ("output_dir", "state_dict"),
     "_save_checkpoint": ("model", "trial"),
+    "_finalize_training": ("trial", "num_train_samples", "start_time"),
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
     "_load_optimizer_and_scheduler": ("checkpoint",),
 }
