@@ -157,7 +157,8 @@ SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "zero3": (("--config", "zero3.yaml"), None, "accelerate"),
     "lora_fsdp_full_shard": (("--config", "fsdp_full_shard", "--lora"), None, "accelerate"),
     # `accelerate launch --config_file` (hfdist finds the rung through the launcher) ...
-    "fsdp_hybrid": ((), "fsdp_hybrid.yaml", "accelerate"),
+    # (It also reports to MLflow and TensorBoard: test_finetune_ladder reads every rank's series back from them.)
+    "fsdp_hybrid": (("--report-to", "wandb,mlflow,tensorboard"), "fsdp_hybrid.yaml", "accelerate"),
     "pp": ((), "pp.yaml", "accelerate"),
     # ... and the README's form, which hands over to accelerate itself.
     "3d": (("--config", "3d.yaml"), None, "accelerate"),
@@ -243,3 +244,23 @@ def fake_world(world_size: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def mlflow_series(uri: str) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
+    """Every run of the store at `uri`: (run name, {metric: [(step, value)]}) each (MLflow's own client)."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    return [(run.info.run_name, {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+                                 for key in run.data.metrics})
+            for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])]
+
+
+def tensorboard_series(log_dir) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} from the event files in `log_dir` (TensorBoard's own reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

@@ -33,7 +33,9 @@ def _verbs():
 
 def build_parser() -> argparse.ArgumentParser:
     """The `hfdist` parser with one sub-parser per verb module."""
-    parser = argparse.ArgumentParser(prog="hfdist", usage="hfdist <command> [<args>]",
+    from hfdist.config.job_file import CommandParser
+
+    parser = CommandParser(prog="hfdist", usage="hfdist <command> [<args>]",
                                      description="Pick, launch and compare parallelism strategies for Hugging Face "
                                                  "fine-tunes.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="<command>", title="commands")

@@ -16,18 +16,18 @@ import torch
 
 from hfdist import console
 from hfdist.checkpoint.resume import checkpoint_identity, resume_line, resume_point
-from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.finetune import ConfigError, FinetuneConfig, lora_settings, optimisation_arguments
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation, settle_mixed_precision
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import batch_layout, preflight
-from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_summary
+from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_job_file, write_summary
 from hfdist.job.world import resolve_rung
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
-    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.callbacks.trackers import Trackers
     from hfdist.train.trainer import HfdistTrainer
     from hfdist.train.watchdog import CollectiveWatch
 
@@ -61,11 +61,7 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
     arguments = MeshTrainingArguments if rung.owns_sharding else TrainingArguments
     return arguments(
         output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
-        max_steps=cfg.max_steps if cfg.num_epochs is None else -1, num_train_epochs=cfg.num_epochs or 1.0,
-        learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
-        warmup_steps=cfg.warmup_steps if cfg.num_epochs else min(cfg.warmup_steps, cfg.max_steps // 10),
-        weight_decay=0.0, max_grad_norm=1.0,
-        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
+        **optimisation_arguments(cfg), seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
         # Mesh rungs compute in bf16 through FSDP2's policy (hfdist.parallel.parallelize), never also autocast; fp16
@@ -92,7 +88,7 @@ def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype):
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
                           f"--seq-len <= {limit}.")
-    return inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
+    return inject_lora(model, *lora_settings(cfg)) if cfg.lora else model
 
 
 def _training_dtype(rung: Rung, mixed: str) -> torch.dtype:
@@ -130,7 +126,7 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
     elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
         model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed))
         model.config.pad_token_id = tokenizer.pad_token_id
-        model = inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
+        model = inject_lora(model, *lora_settings(cfg)) if cfg.lora else model
         load_gathered(model, plan)
     else:
         materialize(model, args.device)
@@ -168,7 +164,7 @@ class Run:
     strategy: dict[str, Any]
     losses: LossRecorder
     metrics: DistributedMetricsCallback
-    sink: WandbSink
+    sink: Trackers
     flops_per_token: float
     load: dict[str, float]
 
@@ -187,8 +183,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.progress import MetricsProgressCallback
-    from hfdist.callbacks.wandb_logs import WandbLogsCallback
-    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.callbacks.tracker_logs import TrackerLogsCallback
+    from hfdist.callbacks.trackers import make_trackers
     from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
     from hfdist.models.presets import is_preset
@@ -224,12 +220,12 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
     # hide the degrees that ran.
-    sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
-                     project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
-                     group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
+    sink = make_trackers(cfg.report_to if cfg.metrics else (), output_dir=cfg.output_dir, active=_is_rank0(),
+                         project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
+                         group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
-    callbacks = ([losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
+    callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                             checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
@@ -260,10 +256,12 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     if handed_over is not None:
         return handed_over
     console.start(console.log_path(cfg.output_dir, f"rank-{os.environ.get('RANK', '0')}"), cfg.verbose)
+    if _is_rank0():
+        write_job_file(cfg)
 
     watch = _arm_watch(cfg)
     run = _set_up(cfg, rung, micro, grad_accum, watch)
-    with watch.alone("starting W&B", "WANDB"):  # rank 0's W&B start-up (seconds) stays out of the measured loop
+    with watch.alone("starting the trackers", "TRACKERS"):  # rank 0's tracker start-up stays out of the measured loop
         run.sink.start()
     resume_from = resume_point(cfg, rung)
     if resume_from is not None and _is_rank0():

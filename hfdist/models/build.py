@@ -67,14 +67,17 @@ def checkpoint_folder(spec: str | None) -> Path | None:
     return Path(snapshot_download(spec, allow_patterns=["*.safetensors", "*.json"]))
 
 
-def inject_lora(model: nn.Module, r: int, alpha: int) -> nn.Module:
-    """peft LoRA adapters on every decoder-layer projection (hfdist.models.registry.LORA_TARGETS); on a meta model
-    they are created on meta too and get their values with the other weights."""
+def inject_lora(model: nn.Module, r: int, alpha: int, dropout: float = 0.0,
+                targets: tuple[str, ...] | None = None) -> nn.Module:
+    """peft LoRA adapters on the decoder-layer projections `targets` names (default: every one,
+    hfdist.models.registry.LORA_TARGETS); on a meta model they are created on meta too and get their values with the
+    other weights."""
     from peft import LoraConfig, get_peft_model
 
     from hfdist.models.registry import LORA_TARGETS
 
-    lora = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS))
+    lora = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
+                      target_modules=list(targets or LORA_TARGETS))
     return get_peft_model(model, lora)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from hfdist.config.ladder import load_rung
 
-from helpers import REPO, SHARED_RUNS, check_batch, finished_offline_run, table_rungs
+from helpers import REPO, SHARED_RUNS, check_batch, finished_offline_run, mlflow_series, table_rungs, tensorboard_series
 
 pytestmark = pytest.mark.multiproc
 
@@ -212,6 +212,24 @@ def test_every_rank_reaches_wandb_offline(runs):
     assert sum(last[f"rank{r}/param_bytes"] for r in range(2)) == runs["ddp"]["ranks"][0]["param_bytes"]
     assert last["param_bytes/min"] <= last["param_bytes/mean"] <= last["param_bytes/max"]
     assert run.summary["peak/peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in summary["ranks"])
+
+
+def test_every_rank_reaches_mlflow_and_tensorboard(runs):
+    """The same run's series in MLflow's file store and TensorBoard's event files (--report-to, helpers.SHARED_RUNS),
+    read back with their own readers: one run per job, every rank's figures at every step, nothing per rank twice."""
+    summary = runs["fsdp_hybrid"]
+    assert all(r["error"] is None for r in summary["trackers"].values()), summary["trackers"]
+    (name, series), = mlflow_series((summary["_dir"] / "mlruns").as_uri())
+    scalars = tensorboard_series(summary["_dir"] / "tensorboard")
+    assert name == "fsdp_hybrid" and len(list((summary["_dir"] / "tensorboard").glob("events.out.*"))) == 1
+    steps = list(range(1, len(summary["losses"]) + 1))
+    for got in (series, scalars):
+        assert [v for _, v in got["loss"]] == pytest.approx(summary["losses"], rel=1e-6)
+        for rank in range(4):
+            for key in ("tokens_per_second", "param_bytes", "peak_memory_bytes"):
+                assert [s for s, _ in got[f"rank{rank}/{key}"]] == steps  # one point per step: no duplicates
+        assert not any(key.startswith("rank4/") for key in got)
+    assert series["rank1/param_bytes"] == scalars["rank1/param_bytes"]
 
 
 def test_matrix_from_the_runs(runs, tmp_path):
