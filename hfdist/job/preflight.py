@@ -15,6 +15,7 @@ from hfdist.config.finetune import ConfigError, FinetuneConfig
 from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_mixed_precision
+from hfdist.job.world import Node
 from hfdist.parallel.pipeline.plan import check_pipeline
 
 __all__ = ["batch_layout", "check_deepspeed_json", "check_lora", "check_trackers", "plan_check",
@@ -154,9 +155,19 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
 
 def _check_output_dir(cfg: FinetuneConfig) -> None:
+    import os
+
     from hfdist.console import log_dir
 
     out = Path(cfg.output_dir)
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor))
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"lies inside {existing}, which is a file"
+        raise ConfigError(f"--output-dir {out} {what}, not a folder. Nothing was changed. Pass a folder path (a new "
+                          "one, or an existing run's with --resume / --overwrite).")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output-dir {out} cannot be written: {existing} is not writable by this user. Nothing "
+                          "was changed. Pass a folder where you can write.")
     # hfdist's own library logs (OUTPUT_DIR/logs) and the job file do not count: a run that crashed before writing
     # anything else leaves only them, and they are appended to / rewritten.
     held = [p for p in out.iterdir() if p not in (log_dir(out), out / JOB_FILE_NAME)] if out.is_dir() else []
@@ -286,11 +297,19 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
         check_compile(rung)
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
+                          f"--seq-len <= {limit}.")
     check_model_fits_rung(config, rung)
     check_lora(cfg, rung, config)
     check_context_parallel(config, rung, cfg.seq_len)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     check_nvme_offload(rung)
-    check_checkpoint_weights(cfg.model)
+    check_checkpoint_weights(cfg.model, config)
     plan_check(cfg, rung, micro)
+    if not Node.detect().launched:  # this process starts the ranks (or is the only one): data before any rank
+        from hfdist.job.data import prepare_before_launch
+
+        prepare_before_launch(cfg)

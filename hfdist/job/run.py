@@ -79,15 +79,12 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
 
 
 def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype):
-    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len."""
+    """The model's structure on the meta device (free at any size), LoRA injected (--seq-len is checked against it
+    before any process: hfdist.job.preflight)."""
     from hfdist.models.build import inject_lora, meta_model
 
     model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype)
     model.config.pad_token_id = tokenizer.pad_token_id
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and cfg.seq_len > limit:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
-                          f"--seq-len <= {limit}.")
     return inject_lora(model, *lora_settings(cfg)) if cfg.lora else model
 
 
@@ -141,18 +138,19 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
 
 
 def _prepare_data(cfg: FinetuneConfig, tokenizer, args):
-    """Packed rows on every rank (rank 0 tokenizes and packs first, the others read its cache), refused when they
-    cannot fill one global batch."""
-    from hfdist.data import load_raw_dataset, prepare_with_report
-    from hfdist.data.preparation import check_enough_blocks
+    """Packed blocks on every rank (hfdist.job.data: rank 0 prepares first, the others read its cache or folder)."""
+    import time
 
+    from hfdist.job.data import job_data, report_lines
+    from hfdist.job.world import Node
+
+    started = time.perf_counter()
     with args.main_process_first(desc="dataset"):
-        dataset, report = prepare_with_report(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len,
-                                              long_documents=cfg.long_documents)
-    if _is_rank0():
-        print(report.line(), flush=True)
-    check_enough_blocks(len(dataset), cfg.global_batch_size, cfg.seq_len)
-    return dataset
+        prepared = job_data(cfg, tokenizer, write=_is_rank0())
+    # The process that started this world printed them already, when it prepared the data (hfdist.job.preflight).
+    if _is_rank0() and Node.detect().launched and not os.environ.get(HANDED_OVER_ENV):
+        print("\n".join(report_lines(cfg, prepared, time.perf_counter() - started)), flush=True)
+    return prepared
 
 
 @dataclass
@@ -205,7 +203,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
     watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
     with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
-        dataset = _prepare_data(cfg, tokenizer, args)
+        dataset = _prepare_data(cfg, tokenizer, args).train
     model, load = _build_model(cfg, rung, tokenizer, model, args, mixed)
     watch.cover_groups()  # the mesh's groups
 

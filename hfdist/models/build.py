@@ -35,15 +35,23 @@ def meta_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dty
     return model
 
 
-def check_checkpoint_weights(spec: str | None) -> None:
-    """A local checkpoint folder must hold its weights as safetensors (what every rank reads its slices from).
+def check_checkpoint_weights(spec: str | None, config=None) -> None:
+    """A local checkpoint folder must hold its weights as safetensors (what every rank reads its slices from): with
+    the model's `config`, whole files holding every weight at its shape (hfdist.models.checkpoint_check).
 
     Raises:
-        ModelSpecError: a folder without *.safetensors, naming what it has and the one-time conversion.
+        ModelSpecError: a folder without *.safetensors, naming what it has and the one-time conversion; a file cut
+            short, a broken index, a missing weight or one of another shape.
     """
     from hfdist.models.presets import ModelSpecError
 
-    if spec is None or spec in PRESETS or not Path(spec).is_dir() or any(Path(spec).glob("*.safetensors")):
+    if spec is None or spec in PRESETS or not Path(spec).is_dir():
+        return
+    if any(Path(spec).glob("*.safetensors")):
+        if config is not None:
+            from hfdist.models.checkpoint_check import check_checkpoint_files
+
+            check_checkpoint_files(Path(spec), config)
         return
     found = sorted(p.name for p in Path(spec).iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5"))
     raise ModelSpecError(
