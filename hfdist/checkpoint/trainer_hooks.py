@@ -32,7 +32,7 @@ SCHEDULER_FILE = "scheduler.pt"
 
 
 class CheckpointingMixin:
-    """Mixed into HfdistTrainer (needs `self.rung` and `self.checkpoint_identity`)."""
+    """Mixed into hfdist's trainers (needs `self.rung` and `self.checkpoint_identity`)."""
 
     rung: Any
     checkpoint_identity: dict[str, Any]
@@ -42,17 +42,10 @@ class CheckpointingMixin:
         return not self.rung.uses_deepspeed
 
     def _canonical_name(self):
-        """Maps this rank's parameter names to the full model's: a pipeline stage's "stages.<i>.<local>" to the
-        stage's original name; None where the names already are the full model's (DDP, FSDP2, TP)."""
-        if not self.rung.uses_pipeline:
-            return None
-        stages = self.model.runner.stages
-
-        def rename(fqn: str) -> str:
-            _, index, local = fqn.split(".", 2)
-            return stages[int(index)].original_name(local)
-
-        return rename
+        """Maps this rank's parameter names to the full model's; None where they already are the full model's (DDP,
+        FSDP2, TP). A trainer whose model renames them (pipeline stages: hfdist.train.pipeline_trainer) overrides
+        this."""
+        return None
 
     @staticmethod
     def _barrier() -> None:

@@ -3,7 +3,7 @@ train -> save -> summary.
 
 The model is built and LoRA injected here; hfdist.parallel.parallelize applies the mesh rungs' parallelism (TP ->
 activation checkpointing -> pipeline stages -> FSDP2); DDP and DeepSpeed are applied by the Trainer; the Trainer
-(hfdist.train.trainer) verifies the strategy in effect before the first step.
+(hfdist.train.select picks its class for the rung) verifies the strategy in effect before the first step.
 """
 
 from __future__ import annotations
@@ -186,7 +186,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
     from hfdist.models.presets import is_preset
-    from hfdist.train.trainer import HfdistTrainer
+    from hfdist.train.select import trainer_class
     from hfdist.train.watchdog import StepWatchCallback
 
     on_gpu = torch.cuda.is_available()
@@ -224,11 +224,11 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
     callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
-    trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
-                            processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
-                            checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
-                            skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
-                            compile=cfg.compile)
+    trainer = trainer_class(rung)(model=model, args=args, train_dataset=dataset, data_collator=collator,
+                                  processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
+                                  checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
+                                  skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
+                                  compile=cfg.compile)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)

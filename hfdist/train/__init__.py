@@ -1,6 +1,10 @@
 """Training: the HF Trainer taught about hfdist's strategies (its checkpoints are hfdist.checkpoint).
 
-    trainer.py        HfdistTrainer: loss under TP/PP, verification before step 1, saving (hfdist.checkpoint)
-    precision.py      mixed precision checked before step 1 and observed while training
-    watchdog.py       collective timeout, heartbeats, the hang report
+    trainer.py           StrategyMixin (any Trainer: data sharding, verification before step 1, saving,
+                         checkpoints) and HfdistTrainer (with hfdist's loss, vocab-parallel under TP)
+    pipeline_trainer.py  PipelineMixin / PipelineTrainer: the schedule's step, clipping and names under PP
+    context_trainer.py   ContextParallelMixin / ContextParallelTrainer: batches cut along the sequence (cp)
+    select.py            trainer_class: the class a rung trains with
+    precision.py         mixed precision checked before step 1 and observed while training
+    watchdog.py          collective timeout, heartbeats, the hang report
 """

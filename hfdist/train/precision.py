@@ -94,8 +94,9 @@ class PrecisionProbe:
                              and ".layers." in f".{name}" and "lora_" not in name), None)
         if layer_linear is not None:
             self._hooks.append(layer_linear.register_forward_hook(self._computed))
-        runner = getattr(model, "runner", None)
-        for stage in runner.stages if runner is not None else ():
+        from hfdist.parallel.pipeline.model import PipelineModel
+
+        for stage in model.stages if isinstance(model, PipelineModel) else ():
             if not stage.is_last:
                 self._hooks.append(stage.register_forward_hook(self._handed_on))
 

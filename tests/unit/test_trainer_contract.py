@@ -1,7 +1,7 @@
 """The private transformers.Trainer API hfdist builds on is still there, with the parameters hfdist relies on.
 
-HfdistTrainer overrides and calls private Trainer methods (listed in hfdist/train/trainer.py's docstring and
-PRIVATE_OVERRIDES / PRIVATE_CALLS). A transformers release that renames or reshapes one would otherwise fail deep
+hfdist's trainer classes (HfdistTrainer, PipelineTrainer, ContextParallelTrainer and their mixins) override and call
+private Trainer methods (hfdist/train/trainer.py's PRIVATE_OVERRIDES / PRIVATE_CALLS). A transformers release that renames or reshapes one would otherwise fail deep
 inside a multi-process run; this fails here, naming the method.
 """
 
@@ -14,7 +14,11 @@ from pathlib import Path
 import transformers
 from transformers import Trainer
 
+from hfdist.train.context_trainer import ContextParallelTrainer
+from hfdist.train.pipeline_trainer import PipelineTrainer
 from hfdist.train.trainer import PRIVATE_CALLS, PRIVATE_OVERRIDES, HfdistTrainer
+
+TRAINERS = (HfdistTrainer, PipelineTrainer, ContextParallelTrainer)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -24,8 +28,9 @@ def test_overridden_private_methods_exist_with_the_same_parameters():
         assert hasattr(Trainer, name), f"transformers {transformers.__version__} has no Trainer.{name}"
         theirs = [p for p in inspect.signature(getattr(Trainer, name)).parameters if p != "self"]
         assert tuple(theirs[:len(params)]) == params, f"Trainer.{name}{tuple(theirs)} vs hfdist's {params}"
-        mine = [p for p in inspect.signature(getattr(HfdistTrainer, name)).parameters if p != "self"]
-        assert tuple(mine[:len(params)]) == params, f"HfdistTrainer.{name} drifted from the contract"
+        for cls in TRAINERS:
+            mine = [p for p in inspect.signature(getattr(cls, name)).parameters if p != "self"]
+            assert tuple(mine[:len(params)]) == params, f"{cls.__name__}.{name} drifted from the contract"
 
 
 def test_called_private_methods_exist():
@@ -35,8 +40,7 @@ def test_called_private_methods_exist():
 
 def test_every_private_override_is_declared():
     """No private Trainer method is overridden without being in the contract (and so in this test)."""
-    overridden = {name for name in vars(HfdistTrainer) | {k: None for c in HfdistTrainer.__mro__[1:]
-                                                           if c.__module__.startswith("hfdist") for k in vars(c)}
+    overridden = {name for cls in TRAINERS for c in cls.__mro__ if c.__module__.startswith("hfdist") for name in vars(c)
                   if name.startswith("_") and not name.startswith("__") and hasattr(Trainer, name)}
     assert overridden == set(PRIVATE_OVERRIDES), overridden ^ set(PRIVATE_OVERRIDES)
 

@@ -6,14 +6,18 @@ Under pipeline parallelism a rank holds only its stages, and one training
 wrapper:
 - registers the local stages as submodules (their parameters are the rank's parameters, nothing else);
 - runs `PipelineRunner.step` in `forward`: call it once per batch, with gradients enabled, and never call
-  `.backward()` on what it returns (the schedule has already run the backward).
-Saving streams the stages' tensors into a HF checkpoint (hfdist.checkpoint.hf_export), by the names `runner.stages` map
-back to the full model's.
+  `.backward()` on what it returns (the schedule has already run the backward);
+- offers what a trainer needs besides the step, so no trainer reaches into the runner: `evaluate` (a batch's loss on
+  every rank), `clip_grad_norm_` (over every stage), `save_modules` and `original_name` (the full model's names of
+  the local tensors, for saving and checkpoints), `has_last_stage` and `loss_chunk_size`.
+Saving streams the stages' tensors into a HF checkpoint (hfdist.checkpoint.hf_export), by the names `save_modules`
+maps back to the full model's.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from hfdist.parallel.pipeline.runner import PipelineRunner
@@ -62,3 +66,43 @@ class PipelineModel(nn.Module):
         if loss is None:
             return torch.zeros((), device=self.runner.device)
         return loss
+
+    @property
+    def has_last_stage(self) -> bool:
+        """Whether this rank runs the last stage (the one that computes the loss)."""
+        return self.runner.has_last_stage
+
+    @property
+    def loss_chunk_size(self) -> int | None:
+        """Sequence positions per lm_head + cross-entropy chunk of the last stage (None: unchunked)."""
+        return self.runner.loss_chunk_size
+
+    @loss_chunk_size.setter
+    def loss_chunk_size(self, value: int | None) -> None:
+        self.runner.loss_chunk_size = value
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, torch.Tensor]) -> float:
+        """The mean token loss of `batch` (input_ids, labels, optional attention_mask / position_ids) with the
+        current weights, on every rank: the last stage's loss is broadcast over the pipeline group. Collective over
+        the pipeline group; gradients and weights are left as they were."""
+        runner = self.runner
+        box = [runner.evaluate(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
+                               batch.get("position_ids"))]
+        dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
+        return float(box[0])
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip the gradients of every stage (on all pipeline ranks) by their global L2 norm; returns that norm,
+        the same on every rank. `float("inf")` only measures it. Collective over the pipeline group."""
+        return self.runner.clip_grad_norm_(max_norm)
+
+    def save_modules(self) -> list[tuple[nn.Module, object]]:
+        """(stage, rename) pairs of this rank's stages, rename mapping a stage's parameter name to the full
+        model's: what hfdist.models.load.local_tensors takes to save the full model's tensors from the stages."""
+        return [(stage, stage.original_name) for stage in self.runner.stages]
+
+    def original_name(self, fqn: str) -> str:
+        """The full model's name of one of this module's parameters ("stages.<i>.<name in the stage>")."""
+        _, index, local = fqn.split(".", 2)
+        return self.runner.stages[int(index)].original_name(local)
