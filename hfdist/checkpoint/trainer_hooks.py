@@ -54,6 +54,8 @@ class CheckpointingMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         final = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        if self.state.best_global_step == self.state.global_step:  # evaluated just now, the best eval loss so far
+            self.state.best_model_checkpoint = str(final)
         staging = staging_dir(final)
         self.store_flos()
         if self.args.should_save and staging.exists():
@@ -74,7 +76,7 @@ class CheckpointingMixin:
             from transformers.trainer_utils import rotate_checkpoints
 
             rotate_checkpoints(output_dir=str(final.parent), save_total_limit=self.args.save_total_limit,
-                               use_mtime=False)
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=False)
         self._barrier()
 
     def _write_checkpoint(self, folder: Path) -> None:
@@ -92,6 +94,20 @@ class CheckpointingMixin:
             from transformers.trainer import TRAINER_STATE_NAME
 
             self.state.save_to_json(str(folder / TRAINER_STATE_NAME))
+
+    def load_best_checkpoint(self) -> int | None:
+        """Put the weights of the checkpoint with the best eval loss (kept from rotation) back into the model, when
+        they are not the model's already; its step, or None when no checkpoint was evaluated. Collective."""
+        best = self.state.best_model_checkpoint
+        if best is None:
+            return None
+        step = int(Path(best).name.rsplit("-", 1)[1])
+        if step != self.state.global_step:
+            if self._saves_dcp():  # with its optimizer state, which nothing uses after training
+                load_sharded(self.model, self.optimizer, Path(best), self._canonical_name())
+            else:
+                self._load_best_model()  # the Trainer's DeepSpeed load
+        return step
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         if self._saves_dcp():

@@ -11,7 +11,8 @@ from hfdist.config.job_file import CommandParser, job_yaml, parse_with_job_file
 from hfdist.errors import HfdistError
 
 __all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "USAGE", "LR_SCHEDULERS", "TRACKERS",
-           "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args", "parse_command", "job_text", "optimisation_arguments", "lora_settings",
+           "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args", "parse_command", "job_text", "optimisation_arguments", "evaluation_arguments",
+           "lora_settings",
            "non_negative_int", "positive_int"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
@@ -354,6 +355,20 @@ def optimisation_arguments(cfg: FinetuneConfig) -> dict[str, Any]:
             "lr_scheduler_type": cfg.lr_scheduler,
             "warmup_steps": cfg.warmup_steps if cfg.num_epochs else min(cfg.warmup_steps, cfg.max_steps // 10),
             "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm}
+
+
+def evaluation_arguments(cfg: FinetuneConfig, per_rank_batch: int) -> dict[str, Any]:
+    """When and how the Trainer evaluates, as TrainingArguments keywords: every --eval-steps (the job adds the last
+    step, and with --load-best every checkpoint), `per_rank_batch` rows per rank, the best checkpoint by eval loss."""
+    if not (cfg.eval_fraction or cfg.eval_dataset):
+        return {"eval_strategy": "no"}
+    out: dict[str, Any] = {"eval_strategy": "steps" if cfg.eval_steps else "no",
+                           "per_device_eval_batch_size": per_rank_batch, "prediction_loss_only": True}
+    if cfg.eval_steps:
+        out["eval_steps"] = cfg.eval_steps
+    if cfg.load_best:
+        out.update(metric_for_best_model="eval_loss", greater_is_better=False)
+    return out
 
 
 def lora_settings(cfg: FinetuneConfig) -> tuple[int, int, float, tuple[str, ...] | None]:

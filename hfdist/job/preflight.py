@@ -18,7 +18,7 @@ from hfdist.config.precision import effective_mixed_precision
 from hfdist.job.world import Node
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["batch_layout", "check_deepspeed_json", "check_lora", "check_trackers", "plan_check",
+__all__ = ["batch_layout", "check_deepspeed_json", "check_evaluation", "check_lora", "check_trackers", "plan_check",
            "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "preflight"]
 
 
@@ -85,6 +85,22 @@ def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
                           f"tp={rung.dims.tp} ranks: each rank would drop other entries of the same input, which is "
                           "not the one-process computation. Use --lora-dropout 0 on tensor-parallel rungs, or a rung "
                           "without tp (fsdp_full_shard, zero3).")
+
+
+def check_evaluation(cfg: FinetuneConfig) -> None:
+    """Evaluation settings need held-out data, and --load-best needs checkpoints to choose from.
+
+    Raises:
+        ConfigError: naming the flag and what it needs.
+    """
+    held_out = cfg.eval_fraction or cfg.eval_dataset
+    for flag, asked in (("--eval-steps", cfg.eval_steps), ("--load-best", cfg.load_best)):
+        if asked and not held_out:
+            raise ConfigError(f"{flag} evaluates on held-out data, and the job has none. Pass --eval-fraction F "
+                              "(hold out that share of --dataset's rows) or --eval-dataset PATH.")
+    if cfg.load_best and cfg.save_steps == 0:
+        raise ConfigError("--load-best saves the best checkpoint as the model, and --save-steps 0 writes no "
+                          "checkpoint to choose from. Pass --save-steps N (each checkpoint is evaluated).")
 
 
 def check_trackers(cfg: FinetuneConfig) -> None:
@@ -289,6 +305,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     from hfdist.models.presets import load_config
 
     _check_output_dir(cfg)
+    check_evaluation(cfg)
     check_trackers(cfg)
     _check_gpu_settings(rung)
     if cfg.compile:

@@ -16,7 +16,13 @@ import torch
 
 from hfdist import console
 from hfdist.checkpoint.resume import checkpoint_identity, resume_line, resume_point
-from hfdist.config.finetune import ConfigError, FinetuneConfig, lora_settings, optimisation_arguments
+from hfdist.config.finetune import (
+    ConfigError,
+    FinetuneConfig,
+    evaluation_arguments,
+    lora_settings,
+    optimisation_arguments,
+)
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation, settle_mixed_precision
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
@@ -61,7 +67,8 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
     arguments = MeshTrainingArguments if rung.owns_sharding else TrainingArguments
     return arguments(
         output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
-        **optimisation_arguments(cfg), seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
+        **optimisation_arguments(cfg), **evaluation_arguments(cfg, micro), seed=cfg.seed, data_seed=cfg.seed,
+        logging_steps=1,
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
         # Mesh rungs compute in bf16 through FSDP2's policy (hfdist.parallel.parallelize), never also autocast; fp16
@@ -171,7 +178,8 @@ class Run:
         return RunRecord(strategy=self.strategy, losses=self.losses.losses, loss_steps=self.losses.steps,
                          check_blocks=check_blocks(self.trainer.rung, len(self.dataset)),
                          flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
-                         closing_table=self.metrics.closing_table)
+                         closing_table=self.metrics.closing_table, evaluations=self.losses.evaluations,
+                         best_step=self.losses.best_step)
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
@@ -186,6 +194,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
     from hfdist.models.presets import is_preset
+    from hfdist.train.evaluation import EvaluationSchedule
     from hfdist.train.select import trainer_class
     from hfdist.train.watchdog import StepWatchCallback
 
@@ -203,7 +212,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
     watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
     with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
-        dataset = _prepare_data(cfg, tokenizer, args).train
+        prepared = _prepare_data(cfg, tokenizer, args)
+    dataset = prepared.train
     model, load = _build_model(cfg, rung, tokenizer, model, args, mixed)
     watch.cover_groups()  # the mesh's groups
 
@@ -224,7 +234,10 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
     callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
-    trainer = trainer_class(rung)(model=model, args=args, train_dataset=dataset, data_collator=collator,
+    if prepared.eval is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint
+        callbacks.append(EvaluationSchedule(at_saves=cfg.load_best))
+    trainer = trainer_class(rung)(model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval,
+                                  data_collator=collator,
                                   processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                                   checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
                                   skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
@@ -266,6 +279,9 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
         print(resume_line(resume_from, cfg, rung), flush=True)
     with watch.watching():  # a collective timeout: every surviving rank reports who never joined, and leaves
         train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        if cfg.load_best:
+            watch.where("loading the best checkpoint")
+            run.losses.best_step = run.trainer.load_best_checkpoint()
         watch.where("scoring the check batch")
         check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
                                                          run.trainer.data_collator))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
@@ -37,6 +37,8 @@ class RunRecord:
     peak_flops: PeakFlops | None
     sink: Trackers  # finished here, once the peaks are set
     closing_table: Callable[[Mapping[str, str]], str]  # every rank's figures, then `outputs`
+    evaluations: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval loss, perplexity, tokens
+    best_step: int | None = None  # under --load-best: the checkpoint saved as the model
 
 
 def check_blocks(rung: Rung, available: int) -> int:
@@ -70,6 +72,26 @@ def _write_json_atomically(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _evaluation(run: RunRecord) -> dict[str, Any] | None:
+    """The summary's eval record: every evaluation by step, the last, and the checkpoint kept under --load-best."""
+    if not run.evaluations:
+        return None
+    steps = sorted(run.evaluations)
+    return {"steps": steps, "losses": [run.evaluations[s]["loss"] for s in steps],
+            "perplexities": [run.evaluations[s]["perplexity"] for s in steps],
+            "tokens": run.evaluations[steps[-1]]["tokens"], "loss": run.evaluations[steps[-1]]["loss"],
+            "perplexity": run.evaluations[steps[-1]]["perplexity"], "best_step": run.best_step,
+            "best_loss": run.evaluations[run.best_step]["loss"] if run.best_step in run.evaluations else None}
+
+
+def _evaluation_line(record: dict[str, Any]) -> str:
+    text = (f"hfdist: eval loss {record['loss']:.4f} (perplexity {record['perplexity']:.2f}) over "
+            f"{record['tokens']} held-out tokens at step {record['steps'][-1]}")
+    if record["best_step"] is not None:
+        text += f"; the saved model is step {record['best_step']}'s (eval loss {record['best_loss']:.4f}, the best)"
+    return text
+
+
 def write_job_file(cfg: FinetuneConfig) -> Path:
     """Rank 0, as the run starts: the resolved job (every setting) as OUTPUT_DIR/hfdist_job.yaml, so
     `hfdist finetune OUTPUT_DIR/hfdist_job.yaml --output-dir NEW` runs it again."""
@@ -94,6 +116,7 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "flops_per_token": run.flops_per_token,
         "peak_flops": {"flops": run.peak_flops.flops, "source": run.peak_flops.source} if run.peak_flops else None,
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
+        "eval": _evaluation(run),
     }
     run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
                           for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
@@ -107,6 +130,8 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
     losses = run.losses
     print(f"hfdist: {run.strategy['name']} done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
           f"steps", flush=True)
+    if summary["eval"] is not None:
+        print(_evaluation_line(summary["eval"]), flush=True)
     outputs = {"model": cfg.output_dir, "summary": str(Path(cfg.output_dir) / SUMMARY_NAME)}
     outputs.update({f"{label} run": location for label, location in where.items()})
     print(run.closing_table(outputs), flush=True)

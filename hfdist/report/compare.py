@@ -35,6 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-steps", type=int, default=20, help="Optimizer steps per rung (default 20).")
     g.add_argument("--global-batch-size", type=int, default=16, help="Sequences per step over all ranks (default 16).")
     g.add_argument("--seq-len", type=int, default=128, help="Tokens per sequence (default 128).")
+    g.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+                   help="Hold out this share of the data and evaluate every rung on it at the end (the matrix's "
+                        "eval_loss column; default: no evaluation).")
     g = p.add_argument_group("Output")
     g.add_argument("--out", type=Path, default=None, help="Matrix folder (default results/<hardware>).")
     g.add_argument("--runs-dir", type=Path, default=None, help="Where the runs write (default outputs/compare/<id>).")
@@ -63,6 +66,8 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
               str(args.global_batch_size), "--seq-len", str(args.seq_len), "--compare-id", compare_id]
     if args.lora:
         shared.append("--lora")
+    if args.eval_fraction:
+        shared += ["--eval-fraction", str(args.eval_fraction)]
 
     def job() -> int:
         summaries = []

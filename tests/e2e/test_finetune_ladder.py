@@ -13,7 +13,16 @@ import torch
 
 from hfdist.config.ladder import load_rung
 
-from helpers import REPO, SHARED_RUNS, check_batch, finished_offline_run, mlflow_series, table_rungs, tensorboard_series
+from helpers import (
+    REPO,
+    SHARED_RUNS,
+    check_batch,
+    eval_args,
+    finished_offline_run,
+    mlflow_series,
+    table_rungs,
+    tensorboard_series,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -37,16 +46,17 @@ def runs(tmp_path_factory, references, shared_runs):
     come from the session's shared runs (helpers.SHARED_RUNS: the same launch, plus checkpoints at steps 2 and 4)."""
     root = tmp_path_factory.mktemp("ladder")
     names = FULL + [f"lora_{n}" for n in LORA]
+    held_out = eval_args(shared_runs.root)  # the shared runs' evaluation: every rung's eval loss compares
     jobs = {}
     for name in names:
         if name in SHARED_RUNS:
             continue
         if name.startswith("lora_"):
-            jobs[name] = (root / name, ("--config", name.removeprefix("lora_"), "--lora"), {})
+            jobs[name] = (root / name, ("--config", name.removeprefix("lora_"), "--lora", *held_out), {})
         elif name in VIA_CONFIG_FILE:
-            jobs[name] = (root / name, (), {"config_file": str(REPO / "accelerate_configs" / f"{name}.yaml")})
+            jobs[name] = (root / name, held_out, {"config_file": str(REPO / "accelerate_configs" / f"{name}.yaml")})
         else:
-            jobs[name] = (root / name, ("--config", f"{name}.yaml", "--nvme-path", str(root / "nvme")), {})
+            jobs[name] = (root / name, ("--config", f"{name}.yaml", "--nvme-path", str(root / "nvme"), *held_out), {})
     own = shared_runs.launch([n for n in names if n in SHARED_RUNS], also=jobs)
     return {**references, **{name: own[name] if name in own else shared_runs[name] for name in names}}
 
@@ -57,11 +67,14 @@ def _bytes(summary: dict, key: str) -> list[int]:
 
 @pytest.mark.parametrize("name", FULL + [f"lora_{n}" for n in LORA])
 def test_losses_match_single_process(runs, name):
-    ref = runs["lora_single" if name.startswith("lora_") else "single"]["losses"]
-    got = runs[name]["losses"]
+    reference = runs["lora_single" if name.startswith("lora_") else "single"]
+    ref, got = reference["losses"], runs[name]["losses"]
     assert len(got) == len(ref) == 4
     assert got == pytest.approx(ref, rel=LOSS_RTOL), f"{name}: {got} vs single {ref}"
     assert got[-1] < got[0], f"{name}: the loss did not fall: {got}"
+    # The same held-out conversations, evaluated at steps 2 and 4 (tests/e2e/test_evaluation.py says more).
+    assert runs[name]["eval"]["steps"] == reference["eval"]["steps"] == [2, 4]
+    assert runs[name]["eval"]["losses"] == pytest.approx(reference["eval"]["losses"], rel=LOSS_RTOL)
 
 
 @pytest.mark.parametrize("name", FULL)
