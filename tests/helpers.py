@@ -192,10 +192,15 @@ def evaluate_saved(summary: dict, model=None) -> float:
     from transformers import AutoModelForCausalLM
 
     from hfdist.data import collate, load_raw_dataset, load_tokenizer, prepare
+    from hfdist.data.preparation import prepare_split
     from hfdist.models.chunked_loss import causal_lm_loss
 
-    blocks = prepare(load_raw_dataset(summary["config"]["eval_dataset"]), load_tokenizer(None, is_preset=True),
-                     summary["strategy"]["seq_len"])
+    config, tok, seq_len = summary["config"], load_tokenizer(None, is_preset=True), summary["strategy"]["seq_len"]
+    if config["eval_fraction"]:  # held out of --dataset's rows, by the seed
+        blocks = prepare_split(load_raw_dataset(config["dataset"]), tok, seq_len, eval_fraction=config["eval_fraction"],
+                               seed=config["seed"]).eval
+    else:
+        blocks = prepare(load_raw_dataset(config["eval_dataset"]), tok, seq_len)
     model = (model or AutoModelForCausalLM.from_pretrained(summary["_dir"])).eval()
     loss_sum, tokens = 0.0, 0
     with torch.no_grad():

@@ -5,11 +5,23 @@ saved model, and reaches the summary, the trackers and the progress line. (fsdp_
 
 from __future__ import annotations
 
+import json
 import math
+import sys
+from functools import partial
 
 import pytest
 
-from helpers import evaluate_saved, finished_offline_run, mlflow_series, tensorboard_series
+from helpers import (
+    FINETUNE,
+    evaluate_saved,
+    finetune,
+    finished_offline_run,
+    mlflow_series,
+    run_cmd,
+    side_by_side,
+    tensorboard_series,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -19,10 +31,28 @@ RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp", "3d"]
 
 
 @pytest.fixture(scope="module")
-def runs(shared_runs):
+def runs(shared_runs, tmp_path_factory):
+    """The shared runs, and two single-process runs of this module's own: the shared single run again from the job
+    file it saved (hfdist_job.yaml), and a run whose learning rate overshoots after step 4 under --load-best, holding
+    out 5% of the data (--eval-fraction)."""
     names = ["single", "lora_single", "lora_fsdp_full_shard", "fsdp_hybrid", *RUNGS]
     shared_runs.launch(names)
-    return {name: shared_runs[name] for name in names}
+    root = tmp_path_factory.mktemp("evaluation")
+
+    def from_job_file() -> dict:  # the job file alone: no flag but the new output folder
+        out = root / "from_job_file"
+        proc = run_cmd([sys.executable, str(FINETUNE), str(shared_runs["single"]["_dir"] / "hfdist_job.yaml"),
+                        "--output-dir", str(out)])
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((out / "hfdist_summary.json").read_text())
+
+    load_best = ("--max-steps", "6", "--learning-rate", "5e-2", "--save-steps", "2", "--eval-fraction", "0.05",
+                 "--eval-steps", "2", "--load-best", "--no-wandb")
+    own = side_by_side({"from_job_file": from_job_file,
+                        "load_best": partial(finetune, root / "load_best", *load_best, via="python")})
+    for name, summary in own.items():
+        summary["_dir"] = root / name
+    return {**{name: shared_runs[name] for name in names}, **own}
 
 
 @pytest.mark.parametrize("name", RUNGS + ["lora_fsdp_full_shard"])
@@ -58,14 +88,35 @@ def test_eval_reaches_every_tracker_and_the_progress_line(runs):
     from hfdist.report.wandb_offline import find_offline_runs
 
     summary = runs["fsdp_hybrid"]
-    want = list(zip(summary["eval"]["steps"], summary["eval"]["losses"]))
     (_, series), = mlflow_series((summary["_dir"] / "mlruns").as_uri())
     scalars = tensorboard_series(summary["_dir"] / "tensorboard")
     for got in (series["eval_loss"], scalars["eval_loss"], scalars["eval_perplexity"]):
-        assert [s for s, _ in got] == [2, 4]
-    assert series["eval_loss"] == pytest.approx(want, rel=1e-7)
+        assert [s for s, _ in got] == summary["eval"]["steps"] == [2, 4]
+    assert [v for _, v in series["eval_loss"]] == pytest.approx(summary["eval"]["losses"], rel=1e-7)
+    assert [v for _, v in scalars["eval_loss"]] == pytest.approx(summary["eval"]["losses"], rel=1e-6)  # float32
     (run_file,) = find_offline_runs(summary["_dir"])
     history = [row for row in finished_offline_run(run_file).history if "eval_loss" in row]
     assert [row["eval_loss"] for row in history] == pytest.approx(summary["eval"]["losses"], rel=1e-7)
     assert f"eval={summary['eval']['losses'][0]:.4f}" in summary["_stderr"]  # the bar's postfix
     assert f"hfdist: eval loss {summary['eval']['loss']:.4f}" in summary["_stdout"]
+
+
+def test_load_best_saves_the_checkpoint_with_the_lowest_eval_loss(runs):
+    summary = runs["load_best"]
+    evaluated = summary["eval"]
+    assert evaluated["steps"] == [2, 4, 6] and evaluated["tokens"] > 0
+    best = evaluated["steps"][evaluated["losses"].index(min(evaluated["losses"]))]
+    assert best != 6, "the learning rate did not overshoot: the test would not load a checkpoint"
+    assert evaluated["best_step"] == best and evaluated["best_loss"] == min(evaluated["losses"])
+    assert (summary["_dir"] / f"checkpoint-{best}").is_dir()  # kept from rotation (--save-total-limit 2)
+    # The saved model is that checkpoint's: a one-process evaluation of it gives its eval loss exactly.
+    assert evaluate_saved(summary) == pytest.approx(evaluated["best_loss"], rel=EVAL_RTOL)
+
+
+def test_the_saved_job_file_reruns_the_same_run(runs):
+    """`hfdist finetune OUTPUT_DIR/hfdist_job.yaml --output-dir NEW`: the same losses and eval losses, bit for bit
+    (one process, the same seed)."""
+    ref, again = runs["single"], runs["from_job_file"]
+    assert again["losses"] == ref["losses"] and again["eval"]["losses"] == ref["eval"]["losses"]
+    assert {k: v for k, v in again["config"].items() if k != "output_dir"} == \
+        {k: v for k, v in ref["config"].items() if k != "output_dir"}

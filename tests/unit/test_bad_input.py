@@ -196,3 +196,10 @@ def test_lora_dropout_on_a_tensor_parallel_rung(tmp_path):
 def test_lora_target_modules_the_model_lacks(tmp_path):
     said = refused(tmp_path, "--lora", "--lora-target-modules", "q_proj,qkv_proj")
     assert said.startswith("--lora-target-modules names qkv_proj, which is not a decoder projection")
+
+
+def test_evaluation_settings_without_held_out_data(tmp_path):
+    assert refused(tmp_path, "--eval-steps", "10").startswith("--eval-steps evaluates on held-out data, and the job "
+                                                             "has none")
+    said = refused(tmp_path, "--eval-fraction", "0.1", "--load-best", "--save-steps", "0")
+    assert said.startswith("--load-best saves the best checkpoint as the model, and --save-steps 0 writes no")
