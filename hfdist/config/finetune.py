@@ -7,13 +7,25 @@ import argparse
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from hfdist.config.arg_types import (
+    TRACKERS,
+    fraction,
+    names,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+    timeout_seconds,
+    trackers,
+)
 from hfdist.config.job_file import CommandParser, job_yaml, parse_with_job_file
 from hfdist.errors import HfdistError
 
 __all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "USAGE", "LR_SCHEDULERS", "TRACKERS",
-           "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args", "parse_command", "job_text", "optimisation_arguments", "evaluation_arguments",
-           "lora_settings",
-           "non_negative_int", "positive_int"]
+           "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args", "parse_command",
+           "job_text", "optimisation_arguments", "evaluation_arguments", "lora_settings", "non_negative_int",
+           "positive_int"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 
@@ -36,8 +48,6 @@ DEFAULT_LOSS_CHUNK_SIZE = 512
 # SchedulerType values; tests/unit/test_job_file.py builds each).
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
-# Where a run's series go (hfdist.callbacks.trackers); "none" alone turns every tracker off.
-TRACKERS = ("wandb", "mlflow", "tensorboard", "trackio")
 
 
 class ConfigError(HfdistError, ValueError):
@@ -163,33 +173,33 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-r", type=positive_int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r}).")
     g.add_argument("--lora-alpha", type=positive_int, default=d.lora_alpha,
                    help=f"LoRA alpha (default {d.lora_alpha}).")
-    g.add_argument("--lora-dropout", type=_probability, default=d.lora_dropout, metavar="P",
+    g.add_argument("--lora-dropout", type=probability, default=d.lora_dropout, metavar="P",
                    help="Dropout on the LoRA branch's input (default 0; refused on tensor-parallel rungs, where each "
                         "rank would drop other entries of the same input).")
-    g.add_argument("--lora-target-modules", type=_names, default=d.lora_target_modules, metavar="NAMES",
+    g.add_argument("--lora-target-modules", type=names, default=d.lora_target_modules, metavar="NAMES",
                    help="Comma-separated decoder projections LoRA adapts, e.g. q_proj,v_proj (default: all of "
                         "them: q/k/v/o_proj, gate/up/down_proj).")
     g = p.add_argument_group("Training")
     length = g.add_mutually_exclusive_group()
     length.add_argument("--max-steps", type=positive_int, default=None,
                         help=f"Optimizer steps (default {d.max_steps}, unless --num-epochs is given).")
-    length.add_argument("--num-epochs", type=_positive_float, default=d.num_epochs,
+    length.add_argument("--num-epochs", type=positive_float, default=d.num_epochs,
                         help="Passes over the packed dataset instead of --max-steps (may be fractional); the Trainer "
                              "reshuffles every epoch.")
     g.add_argument("--global-batch-size", type=positive_int, default=d.global_batch_size,
                    help=f"Sequences per optimizer step over all ranks (default {d.global_batch_size}).")
     g.add_argument("--micro-batch-size", type=positive_int, default=d.micro_batch_size,
                    help="Sequences per rank per forward (default: global batch / data-parallel ranks).")
-    g.add_argument("--learning-rate", "--lr", type=_positive_float, default=d.learning_rate,
+    g.add_argument("--learning-rate", "--lr", type=positive_float, default=d.learning_rate,
                    help=f"Peak learning rate of the schedule (default {d.learning_rate}).")
     g.add_argument("--lr-scheduler", choices=LR_SCHEDULERS, default=d.lr_scheduler,
                    help=f"Learning-rate schedule after the warm-up, the Trainer's (default {d.lr_scheduler}).")
     g.add_argument("--warmup-steps", type=non_negative_int, default=d.warmup_steps,
                    help=f"Linear warm-up steps (default {d.warmup_steps}, at most a tenth of --max-steps).")
-    g.add_argument("--weight-decay", type=_non_negative_float, default=d.weight_decay,
+    g.add_argument("--weight-decay", type=non_negative_float, default=d.weight_decay,
                    help=f"AdamW weight decay, on every weight but biases and norms, as the Trainer applies it "
                         f"(default {d.weight_decay:g}).")
-    g.add_argument("--max-grad-norm", type=_non_negative_float, default=d.max_grad_norm,
+    g.add_argument("--max-grad-norm", type=non_negative_float, default=d.max_grad_norm,
                    help=f"Clip the gradients' global norm to this (default {d.max_grad_norm:g}; 0: no clipping).")
     g.add_argument("--seed", type=int, default=d.seed, help=f"Seed of the model init and data order (default {d.seed}).")
     g.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb,
@@ -200,7 +210,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     held_out = g.add_mutually_exclusive_group()
     held_out.add_argument("--eval-dataset", default=d.eval_dataset, metavar="PATH|ID",
                           help="Held-out data, in any format --dataset takes (default: none).")
-    held_out.add_argument("--eval-fraction", type=_fraction, default=d.eval_fraction, metavar="F",
+    held_out.add_argument("--eval-fraction", type=fraction, default=d.eval_fraction, metavar="F",
                           help="Hold out this share of --dataset's rows (whole documents, drawn by --seed) before "
                                "packing.")
     g.add_argument("--eval-steps", type=non_negative_int, default=d.eval_steps, metavar="N",
@@ -218,11 +228,11 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action=flag, default=d.resume,
                    help="Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has "
                         "none); use it under launchers that restart failed jobs.")
-    g.add_argument("--collective-timeout", type=_timeout_seconds, default=d.collective_timeout, metavar="SECONDS",
+    g.add_argument("--collective-timeout", type=timeout_seconds, default=d.collective_timeout, metavar="SECONDS",
                    help=f"How long a rank waits in one collective before the job stops with a report naming the "
                         f"ranks that never joined (default {d.collective_timeout:g}; docs/troubleshooting.md).")
     g = p.add_argument_group("Metrics and console")
-    g.add_argument("--report-to", type=_trackers, default=d.report_to, metavar="NAMES",
+    g.add_argument("--report-to", type=trackers, default=d.report_to, metavar="NAMES",
                    help="Comma-separated trackers that get the run's series, every rank's figures included, one run "
                         "per job: wandb (offline unless you are logged in), mlflow (OUTPUT_DIR/mlruns, or "
                         "MLFLOW_TRACKING_URI), tensorboard (OUTPUT_DIR/tensorboard), trackio; none for no tracker "
@@ -242,79 +252,6 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p = CommandParser(prog=prog, description=USAGE, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_finetune_arguments(p)
     return p
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must lie strictly between 0 and 1, got {text}")
-    return value
-
-
-def _probability(text: str) -> float:
-    value = float(text)
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {text}")
-    return value
-
-
-def _names(text: str) -> tuple[str, ...]:
-    """argparse type: a comma-separated list of names (module names, trackers), without repeats."""
-    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
-    if not names:
-        raise argparse.ArgumentTypeError(f"expected comma-separated names, got '{text}'")
-    return names
-
-
-def _trackers(text: str) -> tuple[str, ...]:
-    """argparse type of --report-to: known tracker names, or "none" (no tracker)."""
-    names = _names(text)
-    unknown = [n for n in names if n not in (*TRACKERS, "none")]
-    if unknown:
-        raise argparse.ArgumentTypeError(f"unknown tracker {', '.join(unknown)}: choose from "
-                                         f"{', '.join(TRACKERS)} or none")
-    if "none" in names and len(names) > 1:
-        raise argparse.ArgumentTypeError("none means no tracker at all: pass it alone")
-    return () if names == ("none",) else names
-
-
-def _timeout_seconds(text: str) -> float:
-    value = float(text)
-    if not value >= 1.0:  # NaN too
-        raise argparse.ArgumentTypeError(
-            f"{text} s is below 1 s: every collective would time out (a step's collectives take longer). Pass "
-            "at least 1; the default is 300 (long enough for a first step's set-up and a large checkpoint)")
-    return value
 
 
 def config_from_namespace(args: argparse.Namespace) -> FinetuneConfig:

@@ -28,7 +28,8 @@ __all__ = ["MANIFEST", "DataSettings", "Prepared", "data_settings", "tokenizer_f
 MANIFEST = "hfdist_prepared.json"
 _FORMAT = 1
 _FLAGS = {"dataset": "--dataset", "eval_dataset": "--eval-dataset", "eval_fraction": "--eval-fraction",
-          "seed": "--seed", "seq_len": "--seq-len", "long_documents": "--long-documents", "tokenizer": "--model",
+          "seed": "--seed", "seq_len": "--seq-len", "long_documents": "--long-documents",
+          "tokenizer": "the tokenizer (--model)",
           "chat_template": "the tokenizer's chat template", "packing": "hfdist's packing (another hfdist version)"}
 
 
@@ -52,8 +53,14 @@ class DataSettings:
         """What differs from `other` (a prepared folder's settings), one phrase per setting."""
         # The seed matters only where both hold rows out; another fraction is named already.
         skip = {"tokenizer_name"} | ({"seed"} if None in (self.eval_fraction, other.eval_fraction) else set())
-        return [f"{_FLAGS[f.name]}: prepared with {getattr(other, f.name)!r}, this job has {getattr(self, f.name)!r}"
+        return [f"{_FLAGS[f.name]}: prepared with {_shown(other, f.name)}, this job has {_shown(self, f.name)}"
                 for f in fields(self) if f.name not in skip and getattr(self, f.name) != getattr(other, f.name)]
+
+
+def _shown(settings: DataSettings, name: str) -> str:
+    if name == "tokenizer":  # a hash alone says nothing to a person: which tokenizer it was, and its hash
+        return f"{settings.tokenizer_name or '?'}'s (content hash {settings.tokenizer})"
+    return repr(getattr(settings, name))
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -119,3 +119,26 @@ def test_the_windowed_packing_reads_lengths_without_reading_tokens():
     column = pa.chunked_array([pa.array([[1, 2], [3]]), pa.array([[], [4, 5, 6]])])
     assert document_lengths(column).tolist() == [2, 1, 0, 3]
     assert document_lengths(pa.chunked_array([], type=pa.list_(pa.int32()))).dtype == np.int64
+
+
+def test_settings_tell_tokenizers_and_templates_apart_by_content(tmp_path):
+    """The same tokenizer read from another folder is the same tokenizer; another vocabulary or another chat template
+    is not: a prepared folder made with them is refused, each difference named."""
+    from hfdist.data.prepared import data_settings
+
+    def settings(tokenizer):
+        return data_settings(tokenizer, dataset="d.jsonl", eval_dataset=None, eval_fraction=None, seed=0, seq_len=64,
+                             long_documents="split")
+
+    base = load_tokenizer(None, is_preset=True)
+    base.save_pretrained(tmp_path / "copy")
+    assert settings(load_tokenizer(str(tmp_path / "copy"), is_preset=False)).differences(settings(base)) == []
+    templated = load_tokenizer(None, is_preset=True)
+    templated.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert settings(templated).differences(settings(base)) == [
+        f"the tokenizer's chat template: prepared with {settings(base).chat_template!r}, this job has "
+        f"{settings(templated).chat_template!r}"]
+    grown = load_tokenizer(None, is_preset=True)
+    grown.add_tokens(["<tool>"])
+    (said,) = settings(grown).differences(settings(base))
+    assert said.startswith(f"the tokenizer (--model): prepared with {base.name_or_path}'s (content hash ")
