@@ -19,10 +19,11 @@ from hfdist.config.precision import effective_fp8, effective_mixed_precision
 __all__ = ["checkpoint_identity", "resume_point", "resume_line", "LAYOUT_KEYS", "WORKLOAD_KEYS"]
 
 LAYOUT_KEYS = ("strategy", "world_size", "dims", "pp_schedule")  # may change on resume (DCP formats only)
-WORKLOAD_KEYS = ("model", "lora", "lora_r", "lora_alpha", "global_batch_size", "seq_len")  # may not
+WORKLOAD_KEYS = ("model", "lora", "lora_r", "lora_alpha", "lora_target_modules", "global_batch_size",
+                 "seq_len")  # may not
 DCP_FORMAT, DEEPSPEED_FORMAT = "dcp", "deepspeed"
 _FLAGS = {"model": "--model", "global_batch_size": "--global-batch-size", "seq_len": "--seq-len", "lora": "--lora",
-          "lora_r": "--lora-r", "lora_alpha": "--lora-alpha"}
+          "lora_r": "--lora-r", "lora_alpha": "--lora-alpha", "lora_target_modules": "--lora-target-modules"}
 _DEEPSPEED_CONVERTER = (
     "DeepSpeed's ZeRO partitions are laid out per rank; DeepSpeed reshards them only through its universal "
     "checkpoint converter (python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/global_step{step} "
@@ -48,6 +49,7 @@ def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
             "holds": f"{holds}; LR scheduler; data position (trainer_state.json); RNG streams per rank",
             "lora": cfg.lora, "lora_r": cfg.lora_r if cfg.lora else None,
             "lora_alpha": cfg.lora_alpha if cfg.lora else None,
+            "lora_target_modules": list(cfg.lora_target_modules) if cfg.lora and cfg.lora_target_modules else None,
             "model": cfg.model or DEFAULT_PRESET, "global_batch_size": cfg.global_batch_size, "seq_len": cfg.seq_len,
             "mixed_precision": effective_mixed_precision(rung, on_gpu, cfg.mixed_precision),
             "fp8": effective_fp8(rung, on_gpu, cfg.fp8), "device": "cuda" if on_gpu else "cpu"}
@@ -81,7 +83,8 @@ def _check_workload(checkpoint: Path, saved: dict[str, Any], identity: dict[str,
     diff = [k for k in WORKLOAD_KEYS if saved.get(k) != identity[k]]
     if diff:
         what = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, this run {identity[k]!r}" for k in diff)
-        fix = " ".join(f"{_FLAGS[k]} {saved.get(k)}" for k in diff if k != "lora" and saved.get(k) is not None)
+        fix = " ".join(f"{_FLAGS[k]} {','.join(v) if isinstance(v := saved.get(k), list) else v}" for k in diff
+                       if k != "lora" and saved.get(k) is not None)
         raise CheckpointError(
             f"Checkpoint {checkpoint} was written by another workload ({what}). A resumed run continues the same "
             "optimisation: its data position and LR schedule count global batches of the same rows, and its states "

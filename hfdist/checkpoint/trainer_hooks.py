@@ -81,6 +81,8 @@ class CheckpointingMixin:
 
     def _save_checkpoint(self, model, trial) -> None:
         final = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        if self.state.best_global_step == self.state.global_step:  # evaluated just now, the best eval loss so far
+            self.state.best_model_checkpoint = str(final)
         staging = staging_dir(final)
         self.store_flos()
         self._wait_for_checkpoint()  # one save in flight: its staged copy is refilled, checkpoints land in order
@@ -88,8 +90,8 @@ class CheckpointingMixin:
             shutil.rmtree(staging)  # what a crashed save left behind
         self._barrier()
         background = self.save_async and self._saves_dcp()
-        finish = (partial(self._finish_checkpoint, staging, final, self.state.global_step, background)
-                  if self.args.should_save else None)
+        finish = (partial(self._finish_checkpoint, staging, final, self.state.global_step, background,
+                          self.state.best_model_checkpoint) if self.args.should_save else None)
         try:
             self._write_checkpoint(staging, background, finish)
         except OSError as exc:
@@ -102,15 +104,16 @@ class CheckpointingMixin:
             finish()
         self._barrier()
 
-    def _finish_checkpoint(self, staging: Path, final: Path, step: int, background: bool) -> None:
+    def _finish_checkpoint(self, staging: Path, final: Path, step: int, background: bool, best: str | None) -> None:
         """Rank 0, once every rank's files are written: the marker, the rename, the rotation of older checkpoints
-        (which sees complete checkpoints only, the newest among them this one)."""
+        (which sees complete checkpoints only, the newest among them this one, and keeps `best`: the checkpoint of
+        the best evaluation loss when this save began)."""
         from transformers.trainer_utils import rotate_checkpoints
 
         write_marker(staging, {**self.checkpoint_identity, "async_save": background}, step)
         replace_staging(staging, final)
         rotate_checkpoints(output_dir=str(final.parent), save_total_limit=self.args.save_total_limit,
-                           use_mtime=False)
+                           best_model_checkpoint=best, use_mtime=False)
 
     def _wait_for_checkpoint(self) -> None:
         """Block until the checkpoint being written in the background (if any) is complete; its write error as the
@@ -145,6 +148,20 @@ class CheckpointingMixin:
             self._background.start(sharded_state(self.model, self.optimizer, self._canonical_name()), folder, finish)
         else:
             save_sharded(self.model, self.optimizer, folder, self._canonical_name())
+
+    def load_best_checkpoint(self) -> int | None:
+        """Put the weights of the checkpoint with the best eval loss (kept from rotation) back into the model, when
+        they are not the model's already; its step, or None when no checkpoint was evaluated. Collective."""
+        best = self.state.best_model_checkpoint
+        if best is None:
+            return None
+        step = int(Path(best).name.rsplit("-", 1)[1])
+        if step != self.state.global_step:
+            if self._saves_dcp():  # with its optimizer state, which nothing uses after training
+                load_sharded(self.model, self.optimizer, Path(best), self._canonical_name())
+            else:
+                self._load_best_model()  # the Trainer's DeepSpeed load
+        return step
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         if self._saves_dcp():

@@ -22,7 +22,8 @@ what FSDP2 and DDP hold in total; 20 = DeepSpeed's own accounting (adds a 4-byte
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from hfdist.config.finetune import FP8_RECIPES, non_negative_int
+    from hfdist.config.arg_types import non_negative_int
+    from hfdist.config.finetune import FP8_RECIPES
     from hfdist.plan import ADAM_BYTES_CHOICES, DTYPES, Workload
 
     d = Workload()

@@ -13,12 +13,15 @@ from pathlib import Path
 import torch
 
 from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_fp8, effective_mixed_precision
+from hfdist.job.world import Node
 from hfdist.parallel.pipeline.plan import check_pipeline
 
 __all__ = ["batch_layout", "check_deepspeed_json", "plan_check", "check_model_fits_rung", "check_context_parallel",
-           "check_nvme_offload", "check_attention", "check_dense_mask", "preflight"]
+           "check_nvme_offload", "check_attention", "check_dense_mask", "check_evaluation", "check_lora",
+           "check_trackers", "preflight"]
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -46,17 +49,76 @@ def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum
     implied = {"train_micro_batch_size_per_gpu": (micro, "--micro-batch-size"),
                "gradient_accumulation_steps": (grad_accum, "--global-batch-size / --micro-batch-size"),
                "train_batch_size": (cfg.global_batch_size, "--global-batch-size"),
-               "gradient_clipping": (1.0, "hfdist's max grad norm")}
-    optimizer_lr = ((ds.get("optimizer") or {}).get("params") or {}).get("lr")
-    if optimizer_lr is not None:
-        implied["optimizer.params.lr"] = (cfg.learning_rate, "--learning-rate")
-    values = {**{k: ds.get(k, "auto") for k in implied}, "optimizer.params.lr": optimizer_lr}
+               "gradient_clipping": (cfg.max_grad_norm, "--max-grad-norm")}
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    for key, want, flag in (("lr", cfg.learning_rate, "--learning-rate"),
+                            ("weight_decay", cfg.weight_decay, "--weight-decay")):
+        if params.get(key) is not None:
+            implied[f"optimizer.params.{key}"] = (want, flag)
+    values = {**{k: ds.get(k, "auto") for k in implied},
+              **{f"optimizer.params.{k}": params.get(k) for k in ("lr", "weight_decay")}}
     clashes = [f"{key} is {values[key]} but {flag} makes it {want}" for key, (want, flag) in implied.items()
                if values[key] not in ("auto", None) and float(values[key]) != float(want)]
     if clashes:
         raise ConfigError(f"{rung.ds_config_path} contradicts the command line: {'; '.join(clashes)}. Set these "
                           "keys to \"auto\" (the Trainer fills them from the command line, as the shipped JSONs "
                           "do), or pass flags that match the JSON.")
+
+
+def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
+    """--lora-target-modules must name decoder projections of the model; LoRA dropout cannot run under tensor
+    parallelism (each rank would drop other entries of the same replicated input: not the one-process computation).
+
+    Raises:
+        ConfigError: naming the modules the model has, or the rung's tp degree, and the fix.
+    """
+    if not cfg.lora:
+        return
+    from hfdist.models.registry import LORA_TARGETS, facts_for, is_supported
+
+    known = facts_for(config).lora_targets if is_supported(config) else LORA_TARGETS
+    unknown = [m for m in cfg.lora_target_modules or () if m not in known]
+    if unknown:
+        raise ConfigError(f"--lora-target-modules names {', '.join(unknown)}, which {'are' if len(unknown) > 1 else 'is'} "
+                          f"not a decoder projection of this model; LoRA can adapt {', '.join(known)}. Pick from "
+                          "these (comma-separated), or leave the flag out to adapt all of them.")
+    if cfg.lora_dropout > 0 and rung.dims.tp > 1:
+        raise ConfigError(f"--lora-dropout {cfg.lora_dropout:g} on {rung.name}, which splits the projections over "
+                          f"tp={rung.dims.tp} ranks: each rank would drop other entries of the same input, which is "
+                          "not the one-process computation. Use --lora-dropout 0 on tensor-parallel rungs, or a rung "
+                          "without tp (fsdp_full_shard, zero3).")
+
+
+def check_evaluation(cfg: FinetuneConfig) -> None:
+    """Evaluation settings need held-out data, and --load-best needs checkpoints to choose from.
+
+    Raises:
+        ConfigError: naming the flag and what it needs.
+    """
+    held_out = cfg.eval_fraction or cfg.eval_dataset
+    for flag, asked in (("--eval-steps", cfg.eval_steps), ("--load-best", cfg.load_best)):
+        if asked and not held_out:
+            raise ConfigError(f"{flag} evaluates on held-out data, and the job has none. Pass --eval-fraction F "
+                              "(hold out that share of --dataset's rows) or --eval-dataset PATH.")
+    if cfg.load_best and cfg.save_steps == 0:
+        raise ConfigError("--load-best saves the best checkpoint as the model, and --save-steps 0 writes no "
+                          "checkpoint to choose from. Pass --save-steps N (each checkpoint is evaluated).")
+
+
+def check_trackers(cfg: FinetuneConfig) -> None:
+    """Every tracker --report-to names must have its package installed (they are optional dependencies).
+
+    Raises:
+        ConfigError: naming the trackers, their packages and the install command.
+    """
+    from hfdist.callbacks.trackers import TRACKER_PACKAGES, missing_trackers
+
+    missing = missing_trackers(cfg.report_to) if cfg.metrics else []
+    if missing:
+        packages = " ".join(TRACKER_PACKAGES[m][1] for m in missing)
+        raise ConfigError(f"--report-to {','.join(missing)}: {'these trackers need packages that are' if len(missing) > 1 else 'this tracker needs a package that is'} "
+                          f"not installed ({packages}). Install them with pip install 'hfdist[trackers]' (or pip "
+                          f"install {packages}), or leave {','.join(missing)} out of --report-to.")
 
 
 def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
@@ -144,12 +206,22 @@ def check_dense_mask(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str
 
 
 def _check_output_dir(cfg: FinetuneConfig) -> None:
+    import os
+
     from hfdist.console import log_dir
 
     out = Path(cfg.output_dir)
-    # hfdist's own library logs (OUTPUT_DIR/logs) do not count: a run that crashed before writing anything else
-    # leaves only them, and they are appended to.
-    held = [p for p in out.iterdir() if p != log_dir(out)] if out.is_dir() else []
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor))
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"lies inside {existing}, which is a file"
+        raise ConfigError(f"--output-dir {out} {what}, not a folder. Nothing was changed. Pass a folder path (a new "
+                          "one, or an existing run's with --resume / --overwrite).")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output-dir {out} cannot be written: {existing} is not writable by this user. Nothing "
+                          "was changed. Pass a folder where you can write.")
+    # hfdist's own library logs (OUTPUT_DIR/logs) and the job file do not count: a run that crashed before writing
+    # anything else leaves only them, and they are appended to / rewritten.
+    held = [p for p in out.iterdir() if p not in (log_dir(out), out / JOB_FILE_NAME)] if out.is_dir() else []
     if held and not (cfg.overwrite or cfg.resume):
         raise ConfigError(f"--output-dir {out} already holds files (a previous run?). Nothing was changed. Pass "
                           "--resume to continue that run from its latest checkpoint, a new --output-dir, or "
@@ -279,6 +351,8 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     from hfdist.models.presets import load_config
 
     _check_output_dir(cfg)
+    check_evaluation(cfg)
+    check_trackers(cfg)
     _check_gpu_settings(rung)
     attention = check_attention(cfg, rung)
     if cfg.compile:
@@ -287,6 +361,10 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
         check_compile(rung)
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
+                          f"--seq-len <= {limit}.")
     check_model_fits_rung(config, rung)
     on_gpu = torch.cuda.is_available()
     fp8 = effective_fp8(rung, on_gpu, cfg.fp8)
@@ -295,10 +373,15 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
         check_fp8(fp8, rung, config, seq_len=cfg.seq_len, lora=cfg.lora, compile=cfg.compile,
                   mixed_precision=effective_mixed_precision(rung, on_gpu, cfg.mixed_precision), on_gpu=on_gpu)
+    check_lora(cfg, rung, config)
     check_context_parallel(config, rung, cfg.seq_len)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     check_nvme_offload(rung)
-    check_checkpoint_weights(cfg.model)
+    check_checkpoint_weights(cfg.model, config)
     check_dense_mask(cfg, rung, micro, attention)
     plan_check(cfg, rung, micro, attention)
+    if not Node.detect().launched:  # this process starts the ranks (or is the only one): data before any rank
+        from hfdist.job.data import prepare_before_launch
+
+        prepare_before_launch(cfg)

@@ -16,18 +16,24 @@ import torch
 
 from hfdist import console
 from hfdist.checkpoint.resume import checkpoint_identity, resume_line, resume_point
-from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.finetune import (
+    ConfigError,
+    FinetuneConfig,
+    evaluation_arguments,
+    lora_settings,
+    optimisation_arguments,
+)
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation, effective_fp8, settle_mixed_precision
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import batch_layout, preflight
-from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_summary
+from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_job_file, write_summary
 from hfdist.job.world import resolve_rung
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
-    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.callbacks.trackers import Trackers
     from hfdist.train.trainer import HfdistTrainer
     from hfdist.train.watchdog import CollectiveWatch
 
@@ -61,11 +67,8 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
     arguments = MeshTrainingArguments if rung.owns_sharding else TrainingArguments
     return arguments(
         output_dir=cfg.output_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=grad_accum,
-        max_steps=cfg.max_steps if cfg.num_epochs is None else -1, num_train_epochs=cfg.num_epochs or 1.0,
-        learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
-        warmup_steps=cfg.warmup_steps if cfg.num_epochs else min(cfg.warmup_steps, cfg.max_steps // 10),
-        weight_decay=0.0, max_grad_norm=1.0,
-        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
+        **optimisation_arguments(cfg), **evaluation_arguments(cfg, micro), seed=cfg.seed, data_seed=cfg.seed,
+        logging_steps=1,
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit,
         # Mesh rungs compute in bf16 through FSDP2's policy (hfdist.parallel.parallelize), never also autocast; fp16
@@ -86,17 +89,13 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
 
 
 def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype, attention: str | None = None):
-    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len;
-    attending with `attention` (a resolved --attn-implementation)."""
+    """The model's structure on the meta device (free at any size), LoRA injected, attending with `attention` (a
+    resolved --attn-implementation); --seq-len is checked against it before any process (hfdist.job.preflight)."""
     from hfdist.models.build import inject_lora, meta_model
 
     model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype, attn_implementation=attention)
     model.config.pad_token_id = tokenizer.pad_token_id
-    limit = getattr(model.config, "max_position_embeddings", None)
-    if limit is not None and cfg.seq_len > limit:
-        raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
-                          f"--seq-len <= {limit}.")
-    return inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
+    return inject_lora(model, *lora_settings(cfg)) if cfg.lora else model
 
 
 def _training_dtype(rung: Rung, mixed: str) -> torch.dtype:
@@ -137,7 +136,7 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
         model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed),
                             attn_implementation=model.config._attn_implementation)
         model.config.pad_token_id = tokenizer.pad_token_id
-        model = inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
+        model = inject_lora(model, *lora_settings(cfg)) if cfg.lora else model
         load_gathered(model, plan)
     else:
         if fp8 is not None:  # on the meta model, as the recipe converts (check_fp8 refused DeepSpeed rungs)
@@ -156,18 +155,19 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
 
 
 def _prepare_data(cfg: FinetuneConfig, tokenizer, args):
-    """Packed rows on every rank (rank 0 tokenizes and packs first, the others read its cache), refused when they
-    cannot fill one global batch."""
-    from hfdist.data import load_raw_dataset, prepare_with_report
-    from hfdist.data.preparation import check_enough_blocks
+    """Packed blocks on every rank (hfdist.job.data: rank 0 prepares first, the others read its cache or folder)."""
+    import time
 
+    from hfdist.job.data import job_data, report_lines
+    from hfdist.job.world import Node
+
+    started = time.perf_counter()
     with args.main_process_first(desc="dataset"):
-        dataset, report = prepare_with_report(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len,
-                                              long_documents=cfg.long_documents)
-    if _is_rank0():
-        print(report.line(), flush=True)
-    check_enough_blocks(len(dataset), cfg.global_batch_size, cfg.seq_len)
-    return dataset
+        prepared = job_data(cfg, tokenizer, write=_is_rank0())
+    # The process that started this world printed them already, when it prepared the data (hfdist.job.preflight).
+    if _is_rank0() and Node.detect().launched and not os.environ.get(HANDED_OVER_ENV):
+        print("\n".join(report_lines(cfg, prepared, time.perf_counter() - started)), flush=True)
+    return prepared
 
 
 @dataclass
@@ -179,7 +179,7 @@ class Run:
     strategy: dict[str, Any]
     losses: LossRecorder
     metrics: DistributedMetricsCallback
-    sink: WandbSink
+    sink: Trackers
     flops_per_token: float
     load: dict[str, float]
 
@@ -188,7 +188,8 @@ class Run:
         return RunRecord(strategy=self.strategy, losses=self.losses.losses, loss_steps=self.losses.steps,
                          check_blocks=check_blocks(self.trainer.rung, len(self.dataset)),
                          flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
-                         closing_table=self.metrics.closing_table)
+                         closing_table=self.metrics.closing_table, evaluations=self.losses.evaluations,
+                         best_step=self.losses.best_step)
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
@@ -198,12 +199,13 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.progress import MetricsProgressCallback
-    from hfdist.callbacks.wandb_logs import WandbLogsCallback
-    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.callbacks.tracker_logs import TrackerLogsCallback
+    from hfdist.callbacks.trackers import make_trackers
     from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
     from hfdist.models.attention import resolve_attention
     from hfdist.models.presets import is_preset
+    from hfdist.train.evaluation import EvaluationSchedule
     from hfdist.train.select import trainer_class
     from hfdist.train.watchdog import StepWatchCallback
 
@@ -223,7 +225,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
     watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
     with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
-        dataset = _prepare_data(cfg, tokenizer, args)
+        prepared = _prepare_data(cfg, tokenizer, args)
+    dataset = prepared.train
     model, load = _build_model(cfg, rung, tokenizer, model, args, mixed, fp8)
     if fp8 is not None and _is_rank0():
         from hfdist.parallel.float8_check import check_fp8
@@ -244,13 +247,16 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
     # hide the degrees that ran.
-    sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
-                     project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
-                     group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
+    sink = make_trackers(cfg.report_to if cfg.metrics else (), output_dir=cfg.output_dir, active=_is_rank0(),
+                         project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
+                         group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
-    callbacks = ([losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
-    trainer = trainer_class(rung)(model=model, args=args, train_dataset=dataset, data_collator=collator,
+    callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
+    if prepared.eval is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint
+        callbacks.append(EvaluationSchedule(at_saves=cfg.load_best))
+    trainer = trainer_class(rung)(model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval,
+                                  data_collator=collator,
                                   processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
                                   checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
                                   skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
@@ -280,16 +286,21 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     if handed_over is not None:
         return handed_over
     console.start(console.log_path(cfg.output_dir, f"rank-{os.environ.get('RANK', '0')}"), cfg.verbose)
+    if _is_rank0():
+        write_job_file(cfg)
 
     watch = _arm_watch(cfg)
     run = _set_up(cfg, rung, micro, grad_accum, watch)
-    with watch.alone("starting W&B", "WANDB"):  # rank 0's W&B start-up (seconds) stays out of the measured loop
+    with watch.alone("starting the trackers", "TRACKERS"):  # rank 0's tracker start-up stays out of the measured loop
         run.sink.start()
     resume_from = resume_point(cfg, rung)
     if resume_from is not None and _is_rank0():
         print(resume_line(resume_from, cfg, rung), flush=True)
     with watch.watching():  # a collective timeout: every surviving rank reports who never joined, and leaves
         train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        if cfg.load_best:
+            watch.where("loading the best checkpoint")
+            run.losses.best_step = run.trainer.load_best_checkpoint()
         watch.where("scoring the check batch")
         check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
                                                          run.trainer.data_collator))

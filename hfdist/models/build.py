@@ -50,15 +50,23 @@ def meta_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dty
     return model
 
 
-def check_checkpoint_weights(spec: str | None) -> None:
-    """A local checkpoint folder must hold its weights as safetensors (what every rank reads its slices from).
+def check_checkpoint_weights(spec: str | None, config=None) -> None:
+    """A local checkpoint folder must hold its weights as safetensors (what every rank reads its slices from): with
+    the model's `config`, whole files holding every weight at its shape (hfdist.models.checkpoint_check).
 
     Raises:
-        ModelSpecError: a folder without *.safetensors, naming what it has and the one-time conversion.
+        ModelSpecError: a folder without *.safetensors, naming what it has and the one-time conversion; a file cut
+            short, a broken index, a missing weight or one of another shape.
     """
     from hfdist.models.presets import ModelSpecError
 
-    if spec is None or spec in PRESETS or not Path(spec).is_dir() or any(Path(spec).glob("*.safetensors")):
+    if spec is None or spec in PRESETS or not Path(spec).is_dir():
+        return
+    if any(Path(spec).glob("*.safetensors")):
+        if config is not None:
+            from hfdist.models.checkpoint_check import check_checkpoint_files
+
+            check_checkpoint_files(Path(spec), config)
         return
     found = sorted(p.name for p in Path(spec).iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5"))
     raise ModelSpecError(
@@ -82,14 +90,17 @@ def checkpoint_folder(spec: str | None) -> Path | None:
     return Path(snapshot_download(spec, allow_patterns=["*.safetensors", "*.json"]))
 
 
-def inject_lora(model: nn.Module, r: int, alpha: int) -> nn.Module:
-    """peft LoRA adapters on every decoder-layer projection (hfdist.models.registry.LORA_TARGETS); on a meta model
-    they are created on meta too and get their values with the other weights."""
+def inject_lora(model: nn.Module, r: int, alpha: int, dropout: float = 0.0,
+                targets: tuple[str, ...] | None = None) -> nn.Module:
+    """peft LoRA adapters on the decoder-layer projections `targets` names (default: every one,
+    hfdist.models.registry.LORA_TARGETS); on a meta model they are created on meta too and get their values with the
+    other weights."""
     from peft import LoraConfig, get_peft_model
 
     from hfdist.models.registry import LORA_TARGETS
 
-    lora = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS))
+    lora = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
+                      target_modules=list(targets or LORA_TARGETS))
     return get_peft_model(model, lora)
 
 

@@ -111,6 +111,11 @@ def load_config(spec: str | None, vocab_size: int | None = None):
     try:
         return AutoConfig.from_pretrained(spec)
     except (OSError, ValueError) as exc:
+        if path.exists():
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise ModelSpecError(f"--model {spec}: its config.json is not a model config transformers can read "
+                                 f"({type(exc).__name__}: {first}). Replace it with the config.json the model was "
+                                 "saved with (save_pretrained writes it).") from exc
         raise ModelSpecError(
             f"Cannot load model '{spec}': not a preset ({', '.join(PRESETS)}), not a local checkpoint folder, and the "
             f"Hub did not answer ({type(exc).__name__}). Use a preset, or download the model once and pass its "

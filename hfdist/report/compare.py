@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attn-implementation", default="auto", metavar="NAME",
                    help="Attention of every run, as `hfdist finetune --attn-implementation` (default auto); the "
                         "matrix records what each run resolved it to.")
+    g.add_argument("--eval-fraction", type=float, default=None, metavar="F",
+                   help="Hold out this share of the data and evaluate every rung on it at the end (the matrix's "
+                        "eval_loss column; default: no evaluation).")
     g = p.add_argument_group("Output")
     g.add_argument("--out", type=Path, default=None, help="Matrix folder (default results/<hardware>).")
     g.add_argument("--runs-dir", type=Path, default=None, help="Where the runs write (default outputs/compare/<id>).")
@@ -73,6 +76,8 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
         shared.append("--lora")
     if args.fp8:
         shared += ["--fp8", args.fp8]
+    if args.eval_fraction:
+        shared += ["--eval-fraction", str(args.eval_fraction)]
 
     def job() -> int:
         import torch

@@ -19,7 +19,7 @@ __all__ = ["MatrixError", "COLUMNS", "matrix_row", "load_rows", "write_matrix", 
 COLUMNS = ("strategy", "world_size", "dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "lora", "micro_batch",
            "global_batch", "seq_len", "attn_implementation", "tokens_per_s_per_device", "tflops_per_device", "mfu",
            "peak_mem_max_mb", "peak_mem_min_mb", "param_mb_per_rank", "grad_mb_per_rank", "optimizer_mb_per_rank",
-           "final_loss")
+           "final_loss", "eval_loss")
 _MB = 1e6
 
 
@@ -59,6 +59,8 @@ def matrix_row(summary: dict[str, Any]) -> dict[str, Any]:
         row[f"{key}_mb_per_rank"] = round(max(r[f"{key}_bytes"] for r in ranks) / _MB, 3)
     row["optimizer_mb_per_rank"] = round(max(r["optimizer_bytes"] + r["master_bytes"] for r in ranks) / _MB, 3)
     row["final_loss"] = round(summary["losses"][-1], 4)
+    evaluated = summary.get("eval")  # held-out data: the last evaluation's loss
+    row["eval_loss"] = round(evaluated["loss"], 4) if evaluated else None
     return row
 
 

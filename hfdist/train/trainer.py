@@ -27,6 +27,7 @@ from hfdist.metrics.memory import cuda_peaks_kept_through_resets
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
+from hfdist.train.evaluation import EvaluationMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
 
 __all__ = ["StrategyMixin", "CausalLMLossMixin", "HfdistTrainer", "MeshTrainingArguments", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
@@ -45,7 +46,8 @@ PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
     "_load_optimizer_and_scheduler": ("checkpoint",),
 }
-PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save_optimizer_and_scheduler")
+PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save_optimizer_and_scheduler",
+                 "_load_best_model")
 
 
 @dataclass
@@ -233,11 +235,12 @@ class CausalLMLossMixin:
         with self.loss_context(), self.compute_loss_context_manager():  # the training precision
             return self.score(model, batch)
 
-    def score(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
-        """`batch_loss`'s forward, inside its contexts: the model's mean token loss on this rank's batch."""
-        return float(self.causal_lm_loss(model, batch).detach().float().cpu())
+    def score(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: float | None = None) -> float:
+        """`batch_loss`'s (and evaluation's) forward, inside their contexts: the model's mean token loss on this
+        rank's batch, or its token-loss sum over `num_items_in_batch` when given (1: the sum itself)."""
+        return float(self.causal_lm_loss(model, batch, num_items_in_batch).detach().float().cpu())
 
 
-class HfdistTrainer(CausalLMLossMixin, StrategyMixin, Trainer):
-    """The Trainer of `hfdist finetune`: StrategyMixin's strategy handling with hfdist's loss (CausalLMLossMixin);
-    its arguments are both mixins'."""
+class HfdistTrainer(EvaluationMixin, CausalLMLossMixin, StrategyMixin, Trainer):
+    """The Trainer of `hfdist finetune`: StrategyMixin's strategy handling with hfdist's loss (CausalLMLossMixin) and
+    its evaluation on any rung (hfdist.train.evaluation); its arguments are the mixins'."""
