@@ -32,14 +32,20 @@ SCHEDULER_FILE = "scheduler.pt"
 
 
 class CheckpointingMixin:
-    """Mixed into HfdistTrainer (needs `self.rung` and `self.checkpoint_identity`)."""
+    """Mixed into HfdistTrainer (needs `self.rung`, `self.checkpoint_identity` and `self.qlora`)."""
 
     rung: Any
     checkpoint_identity: dict[str, Any]
+    qlora: bool
 
     def _saves_dcp(self) -> bool:
         """Every rung but DeepSpeed (whose ZeRO partitions only DeepSpeed reads) checkpoints through DCP."""
         return not self.rung.uses_deepspeed
+
+    def _adapters_only(self) -> bool:
+        """Whether checkpoints hold the model's trainables only: QLoRA's (its 4-bit base is rebuilt identically from
+        the model's weights by every run)."""
+        return self.qlora
 
     def _canonical_name(self):
         """Maps this rank's parameter names to the full model's: a pipeline stage's "stages.<i>.<local>" to the
@@ -88,7 +94,7 @@ class CheckpointingMixin:
         """Every rank's part of one checkpoint: model + optimizer, scheduler, RNG, trainer state."""
         folder.mkdir(parents=True, exist_ok=True)
         if self._saves_dcp():
-            save_sharded(self.model, self.optimizer, folder, self._canonical_name())
+            save_sharded(self.model, self.optimizer, folder, self._canonical_name(), self._adapters_only())
             if self.args.should_save:
                 torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         else:
@@ -108,5 +114,5 @@ class CheckpointingMixin:
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None or not self._saves_dcp():
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name())
+        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name(), self._adapters_only())
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))

@@ -35,12 +35,17 @@ class ConfigError(HfdistError, ValueError):
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """Every setting of one fine-tune; precedence CLI > config file > these defaults."""
+    """Every setting of one fine-tune; precedence CLI > config file > these defaults.
+
+    `qlora` implies `lora` (the adapters are the same; only the base they adapt is 4-bit) and, with
+    mixed_precision "auto", bf16 compute on every device (QLoRA's compute dtype); --mixed-precision no keeps fp32.
+    """
 
     config: str | None = None
     model: str | None = None
     dataset: str | None = None
     lora: bool = False
+    qlora: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
     max_steps: int = 120
@@ -77,6 +82,12 @@ class FinetuneConfig:
     compare_id: str | None = None
     verbose: bool = False
 
+    def __post_init__(self) -> None:
+        if self.qlora:
+            object.__setattr__(self, "lora", True)
+            if self.mixed_precision == "auto":
+                object.__setattr__(self, "mixed_precision", "bf16")
+
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     """The fine-tune options (scripts/finetune.py and `hfdist finetune` share them), in accelerate's style: argument
@@ -97,7 +108,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help="Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).")
     g.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
                    help="bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; "
-                        "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU.")
+                        "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU (bf16 under --qlora).")
     g.add_argument("--pp-schedule", default=d.pp_schedule,
                    choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
                    help="Pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule).")
@@ -127,6 +138,10 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                         "restating the system turn; a single over-long answer truncated) or refuse the dataset "
                         f"(default {d.long_documents}).")
     g.add_argument("--lora", action="store_true", help="Train LoRA adapters (peft) instead of all weights.")
+    g.add_argument("--qlora", action="store_true",
+                   help="QLoRA: LoRA adapters (fp32) on a frozen 4-bit NF4 base (bitsandbytes, double quantisation), "
+                        "computing in bf16 (--mixed-precision no: fp32). Runs on single, ddp, fsdp_full_shard, "
+                        "fsdp_hybrid, zero3 (docs/qlora.md).")
     g.add_argument("--lora-r", type=int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r}).")
     g.add_argument("--lora-alpha", type=int, default=d.lora_alpha, help=f"LoRA alpha (default {d.lora_alpha}).")
     g = p.add_argument_group("Training")

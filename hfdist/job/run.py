@@ -82,8 +82,10 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
     )
 
 
-def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype):
-    """The model's structure on the meta device (free at any size), LoRA injected, checked against --seq-len."""
+def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype, quantized: bool = False):
+    """The model's structure on the meta device (free at any size), its projections 4-bit when `quantized` (the
+    QLoRA base; the saving skeleton stays full-precision: adapters are named alike), LoRA injected, checked against
+    --seq-len."""
     from hfdist.models.build import inject_lora, meta_model
 
     model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype)
@@ -92,6 +94,10 @@ def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype):
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
                           f"--seq-len <= {limit}.")
+    if quantized:
+        from hfdist.models.quantize import quantize_meta
+
+        quantize_meta(model)
     return inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
 
 
@@ -118,6 +124,7 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
     from hfdist.metrics.memory import peak_memory_bytes, start_peak_window
     from hfdist.models.build import checkpoint_folder, inject_lora, materialize, zero3_model
     from hfdist.models.load import load_gathered, load_weights, weight_plan
+    from hfdist.models.quantize import load_quantized
 
     baseline = start_peak_window(args.device)
     start = time.perf_counter()
@@ -127,7 +134,9 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
 
         model = parallelize(model, rung, device=args.device, mixed_precision=mixed,
                             activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, weights=plan)
-    elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
+    elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled() and not cfg.qlora:
+        # (QLoRA's 4-bit base is built whole, one packed tensor at a time, and partitioned by DeepSpeed's engine:
+        # zero.Init cannot create bitsandbytes' packed parameters.)
         model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed))
         model.config.pad_token_id = tokenizer.pad_token_id
         model = inject_lora(model, cfg.lora_r, cfg.lora_alpha) if cfg.lora else model
@@ -135,6 +144,7 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
     else:
         materialize(model, args.device)
         load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
+        load_quantized(model, plan)
         if cfg.compile:  # before the Trainer wraps it in DDP (the recipe's order: compile, then the data-parallel wrap)
             from hfdist.parallel.parallelize import apply_compile
 
@@ -203,7 +213,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
     # Meta-device structures first (free), before TrainingArguments exist: a ZeRO-3 config in them makes
     # transformers build every model under deepspeed.zero.Init. `skeleton` stays on meta: what the save writes.
-    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed))
+    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed), quantized=cfg.qlora)
     skeleton = _meta_model(cfg, tokenizer, torch.float32)
     collator = collator_for(model.config, cfg.seq_len)  # the model's attention implementation decides the mask
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
@@ -214,7 +224,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
     strategy = {"name": rung.name, "world_size": rung.num_processes, "nodes": nodes, **rung.dims.to_dict(),
-                "zero_stage": rung.zero_stage, "lora": cfg.lora, "mixed_precision": mixed, "micro_batch": micro,
+                "zero_stage": rung.zero_stage, "lora": cfg.lora, "qlora": cfg.qlora, "mixed_precision": mixed,
+                "micro_batch": micro,
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
@@ -223,15 +234,17 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
     # hide the degrees that ran.
+    adapters = "-qlora" if cfg.qlora else "-lora" if cfg.lora else ""
     sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
-                     project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
+                     project=cfg.wandb_project, name=f"{rung.name}{adapters}",
                      group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
     callbacks = ([losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
     trainer = HfdistTrainer(model=model, args=args, train_dataset=dataset, data_collator=collator,
                             processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
-                            checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
+                            qlora=cfg.qlora, checkpoint_identity=checkpoint_identity(cfg, rung),
+                            mixed_precision=mixed,
                             skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
                             compile=cfg.compile)
     trainer.remove_callback(ProgressCallback)

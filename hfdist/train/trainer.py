@@ -59,6 +59,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
     Args:
         rung: the strategy asked for.
         lora: whether the model carries LoRA adapters (verified too).
+        qlora: whether their base is QLoRA's 4-bit one (verified: 4-bit, sharded where the rung shards).
         checkpoint_identity: what a checkpoint records about the run, to refuse resuming another setup's.
         mixed_precision: "bf16" or "no", as the run trains (checked before the first step).
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
@@ -67,7 +68,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         compile: whether the decoder layers were compiled (--compile; verified before the first step).
     """
 
-    def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
+    def __init__(self, *args, rung: Rung, lora: bool = False, qlora: bool = False,
+                 checkpoint_identity: dict | None = None,
                  mixed_precision: str = "no", skeleton: torch.nn.Module | None = None,
                  loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, compile: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -76,6 +78,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
             self.model.runner.loss_chunk_size = loss_chunk_size
         self.rung = rung
         self.lora = lora
+        self.qlora = qlora
         self.checkpoint_identity = checkpoint_identity or {}
         self.mixed_precision = mixed_precision
         self.precision = PrecisionProbe()
@@ -219,7 +222,7 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
-        verify_strategy(self.rung, model, self.model, self.lora)
+        verify_strategy(self.rung, model, self.model, self.lora, qlora=self.qlora)
         if self.compile:
             verify_compiled(self.rung, self.model)
         check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model)
