@@ -24,6 +24,7 @@ and the same base `from_pretrained` with that BitsAndBytesConfig builds from a b
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import torch
@@ -42,6 +43,7 @@ BLOCK_SIZE = 64  # values per absmax (bitsandbytes' default, QLoRA's)
 NESTED_BLOCK_SIZE = 256  # absmax values per second-level scale (double quantisation)
 STORAGE_DTYPE = torch.bfloat16  # the packed codes' container: the dtype every other parameter is gathered in
 _CODES_PER_ELEMENT = 4  # two 4-bit codes per byte, two bytes per bf16 element
+_CHUNK_VALUES = 1 << 18  # values quantised at once (quantize_rows)
 
 
 class QuantizeError(HfdistError, ValueError):
@@ -50,6 +52,8 @@ class QuantizeError(HfdistError, ValueError):
 
 def is_4bit(module: nn.Module) -> bool:
     """Whether `module` is a bitsandbytes 4-bit Linear (the frozen base of a QLoRA projection)."""
+    if "bitsandbytes" not in sys.modules:  # no such layer can exist, and importing it costs a second and a warning
+        return False
     from bitsandbytes.nn import Linear4bit
 
     return isinstance(module, Linear4bit)
@@ -127,12 +131,28 @@ def quantize_meta(model: nn.Module) -> nn.Module:
     return model
 
 
-def quantize_rows(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(values: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes as a (numel / 4, 1) bf16 tensor, fp32 absmax per block) of a (rows, in_features) tensor,
-    quantised as bf16 values, the dtype the checkpoint's weights ship in."""
-    packed, absmax = torch.ops.bitsandbytes.quantize_4bit.default(values.to(STORAGE_DTYPE).contiguous(), BLOCK_SIZE,
-                                                                  QUANT_TYPE, STORAGE_DTYPE)
-    return packed, absmax
+    quantised as bf16 values (the dtype checkpoints ship in), into `out` when given.
+
+    A few rows at a time: bitsandbytes' CPU quantiser makes fp32 temporaries of ~20 bytes per value, which for a
+    whole 70B projection would be gigabytes; in chunks of _CHUNK_VALUES they stay a few megabytes, freed (and, in
+    the loader's allocator window, returned to the OS) before the next chunk.
+    """
+    rows, cols = values.shape
+    per_row = cols // _CODES_PER_ELEMENT
+    out = torch.empty(rows * per_row, 1, dtype=STORAGE_DTYPE) if out is None else out
+    absmax = torch.empty(rows * cols // BLOCK_SIZE, dtype=torch.float32)
+    step = max(1, _CHUNK_VALUES // cols)
+    for start in range(0, rows, step):
+        stop = min(rows, start + step)
+        chunk = values[start:stop].to(STORAGE_DTYPE).contiguous()
+        packed, block_absmax = torch.ops.bitsandbytes.quantize_4bit.default(chunk, BLOCK_SIZE, QUANT_TYPE,
+                                                                            STORAGE_DTYPE)
+        out[start * per_row:stop * per_row].copy_(packed)
+        absmax[start * cols // BLOCK_SIZE:stop * cols // BLOCK_SIZE].copy_(block_absmax)
+        del chunk, packed, block_absmax
+    return out, absmax
 
 
 def double_quantize(absmax: torch.Tensor, shape: tuple[int, int]):
@@ -196,11 +216,10 @@ def load_quantized(model: nn.Module, plan: WeightPlan, rename=None) -> None:
         out_features, in_features = module.out_features, module.in_features
         weight = module.weight
         rows, group = _rows_held(weight, out_features, in_features)
-        packed, absmax = quantize_rows(read_rows(source, plan, files, rows))
+        local = weight.to_local() if isinstance(weight, DTensor) else None
+        packed, absmax = quantize_rows(read_rows(source, plan, files, rows), out=local)
         state = double_quantize(_gather_rows_absmax(absmax, group), (out_features, in_features))
-        if isinstance(weight, DTensor):
-            weight.to_local().copy_(packed.view(weight.to_local().shape))
-        else:
+        if local is None:
             module.weight = Params4bit(packed.to(weight.device), requires_grad=False, quant_state=state,
                                        compress_statistics=True, quant_type=QUANT_TYPE, quant_storage=STORAGE_DTYPE,
                                        bnb_quantized=True, module=module)
