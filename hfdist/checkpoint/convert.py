@@ -1,4 +1,5 @@
-"""Any training checkpoint as a Hugging Face model or LoRA adapter, read and written one tensor at a time.
+"""Any training checkpoint as a Hugging Face model or LoRA adapter (or, merged, a bf16 model: hfdist.checkpoint.merge),
+read and written one tensor at a time.
 
 A checkpoint's identity record (hfdist.checkpoint.format) names the model and LoRA settings, from which the full
 model's structure is rebuilt on the meta device (no weights); each tensor it lists is then read alone and handed to
@@ -35,8 +36,9 @@ def resolve_checkpoint(path: Path) -> Path:
     return latest
 
 
-def _skeleton(record: dict[str, Any]):
-    """The trained model's structure on the meta device (a PeftModel for a LoRA run) and its tokenizer."""
+def _skeleton(record: dict[str, Any], adapters: bool = True):
+    """The trained model's structure on the meta device (a PeftModel for a LoRA run, unless not `adapters`) and its
+    tokenizer."""
     from hfdist.data import load_tokenizer
     from hfdist.models.build import inject_lora, meta_model
     from hfdist.models.presets import is_preset
@@ -44,7 +46,7 @@ def _skeleton(record: dict[str, Any]):
     tokenizer = load_tokenizer(record["model"], is_preset=is_preset(record["model"]))
     model = meta_model(record["model"], vocab_size=len(tokenizer), dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if record.get("lora"):
+    if record.get("lora") and adapters:
         model = inject_lora(model, record["lora_r"], record["lora_alpha"])
     return model, tokenizer
 
@@ -80,9 +82,15 @@ def _zero_reader(checkpoint: Path) -> Callable[[str], torch.Tensor]:
     return lambda name: state[name].contiguous()
 
 
-def export_checkpoint(path: Path, out: Path) -> Path:
+def export_checkpoint(path: Path, out: Path, merge: bool = False) -> Path:
     """Write the checkpoint at `path` (a checkpoint-N folder, or an output folder: its latest) as a HF model, or a
-    LoRA adapter for a LoRA run, plus the tokenizer, into `out` (new or empty). Returns the checkpoint read."""
+    LoRA adapter for a LoRA / QLoRA run, plus the tokenizer, into `out` (new or empty). With `merge`, an adapter run
+    is written as one bf16 model, its adapter merged into its base (hfdist.checkpoint.merge). Returns the checkpoint
+    read.
+
+    Raises:
+        CheckpointError: `out` not empty, no checkpoint at `path`, or `merge` for a full fine-tune.
+    """
     from hfdist.checkpoint.hf_export import stream_hf_checkpoint
 
     checkpoint = resolve_checkpoint(path)
@@ -90,8 +98,17 @@ def export_checkpoint(path: Path, out: Path) -> Path:
         raise CheckpointError(f"{out} is not empty: the export writes a whole model there and overwrites nothing. "
                               "Pass a new or empty folder.")
     record = read_marker(checkpoint)
+    if merge and not record.get("lora"):
+        raise CheckpointError(f"--merge merges a LoRA or QLoRA adapter into its base, and {checkpoint} is of a full "
+                              "fine-tune: its weights are the whole model already. Drop --merge.")
     reader = _zero_reader(checkpoint) if record.get("format") == "deepspeed" else _dcp_reader(checkpoint)
-    skeleton, tokenizer = _skeleton(record)
-    stream_hf_checkpoint(out, skeleton, lambda entry: reader(entry.name), adapter_only=bool(record.get("lora")))
+    if merge:
+        from hfdist.checkpoint.merge import MERGED_DTYPE, merged_weights
+
+        skeleton, tokenizer = _skeleton(record, adapters=False)
+        stream_hf_checkpoint(out, skeleton, merged_weights(record, skeleton, reader), dtype=MERGED_DTYPE)
+    else:
+        skeleton, tokenizer = _skeleton(record)
+        stream_hf_checkpoint(out, skeleton, lambda entry: reader(entry.name), adapter_only=bool(record.get("lora")))
     tokenizer.save_pretrained(str(out))
     return checkpoint

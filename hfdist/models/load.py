@@ -230,7 +230,8 @@ def _full_tensor(source: TensorSource, plan: WeightPlan, files: dict[str, Path])
         return f.get_tensor(source.key)
 
 
-def read_rows(source: TensorSource, plan: WeightPlan, files: dict[str, Path], rows: slice) -> torch.Tensor:
+def read_rows(source: TensorSource, plan: WeightPlan, files: dict[str, Path], rows: slice = slice(None)
+              ) -> torch.Tensor:
     """Rows `rows` of one tensor, in the dtype it is stored in: a slice read from the checkpoint (the file opened for
     this tensor only, only those rows read), or of the seeded init (generated whole, one tensor at a time)."""
     if source.rule is not None:

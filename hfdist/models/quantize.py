@@ -139,6 +139,8 @@ def quantize_rows(values: torch.Tensor, out: torch.Tensor | None = None) -> tupl
     whole 70B projection would be gigabytes; in chunks of _CHUNK_VALUES they stay a few megabytes, freed (and, in
     the loader's allocator window, returned to the OS) before the next chunk.
     """
+    import bitsandbytes  # noqa: F401 (registers torch.ops.bitsandbytes)
+
     rows, cols = values.shape
     per_row = cols // _CODES_PER_ELEMENT
     out = torch.empty(rows * per_row, 1, dtype=STORAGE_DTYPE) if out is None else out
