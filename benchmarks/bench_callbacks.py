@@ -26,6 +26,8 @@ from pathlib import Path
 
 from measure import REPO, recorded, results_dir
 
+MEASURED_ON = None  # results/<hardware> names the GPUs where there are any: the fine-tuning job's device
+
 FINETUNE = REPO / "scripts" / "finetune.py"
 # What runs in the training loop on the callbacks' behalf: their events and the hooks they register.
 TIMED = {
@@ -46,23 +48,42 @@ def _train_timed(finetune_args: list[str], out: Path) -> None:
     from hfdist.metrics.bubble import timed
 
     clock = [0.0]
+    patched = []
     for target, names in TIMED.items():
         module, name = target.rsplit(".", 1)
         cls = getattr(importlib.import_module(module), name)
         for method in names:
+            patched.append((cls, method, getattr(cls, method)))
             setattr(cls, method, timed(getattr(cls, method), clock))
-    finetune(parse_args(finetune_args), str(FINETUNE), finetune_args)
+    try:
+        finetune(parse_args(finetune_args), [str(FINETUNE)], finetune_args)
+    finally:
+        for cls, method, original in patched:
+            setattr(cls, method, original)
     (out / CALLBACK_TIME_FILE).write_text(json.dumps({"callback_seconds": clock[0]}))
+
+
+def command(with_callbacks: bool, steps: int, out: Path) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one run. Both see one GPU from the start: on a multi-GPU host the single
+    rung would otherwise restart itself with one visible (hfdist.job.launch), and the timed run's clock, patched into
+    this process's classes, would not be in the restarted one."""
+    import torch
+
+    from hfdist.job.launch import single_gpu_env
+
+    finetune_args = ["--max-steps", str(steps), "--output-dir", str(out)]
+    if with_callbacks:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--inside", *finetune_args]
+    else:
+        cmd = [sys.executable, str(FINETUNE), *finetune_args, "--no-metrics"]
+    env = dict(os.environ)
+    return cmd, single_gpu_env(env) if torch.cuda.is_available() else env
 
 
 def _run(with_callbacks: bool, steps: int, workdir: Path, i: int) -> dict[str, float]:
     out = workdir / f"{'with' if with_callbacks else 'without'}-{i}"
-    finetune_args = ["--max-steps", str(steps), "--output-dir", str(out)]
-    if with_callbacks:
-        cmd = [sys.executable, __file__, "--inside", *finetune_args]
-    else:
-        cmd = [sys.executable, str(FINETUNE), *finetune_args, "--no-metrics"]
-    subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, text=True)
+    cmd, env = command(with_callbacks, steps, out)
+    subprocess.run(cmd, cwd=REPO, env=env, check=True, capture_output=True, text=True)
     summary = json.loads((out / "hfdist_summary.json").read_text())
     result = {"seconds_per_step": summary["train_runtime"] / len(summary["losses"])}
     if with_callbacks:
@@ -108,7 +129,7 @@ def main() -> int:
     if args.inside is not None:
         _train_timed(args.inside, Path(args.inside[args.inside.index("--output-dir") + 1]))
         return 0
-    out = results_dir(args.out)
+    out = results_dir(args.out, MEASURED_ON)
     load_before = os.getloadavg()
     runs: dict[bool, list[dict]] = {False: [], True: []}
     with tempfile.TemporaryDirectory() as tmp:

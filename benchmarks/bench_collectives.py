@@ -23,6 +23,9 @@ from pathlib import Path
 
 from measure import recorded, results_dir, torchrun, worker_env
 
+# results/<hardware> names the GPUs where there are any: the ranks run NCCL on them there, else gloo.
+MEASURED_ON = None
+
 OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor")
 
 
@@ -86,7 +89,7 @@ def main() -> int:
     result = {"command": recorded([sys.executable, "benchmarks/bench_collectives.py", *sys.argv[1:]]),
               **measured, "shape": args.shape, "full_tensor_mib": megabytes, "median_us": medians,
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}, "cpu_count": os.cpu_count()}
-    out = results_dir(args.out)
+    out = results_dir(args.out, MEASURED_ON)
     out.mkdir(parents=True, exist_ok=True)
     (out / "collectives.json").write_text(json.dumps(result, indent=1) + "\n")
     rows = "\n".join(f"| {op} | {medians[op]:,.0f} | {', '.join(f'{v:,.0f}' for v in measured['rounds_us'][op])} |"

@@ -22,19 +22,42 @@ from pathlib import Path
 
 from step_clock import CLOCK, add_run_arguments, clocked_run, load_line, tokens_per_s
 
-from measure import REPO, recorded, results_dir
+from measure import REPO, recorded, results_dir, worker_env
+
+MEASURED_ON = None  # results/<hardware> names the GPUs where there are any: the fine-tuning job's device
 
 FINETUNE = REPO / "scripts" / "finetune.py"
 VARIANTS = ("eager", "compile")
 
 
+def command(variant: str, args, out: Path) -> tuple[list[str], dict[str, str]]:
+    """The command and environment of one run, with the step clock in every rank.
+
+    hfdist's job would start a new process tree wherever it hands over (the rung's `accelerate launch`, or the
+    single rung's restart with one GPU visible on a multi-GPU host), and the clock would not be in it. So the
+    benchmark starts the rung's world itself, as hfdist would (hfdist.job.launch.accelerate_command, with the clock
+    around scripts/finetune.py), and a single run sees one GPU from the start."""
+    from hfdist.config.finetune import FinetuneConfig
+    from hfdist.config.ladder import StrategyKind
+    from hfdist.job.launch import accelerate_command, single_gpu_env
+    from hfdist.job.world import Node, resolve_rung
+
+    script_args = ["--config", args.config, "--seq-len", str(args.seq_len), "--global-batch-size",
+                   str(args.global_batch), "--max-steps", str(args.steps), "--save-steps", "0", "--no-wandb",
+                   "--output-dir", str(out / "run"), *(["--compile"] if variant == "compile" else [])]
+    env = worker_env(1)
+    node = Node.detect({})
+    rung = resolve_rung(FinetuneConfig(config=args.config), node)
+    if rung.kind is StrategyKind.SINGLE:
+        return [sys.executable, str(CLOCK), str(FINETUNE), *script_args], single_gpu_env(env) if node.gpus else env
+    return accelerate_command(rung, [str(CLOCK), str(FINETUNE)], script_args, on_gpu=node.gpus > 0), env
+
+
 def _run(variant: str, args, work: Path) -> dict[str, float]:
     """One run: tokens/s after the warm-up and the seconds from the start of training to the first step's end."""
     out = work / variant
-    cmd = [sys.executable, str(CLOCK), str(FINETUNE), "--config", args.config, "--seq-len", str(args.seq_len),
-           "--global-batch-size", str(args.global_batch), "--max-steps", str(args.steps), "--save-steps", "0",
-           "--no-wandb", "--output-dir", str(out / "run"), *(["--compile"] if variant == "compile" else [])]
-    record = clocked_run(cmd, out)
+    cmd, env = command(variant, args, out)
+    record = clocked_run(cmd, out, env)
     return {"tokens_per_s": tokens_per_s(record, args),
             "first_step_seconds": record["step_ends"][0] - record["train_begin"]}
 
@@ -82,8 +105,8 @@ def main() -> int:
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
               "wall_seconds": time.perf_counter() - start, "runs": runs, "median": median,
               "compile_vs_eager": median["compile"]["tokens_per_s"] / median["eager"]["tokens_per_s"]}
-    _write(results_dir(args.out), result)
-    print(f"compile / eager: {result['compile_vs_eager']:.3f} -> {results_dir(args.out) / 'compile.md'}")
+    _write(results_dir(args.out, MEASURED_ON), result)
+    print(f"compile / eager: {result['compile_vs_eager']:.3f} -> {results_dir(args.out, MEASURED_ON) / 'compile.md'}")
     return 0
 
 

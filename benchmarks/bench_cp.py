@@ -25,6 +25,8 @@ from pathlib import Path
 
 from measure import REPO, recorded, results_dir, torchrun, worker_env
 
+MEASURED_ON = "cpu"  # results/<hardware> names the CPU on any machine: its workers run gloo on CPU tensors
+
 WORKER = REPO / "benchmarks" / "cp_bench_worker.py"
 MIB = 2**20
 
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(summarise(args, cp, records, command))
             print(f"cp={cp}: saved {max(rows[-1]['saved_bytes_per_rank']) / MIB:.1f} MiB/rank, "
                   f"{rows[-1]['tokens_per_second']:.0f} tok/s, longest {rows[-1]['longest_under_cap']}", flush=True)
-    out = results_dir(args.out)
+    out = results_dir(args.out, MEASURED_ON)
     out.mkdir(parents=True, exist_ok=True)
     driver = recorded([sys.executable, str(Path(__file__).resolve()), *(argv if argv is not None else sys.argv[1:])])
     (out / "context_parallel.json").write_text(json.dumps({"command": driver, "load": load, "runs": rows}, indent=1))

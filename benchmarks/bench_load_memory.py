@@ -18,6 +18,8 @@ from pathlib import Path
 
 from measure import REPO, recorded, results_dir, torchrun, worker_env
 
+MEASURED_ON = "cpu"  # results/<hardware> names the CPU on any machine: its workers run gloo on CPU tensors
+
 METHODS = {"from_pretrained": "from_pretrained on every rank, then fully_shard (before)",
            "dcp_stock": "meta -> shard -> local shards, DCP's stock HuggingFaceStorageReader",
            "hfdist": "meta -> shard -> local shards, hfdist (file opened per tensor)"}
@@ -28,7 +30,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
-    out = results_dir(args.out)
+    out = results_dir(args.out, MEASURED_ON)
     env = worker_env()
     load_before = os.getloadavg()[0]
     rows = []

@@ -29,6 +29,8 @@ from step_clock import CLOCK, add_run_arguments, clocked_run, load_line, tokens_
 
 from measure import REPO, recorded, results_dir
 
+MEASURED_ON = None  # results/<hardware> names the GPUs where there are any: the fine-tuning job's device
+
 FINETUNE = REPO / "scripts" / "finetune.py"
 PLAIN = REPO / "benchmarks" / "plain_trainer.py"
 CONFIGS = REPO / "hfdist" / "configs"
@@ -104,8 +106,10 @@ def _command(variant: str, args, model: Path, data: Path, out: Path) -> list[str
     common = ["--seq-len", str(args.seq_len), "--max-steps", str(args.steps), "--learning-rate", "1e-3",
               "--warmup-steps", "10", "--output-dir", str(out)]
     if tool == "hfdist":
-        script = [str(FINETUNE), "--config", rung, "--model", str(model), "--dataset", str(data),
-                  "--global-batch-size", str(args.global_batch), "--save-steps", "0", "--no-wandb", *common]
+        # --num-processes: the launched world's size; without it hfdist scales the rung to every GPU of the host
+        # (one process per GPU) and refuses this 2-process world.
+        script = [str(FINETUNE), "--config", rung, "--num-processes", str(NPROC), "--model", str(model), "--dataset",
+                  str(data), "--global-batch-size", str(args.global_batch), "--save-steps", "0", "--no-wandb", *common]
     else:
         script = [str(PLAIN), "--model", str(model), "--data", str(data),
                   "--per-device-batch-size", str(args.global_batch // NPROC), *common]
@@ -168,7 +172,7 @@ def main() -> int:
               "hfdist_vs_plain": {r: median[f"hfdist-{r}"] / median[f"plain-{r}"] for r in RUNGS},
               "block_mask_cpu_time_vs_causal": mask_cost,
               "differences": __doc__.split("What still differs: ")[1].strip().replace("\n", " ")}
-    _write(results_dir(args.out), result)
+    _write(results_dir(args.out, MEASURED_ON), result)
     print("hfdist / plain: " + ", ".join(f"{r} {v:.3f}" for r, v in result["hfdist_vs_plain"].items()))
     return 0
 

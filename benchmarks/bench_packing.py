@@ -30,6 +30,8 @@ from typing import Any
 
 from measure import REPO, recorded, results_dir, worker_env
 
+MEASURED_ON = "cpu"  # results/<hardware> names the CPU on any machine: its workers train and tokenize on the CPU
+
 OLD_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 
 
@@ -227,7 +229,7 @@ def main() -> int:
         result = tokenization(args) if args.worker == "tokenization" else train(args.worker, args)
         args.out.write_text(json.dumps(result))
         return 0
-    out = results_dir(args.out)
+    out = results_dir(args.out, MEASURED_ON)
     result: dict[str, Any] = {"command": recorded([sys.executable, "benchmarks/bench_packing.py", *sys.argv[1:]]),
                               "steps": args.steps, "seq_len": args.seq_len, "batch": args.batch, "lr": args.lr}
     with tempfile.TemporaryDirectory() as tmp:

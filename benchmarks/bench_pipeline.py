@@ -24,6 +24,8 @@ from pathlib import Path
 
 from measure import REPO, recorded, results_dir, torchrun, worker_env
 
+MEASURED_ON = "cpu"  # results/<hardware> names the CPU on any machine: its workers run gloo on CPU tensors
+
 WORKER = REPO / "benchmarks" / "pp_bench_worker.py"
 
 from pp_bench_worker import BenchSettings  # noqa: E402
@@ -257,10 +259,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from pp_bench_worker import make_model
 
-    out_dir = results_dir(args.out)
+    out_dir = results_dir(args.out, MEASURED_ON)
     start = time.perf_counter()
     result: dict = {
-        "command": shlex.join(["python", "benchmarks/bench_pipeline.py", *argv]), "hardware": hardware_name(),
+        "command": shlex.join(["python", "benchmarks/bench_pipeline.py", *argv]),
+        "hardware": hardware_name(MEASURED_ON),
         "settings": asdict(settings), "params_m": sum(p.numel() for p in make_model(settings).parameters()) / 1e6,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "load_avg_start": os.getloadavg(), "launches": [],

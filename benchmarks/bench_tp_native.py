@@ -33,6 +33,8 @@ from typing import Any
 
 from measure import REPO, recorded, results_dir, torchrun, worker_env
 
+MEASURED_ON = "cpu"  # results/<hardware> names the CPU on any machine: its workers run gloo on CPU tensors
+
 WORKER = REPO / "benchmarks" / "tp_native_worker.py"
 RUNS = {  # variant -> label in the table
     "reference": "single process (reference)",
@@ -412,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from hfdist.report.matrix import hardware_name
 
-    hardware = hardware_name()
-    out = results_dir(args.out)
+    hardware = hardware_name(MEASURED_ON)
+    out = results_dir(args.out, MEASURED_ON)
     command = shlex.join(["python", "benchmarks/bench_tp_native.py", *(sys.argv[1:] if argv is None else argv)])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="tp_native_") as tmp:

@@ -1,11 +1,12 @@
 """Worker of benchmarks/bench_chunked_loss.py: one process (or one torchrun rank of a tp group) measuring training
-steps of a large-vocabulary model with the loss chunked or not.
+steps of a large-vocabulary model with the loss chunked or not, fused or recomputing.
 
-    python benchmarks/chunked_loss_worker.py OUT.json --chunk 512 [--tp 2 under torchrun] ...
+    python benchmarks/chunked_loss_worker.py OUT.json --chunk 512 [--fused] [--tp 2 under torchrun] ...
 
 Per rank: the peak resident memory the first forward + backward adds (Linux VmHWM restarted just before it,
 hfdist.metrics.memory.start_peak_window), the peak bytes of tensors that step's ops create (LiveTensorBytes, on a
-second step), and the time of the following steps. --chunk 0 is the unchunked loss. Rank 0 writes OUT.json.
+second step), and the time of the following steps. --chunk 0 without --fused is the plain unchunked loss; --fused
+computes lm_head's gradients in the forward (hfdist.models.fused_loss). Rank 0 writes OUT.json.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--chunk", type=int, default=512, help="0: unchunked")
+    p.add_argument("--fused", action="store_true", help="the fused loss (default: recompute each chunk's logits)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (run under torchrun with as many)")
     p.add_argument("--steps", type=int, default=3, help="timed steps")
     args = p.parse_args()
@@ -52,7 +54,7 @@ def main() -> None:
 
     def step() -> None:
         with context():
-            loss = causal_lm_loss(model, batch, chunk_size=args.chunk or None)
+            loss = causal_lm_loss(model, batch, chunk_size=args.chunk or None, fused=args.fused)
             loss.backward()
         model.zero_grad(set_to_none=False)  # gradients stay allocated, as in training between steps
 

@@ -19,11 +19,14 @@ REPO = Path(__file__).resolve().parents[1]
 __all__ = ["REPO", "results_dir", "worker_env", "torchrun", "recorded", "gather"]
 
 
-def results_dir(out: Path | None) -> Path:
-    """`out`, or results/<hardware> of the repository (hfdist.report.matrix.hardware_name)."""
+def results_dir(out: Path | None, measured_on: str | None) -> Path:
+    """`out`, or results/<hardware> of the repository, named after the device the benchmark measured (each
+    benchmark's MEASURED_ON): "cpu" for workers that run gloo on CPU tensors, results/cpu-<cores>core on any machine
+    (a GPU host's included); None for what runs where hfdist's job trains, the GPUs when the machine has any
+    (hfdist.report.matrix.hardware_name)."""
     from hfdist.report.matrix import hardware_name
 
-    return out or REPO / "results" / hardware_name()
+    return out or REPO / "results" / hardware_name(measured_on)
 
 
 def worker_env(threads: int = 1) -> dict[str, str]:

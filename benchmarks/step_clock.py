@@ -38,12 +38,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/<hardware>)")
 
 
-def clocked_run(cmd: list[str], out: Path) -> dict:
+def clocked_run(cmd: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
     """Run `cmd` (which starts step_clock.py around a script) from the repository root with the clock writing into
-    `out`/clock, one thread per process; returns rank 0's record (exits with the run's output when it fails)."""
+    `out`/clock, one thread per process, in `env` (default: the benchmark worker's); returns rank 0's record (exits
+    with the run's output when it fails)."""
     clock = out / "clock"
     clock.mkdir(parents=True)
-    env = {**worker_env(1), CLOCK_DIR_ENV: str(clock), "WANDB_MODE": "offline"}
+    env = {**(env or worker_env(1)), CLOCK_DIR_ENV: str(clock), "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")

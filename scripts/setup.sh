@@ -15,20 +15,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 .venv/bin/python -m pip install -q -e ".[dev]"
-# DeepSpeed JIT-compiles its CPU ops (Adam, async I/O, shared-memory comm) on first use: minutes (6.5 measured on
-# 2 cores) that would otherwise stall the first ZeRO run. Build them now, into ~/.cache/torch_extensions. GPU hosts
-# build the CUDA variants on first use (they need the CUDA toolkit; hfdist checks NVMe offload's before launch).
-.venv/bin/python - <<'PY' 2>&1 | grep '^setup:' || true
-import torch
-if torch.cuda.is_available():
-    raise SystemExit(0)
-from deepspeed.accelerator import get_accelerator
-for name in ("CPUAdamBuilder", "FusedAdamBuilder", "AsyncIOBuilder", "ShareMemCommBuilder"):
-    builder = get_accelerator().create_op_builder(name)
-    try:
-        builder.load(verbose=False)
-        print(f"setup: DeepSpeed op {builder.NAME} built")
-    except Exception as exc:  # a missing libaio only affects zero3_offload_nvme; the run reports it
-        print(f"setup: DeepSpeed op {builder.NAME} not built ({type(exc).__name__}: {exc})")
-PY
+# DeepSpeed JIT-compiles its ops on first use: minutes that would otherwise stall the first ZeRO run. Build the ones
+# this host's rungs use now (CPU and GPU hosts alike: cpu_adam for zero3_offload_cpu everywhere), into
+# ~/.cache/torch_extensions.
+.venv/bin/python scripts/prebuild_deepspeed_ops.py 2>&1 | grep '^setup:' || true
 echo "setup: ready: $(.venv/bin/python -c 'import torch, transformers, accelerate, deepspeed, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__, "deepspeed", deepspeed.__version__, "peft", peft.__version__)' 2>/dev/null | tail -1)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,3 +26,16 @@ def references(shared_runs) -> dict[str, dict]:
     names = ["single", "lora_single"]
     shared_runs.launch(names)
     return {name: shared_runs[name] for name in names}
+
+
+@pytest.fixture
+def gpu_host(monkeypatch):
+    """An 8 x H100 80GB node as torch.cuda describes it (the device API mocked; nothing runs on a GPU)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device=None: SimpleNamespace(total_memory=80 * 10**9, name="NVIDIA H100 80GB HBM3"))

@@ -49,10 +49,11 @@ AXOLOTL_ZERO3_BF16 = {
 }
 
 
-def run_cmd(cmd: list[str], timeout: int = 900, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run a command (from the repository root unless `cwd`) with a quiet, offline environment."""
+def run_cmd(cmd: list[str], timeout: int = 900, cwd: Path = REPO,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run a command (from the repository root unless `cwd`) with a quiet, offline environment (plus `env`)."""
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", **(env or {})}
     env.pop("HFDIST_HANDED_OVER", None)
     # A W&B service started by an in-process test (WANDB_SERVICE and friends) would adopt the child's runs.
     for key in [k for k in env if k.startswith("WANDB_") and k != "WANDB_MODE"]:
@@ -77,9 +78,10 @@ def accelerate(*args: str) -> list[str]:
 
 
 def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = "accelerate",
-             cwd: Path = REPO) -> dict:
-    """Run the main job into `out` (from `cwd`) and return its hfdist_summary.json, with the run's stdout and stderr
-    under "_stdout" / "_stderr"; fail the test with the log if it fails.
+             cwd: Path = REPO, env: dict[str, str] | None = None) -> dict:
+    """Run the main job into `out` (from `cwd`, with `env` added to the environment) and return its
+    hfdist_summary.json, with the run's stdout and stderr under "_stdout" / "_stderr"; fail the test with the log if
+    it fails.
 
     via="accelerate": `accelerate launch scripts/finetune.py ...` (the README's form, hfdist hands over);
     via="python": `python scripts/finetune.py ...`; config_file: `accelerate launch --config_file F ...`.
@@ -94,7 +96,7 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
                          "--dynamo_backend", "no", *args)
     else:
         cmd = [sys.executable, *args]
-    proc = run_cmd(cmd, cwd=cwd)
+    proc = run_cmd(cmd, cwd=cwd, env=env)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                     f"--- stderr\n{proc.stderr[-8000:]}")
@@ -117,6 +119,15 @@ def side_by_side(calls: dict[Hashable, Callable[[], Any]]) -> dict[Hashable, Any
     with ThreadPoolExecutor(LAUNCHES_AT_ONCE) as pool:
         futures = {key: pool.submit(call) for key, call in calls.items()}
         return {key: future.result() for key, future in futures.items()}
+
+
+def table_rungs(module: str | None = None, option: str | None = None) -> list[str]:
+    """The rungs the rung table (hfdist.config.rungs.RUNG_INFO) has the suite train end to end, in table order: those
+    of e2e `module` (an E2E_MODULES key), those it also trains with `option` ("lora", "compile", ...), or both."""
+    from hfdist.config.rungs import rungs_where
+
+    return rungs_where(lambda info: (module is None or info.e2e == module)
+                       and (option is None or option in info.tested_with))
 
 
 def finetune_all(jobs: dict[Hashable, tuple[Path, tuple[str, ...], dict]]) -> dict[Hashable, dict]:

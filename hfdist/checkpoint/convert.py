@@ -7,12 +7,16 @@ the streaming saver (hfdist.checkpoint.hf_export.stream_hf_checkpoint):
 - DCP checkpoints (every rung but DeepSpeed, any layout): keyed by the full model's names, so one tensor is one
   `dcp.load` of that key, in one process (DCP reads the byte ranges of each saved slice from the rank files);
 - DeepSpeed ZeRO checkpoints: DeepSpeed's own converter (`get_fp32_state_dict_from_zero_checkpoint`, lazy mode:
-  a tensor is assembled from the ranks' fp32 partitions when it is asked for).
+  a tensor is assembled from the ranks' fp32 partitions when it is asked for);
+- DeepSpeed AutoTP checkpoints (zero2_tp): the converter cannot merge partitions of tp-split layers (it expects one
+  optimizer-state file per data-parallel rank), so the model files hfdist's streamed save wrote into the checkpoint
+  (hfdist.checkpoint.hf_export: the same fp32 masters, assembled over tp and dp) are read, one tensor at a time.
 Either way the written weights are the fp32 master weights the optimizer held.
 """
 
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -82,6 +86,41 @@ def _zero_reader(checkpoint: Path) -> Callable[[str], torch.Tensor]:
     return lambda name: state[name].contiguous()
 
 
+def _saved_model_reader(checkpoint: Path, adapter: bool) -> Callable[[str], torch.Tensor]:
+    """key -> the tensor saved under that key in the checkpoint's own HF model (or LoRA adapter) files, which must
+    hold fp32 (what hfdist's streamed save writes; a 16-bit copy would not be the trained weights)."""
+    from safetensors import safe_open
+
+    single = checkpoint / ("adapter_model.safetensors" if adapter else "model.safetensors")
+    index = checkpoint / "model.safetensors.index.json"
+    files = {} if single.is_file() or not index.is_file() else \
+        {k: checkpoint / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(files.get(key, single)), framework="pt") as f:
+            dtype = f.get_slice(key).get_dtype()
+            if dtype != "F32":
+                raise CheckpointError(f"{checkpoint} holds its model in {dtype}, not the fp32 master weights (a "
+                                      "zero2_tp checkpoint written before hfdist saved AutoTP's fp32 masters). "
+                                      "Resume it with --resume and save again, or train it again.")
+            return f.get_tensor(key)
+
+    return read
+
+
+def _reader(checkpoint: Path, record: dict[str, Any], skeleton) -> Callable[[str], torch.Tensor]:
+    """A tensor's name in the trained model -> its fp32 values in the checkpoint, whatever wrote it: DCP shards,
+    DeepSpeed's ZeRO partitions, or (zero2_tp) the checkpoint's own fp32 model files, keyed as they are written."""
+    if record.get("format") == "deepspeed" and (record.get("dims") or {}).get("tp", 1) > 1:
+        from hfdist.checkpoint.hf_export import checkpoint_entries
+
+        adapter = bool(record.get("lora"))
+        by_key = _saved_model_reader(checkpoint, adapter)
+        key_of = {e.name: e.key for e in checkpoint_entries(skeleton, adapter_only=adapter)}
+        return lambda name: by_key(key_of[name])
+    return _zero_reader(checkpoint) if record.get("format") == "deepspeed" else _dcp_reader(checkpoint)
+
+
 def export_checkpoint(path: Path, out: Path, merge: bool = False) -> Path:
     """Write the checkpoint at `path` (a checkpoint-N folder, or an output folder: its latest) as a HF model, or a
     LoRA adapter for a LoRA / QLoRA run, plus the tokenizer, into `out` (new or empty). With `merge`, an adapter run
@@ -101,14 +140,14 @@ def export_checkpoint(path: Path, out: Path, merge: bool = False) -> Path:
     if merge and not record.get("lora"):
         raise CheckpointError(f"--merge merges a LoRA or QLoRA adapter into its base, and {checkpoint} is of a full "
                               "fine-tune: its weights are the whole model already. Drop --merge.")
-    reader = _zero_reader(checkpoint) if record.get("format") == "deepspeed" else _dcp_reader(checkpoint)
+    skeleton, tokenizer = _skeleton(record)
+    reader = _reader(checkpoint, record, skeleton)
     if merge:
         from hfdist.checkpoint.merge import MERGED_DTYPE, merged_weights
 
-        skeleton, tokenizer = _skeleton(record, adapters=False)
-        stream_hf_checkpoint(out, skeleton, merged_weights(record, skeleton, reader), dtype=MERGED_DTYPE)
+        base, _ = _skeleton(record, adapters=False)
+        stream_hf_checkpoint(out, base, merged_weights(record, base, reader), dtype=MERGED_DTYPE)
     else:
-        skeleton, tokenizer = _skeleton(record)
         stream_hf_checkpoint(out, skeleton, lambda entry: reader(entry.name), adapter_only=bool(record.get("lora")))
     tokenizer.save_pretrained(str(out))
     return checkpoint

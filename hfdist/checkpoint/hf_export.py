@@ -1,14 +1,15 @@
 """Write a trained model as a Hugging Face checkpoint (or LoRA adapter) one tensor at a time, from any layout.
 
 The same routine serves every rung: a rank's tensors may be plain (DDP: the full model), DTensor shards (FSDP2,
-TP, 3D), a pipeline stage's only, or DeepSpeed ZeRO partitions. For each tensor of the checkpoint, in the order
-`save_pretrained` writes them, rank 0 allocates the full fp32 tensor, receives each distinct slice of it from the
-lowest rank holding that slice (point to point; where the slice lies in the full tensor is what
-torch.distributed.checkpoint computes for DTensor shards), appends it to the safetensors shard it is writing and
-frees it. ZeRO parameters are assembled by DeepSpeed's `safe_get_full_fp32_param` (its fp32 master, never the bf16
-copy), one at a time. So rank 0 holds one full tensor beyond its own state and the other ranks nothing (ZeRO:
-one, transiently), the written weights are fp32 on every rung (the master weights, exactly what was trained), and
-the output is what `save_pretrained` writes:
+TP, 3D), a pipeline stage's only, or DeepSpeed ZeRO partitions (split by AutoTP as well on zero2_tp). For each
+tensor of the checkpoint, in the order `save_pretrained` writes them, rank 0 allocates the full fp32 tensor,
+receives each distinct slice of it from the lowest rank holding that slice (point to point; where the slice lies in
+the full tensor is what torch.distributed.checkpoint computes for DTensor shards, and AutoTP's layout record for its
+split layers), appends it to the safetensors shard it is writing and frees it. ZeRO parameters are assembled by
+DeepSpeed's `safe_get_full_fp32_param` (its fp32 master, never the bf16 copy), one at a time; under AutoTP that
+gives each tp rank its slice, sent on like a DTensor shard. So rank 0 holds one full tensor beyond its own state
+and the other ranks nothing (ZeRO: one, transiently), the written weights are fp32 on every rung (the master
+weights, exactly what was trained), and the output is what `save_pretrained` writes:
 model.safetensors (or model-0000i-of-0000N.safetensors + model.safetensors.index.json above `max_shard_bytes`),
 config.json and generation_config.json; or adapter_model.safetensors and adapter_config.json for a LoRA adapter,
 which `PeftModel.from_pretrained` loads.
@@ -149,6 +150,25 @@ def _is_zero(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id") or hasattr(tensor, "_hp_mapping")
 
 
+def _autotp_split(tensor: torch.Tensor) -> tuple[int, int] | None:
+    """(dim, offset) of the slice a DeepSpeed AutoTP parameter holds in the full tensor, from the layout record
+    AutoTP puts on it (its universal-checkpoint metadata: the split dim and every tp rank's size) and the layer's
+    tp rank; None for any other tensor, or one AutoTP keeps whole (a row-parallel layer's bias).
+
+    Raises:
+        ValueError: a layout that is not one contiguous slice per rank (fused sub-parameters), naming it.
+    """
+    meta = getattr(tensor, "ds_autotp_universal_checkpoint_meta", None)
+    if not meta or meta.get("replicated") or meta.get("partition_dim") is None:
+        return None
+    if meta.get("sub_param_shard_widths"):
+        raise ValueError(f"DeepSpeed AutoTP split a fused parameter of shape {meta.get('logical_shape')} by "
+                         "sub-parameter; hfdist's save assembles one contiguous slice per tp rank only.")
+    layer = tensor.gather_params.__self__  # AutoTP binds its layer's gather to each parameter it splits
+    dim, sizes = int(meta["partition_dim"]), list(meta["partition_sizes"])
+    return dim, sum(sizes[:layer.tp_index])
+
+
 def _zero_full(tensor: torch.Tensor) -> torch.Tensor:
     """A ZeRO parameter's full fp32 values from DeepSpeed's master partitions (collective over all ranks)."""
     import deepspeed
@@ -163,20 +183,30 @@ def _zero_full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _local_piece(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], torch.Tensor]:
     """(offsets in the full tensor, sizes, values) of the slice this rank holds: a DTensor's local shard where
-    torch.distributed.checkpoint places it (FSDP2, TP and strided FSDP x TP alike), else the whole tensor."""
+    torch.distributed.checkpoint places it (FSDP2, TP and strided FSDP x TP alike), a DeepSpeed AutoTP slice where
+    its layer put it, else the whole tensor."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):
         (chunk,) = tensor.__create_chunk_list__()
         return tuple(chunk.offsets), tuple(chunk.sizes), tensor.to_local()
-    return (0,) * tensor.dim(), tuple(tensor.shape), tensor
+    offsets = [0] * tensor.dim()
+    split = _autotp_split(tensor)
+    if split is not None:
+        offsets[split[0]] = split[1]
+    return tuple(offsets), tuple(tensor.shape), tensor
+
+
+def _gathered_whole(tensor: torch.Tensor) -> bool:
+    """A ZeRO parameter whose full values come from DeepSpeed's gather alone (not split by AutoTP as well)."""
+    return _is_zero(tensor) and _autotp_split(tensor) is None
 
 
 def _senders(entries: list[ExportEntry], local: Mapping[str, torch.Tensor]) -> dict[str, list | None]:
     """Key -> [(offsets, sizes, rank)] covering the tensor once (each distinct slice from the lowest rank holding
-    it: replicas, TP-replicated norms and DDP copies are sent once), or None for a ZeRO parameter. Every rank
-    computes the same answer from one all_gather_object of what each holds."""
-    mine = {e.key: None if _is_zero(local[e.name]) else _local_piece(local[e.name])[:2]
+    it: replicas, TP-replicated norms and DDP copies are sent once), or None for a ZeRO parameter DeepSpeed gathers
+    whole. Every rank computes the same answer from one all_gather_object of what each holds."""
+    mine = {e.key: None if _gathered_whole(local[e.name]) else _local_piece(local[e.name])[:2]
             for e in entries if e.name in local}
     everyone = [mine]
     if dist.is_initialized():
@@ -216,10 +246,12 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
     def full_tensor(entry: ExportEntry) -> torch.Tensor | None:
         if previous:  # the last tensor (dropped by the caller) must be gone before the next one is made
             previous.pop().wait(_RELEASE_WAIT_S)
+        tensor = local.get(entry.name)
         if senders[entry.key] is None:  # ZeRO: every rank takes part in DeepSpeed's gather
-            full = _zero_full(local[entry.name])
-        else:
-            full = _assemble(entry, senders[entry.key], local, rank)
+            full = _zero_full(tensor)
+        else:  # ZeRO under AutoTP: DeepSpeed's gather of each rank's fp32 slice (every rank), then the slices
+            values = _zero_full(tensor) if tensor is not None and _is_zero(tensor) else None
+            full = _assemble(entry, senders[entry.key], local, rank, values)
         if full is not None:
             previous.append(_freed(full))
         return full
@@ -260,14 +292,16 @@ def stream_hf_checkpoint(folder: str | Path, skeleton: nn.Module, full_tensor, *
         _write_configs(folder, skeleton, adapter_only, dtype)
 
 
-def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor], rank: int) -> torch.Tensor | None:
+def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor], rank: int,
+              values: torch.Tensor | None = None) -> torch.Tensor | None:
     """On rank 0 the full fp32 tensor of `entry`, filled from its own slice and the others' (received straight
-    into place when the slice is contiguous); on the other ranks None, after sending their slice if asked."""
+    into place when the slice is contiguous); on the other ranks None, after sending their slice if asked.
+    `values`: this rank's slice when it is not the local tensor itself (DeepSpeed's fp32 master of it)."""
     full = torch.empty(entry.shape, dtype=SAVED_DTYPE, device=_comm_device()) if rank == 0 else None
     staging = None  # one buffer for the slices that cannot be received in place (TP's rowwise under FSDP)
     for offsets, sizes, sender in pieces:
         if rank == sender:
-            values = _local_piece(local[entry.name])[2].detach().to(SAVED_DTYPE)
+            values = (values if values is not None else _local_piece(local[entry.name])[2]).detach().to(SAVED_DTYPE)
             if rank == 0:
                 full[_slices(offsets, sizes)].copy_(values)
             else:

@@ -227,7 +227,8 @@ def known_rung_names() -> list[str]:
 
 def single_process_rung() -> Rung:
     """No distribution at all: the reference every strategy is compared against."""
-    return Rung(name="single", kind=StrategyKind.SINGLE, num_processes=1, dims=ParallelDims(), mixed_precision="bf16")
+    return Rung(name="single", kind=StrategyKind.SINGLE, num_processes=1, dims=ParallelDims(), mixed_precision="bf16",
+                info=RUNG_INFO["single"])
 
 
 def _resolve_yaml(name_or_path: str) -> Path:

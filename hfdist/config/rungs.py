@@ -1,60 +1,137 @@
-"""The decision table the ladder follows: for each shipped rung, what a user reads to choose it (scenario, what is
-sharded, when to pick it), shown by `hfdist configs` and the README's ladder table."""
+"""The rung table: one entry per rung, read by everything that treats rungs differently.
+
+An entry says what a user reads to choose the rung (scenario, what is sharded, when to pick it: `hfdist configs`
+and the ladder table of docs/ladder.md), where the planner's recommendation walk puts it (hfdist.plan.planner),
+which options beyond its parallelism it takes (--compile, --qlora, --fp8: refused elsewhere before launch by
+hfdist.config.features.refuse_unless), and how the test suite trains it end to end (which module, with which
+options; on the YAML's own process count). Adding a rung is its YAML (hfdist/configs/accelerate_configs/) plus one
+entry here (docs/testing.md, "Adding a rung").
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
+from typing import Callable
 
-__all__ = ["RungInfo", "RUNG_INFO"]
+__all__ = ["RungInfo", "RUNG_INFO", "FEATURES", "TESTED_OPTIONS", "E2E_MODULES", "rungs_where"]
+
+# The options a rung may take or refuse; each is a RungInfo field of the same name (True: takes it; False or a
+# string, the reason: refused before launch). The value is what hfdist verifies when it does run there.
+FEATURES = {"compile": "compiled layers", "qlora": "a 4-bit quantized base model", "fp8": "FP8 matmuls"}
+# The options the end-to-end suite trains a rung with, besides its plain full fine-tune (RungInfo.tested_with).
+TESTED_OPTIONS = ("lora", "bf16", *FEATURES)  # bf16: --mixed-precision bf16 (fp32 elsewhere on CPU)
+# The end-to-end module that trains a rung against the single-process run (RungInfo.e2e), under tests/e2e/.
+E2E_MODULES = {"ladder": "test_finetune_ladder.py", "pipeline": "test_finetune_pipeline.py",
+               "context_parallel": "test_context_parallel_job.py", "reference": "(the single-process reference)"}
 
 
 @dataclass(frozen=True)
 class RungInfo:
-    """What a user reads in the ladder table."""
+    """One rung's entry: what a user reads in the ladder table, where the planner puts it, what it takes, how the
+    suite tests it."""
 
-    table_row: int
+    table_row: int  # the decision table's row (docs/ladder.md); 0: not a row (the single-process reference)
     scenario: str
     sharded: str
     when: str
-    example_args: str = ""  # what its launch command adds in the README's table (ddp is the LoRA rung)
+    example_args: str = ""  # what its launch command adds in the ladder table (ddp is the LoRA rung)
+    _: KW_ONLY
+    plan_order: int  # the planner's walk, simplest first (offload rungs go last whatever theirs is)
+    compile: bool | str = False  # --compile: True, or why not (False: not built for it)
+    qlora: bool | str = False  # --qlora: as compile
+    fp8: bool | str = False  # --fp8: as compile
+    e2e: str = "ladder"  # the E2E_MODULES key of the module that trains it against the single process, on its
+    # YAML's own process count (the count a CPU run takes)
+    # TESTED_OPTIONS the suite also trains it with end to end: lora in its e2e module, each other option in that
+    # option's module (tests/e2e/test_bf16.py, test_compile.py, ...)
+    tested_with: frozenset[str] = frozenset()
+
+    def takes(self, feature: str) -> bool:
+        """The rung runs with this FEATURES option (built and verified there)."""
+        return getattr(self, feature) is True
 
 
-# Decision-table order (the README's ladder table): rows 1 DDP, 2 FSDP FULL_SHARD / ZeRO-2, 3 HYBRID / ZeRO-3,
-# 4 PP or TP (pipeline stages first, then tensor parallelism), 5 3D, 6 ZeRO-3 + offload. ZeRO-1 sits between rows
-# 1 and 2.
+# Why the rungs that refuse --compile do (the compiler would trace through what each puts around the layers).
+_COMPILE_PP = "pipeline stages run their layers through torch.distributed.pipelining's schedule, not built for it"
+_COMPILE_DS = "DeepSpeed's engine puts its own hooks on the layers (ZeRO-3 gathers parameters in them)"
+_COMPILE_CP = "context parallelism swaps the attention function for an all-to-all one the compiler would trace"
+# Why the rungs that refuse --qlora do (docs/qlora.md).
+_QLORA_TP = ("tensor parallelism splits every projection into DTensor shards and runs its matmul on them, while "
+             "bitsandbytes' 4-bit matmul takes a plain packed weight, and splitting a projection's input dimension "
+             "would cut through the packed codes of every row")
+_QLORA_ZERO12 = ("ZeRO-1/2 shard optimizer state and gradients, which under QLoRA are the adapters' (a few MB); the "
+                 "4-bit base stays whole on every rank exactly as on ddp, so the rung adds nothing over ddp (zero3 "
+                 "shards the base)")
+_QLORA_OFFLOAD = ("DeepSpeed's offload would have to move the 4-bit base's packed partitions to the host and back "
+                  "with their quantisation state, which stays on the device; not built")
+
+# Table order: the decision table's rows (docs/ladder.md): 1 DDP, 2 FSDP FULL_SHARD / ZeRO-2, 3 HYBRID / ZeRO-3,
+# 4 PP or TP (pipeline stages first, then tensor parallelism), 5 3D, 6 ZeRO-3 + offload; ZeRO-1 sits between rows
+# 1 and 2. `hfdist configs`, the refusals' lists of rungs and the tests' parametrisations follow it. The planner
+# walks plan_order instead: the least sharding first (ZeRO-2 before FSDP full shard).
 RUNG_INFO: dict[str, RungInfo] = {
+    "single": RungInfo(0, "one process: the reference every rung's losses are compared with", "nothing",
+                       "debugging, or the model, grads and Adam state fit one device and one device is enough",
+                       plan_order=0, compile=True, qlora=True, e2e="reference",
+                       tested_with=frozenset({"lora", "bf16", "qlora"})),
     "ddp": RungInfo(1, "LoRA fine-tune <= 7B; the model fits on one device", "nothing (full replica per rank)",
-                    "the model, grads and Adam state fit one device; fastest", "--lora"),
+                    "the model, grads and Adam state fit one device; fastest", "--lora",
+                    plan_order=10, compile=True, qlora=True,
+                    tested_with=frozenset({"lora", "bf16", "compile", "qlora"})),
     "zero1": RungInfo(1, "model + grads fit one device, Adam state does not", "optimizer state",
-                      "a small step past DDP: frees 12 of 16 bytes/param of Adam state"),
+                      "a small step past DDP: frees 12 of 16 bytes/param of Adam state",
+                      plan_order=20, compile=_COMPILE_DS, qlora=_QLORA_ZERO12),
     "fsdp_full_shard": RungInfo(2, "full fine-tune 7B-13B on one node", "params + grads + optimizer state",
-                                "the model states do not fit one device; one node"),
+                                "the model states do not fit one device; one node",
+                                plan_order=40, compile=True, qlora=True,
+                                tested_with=frozenset({"lora", "bf16", "compile", "qlora"})),
     "zero2": RungInfo(2, "full fine-tune 7B-13B on one node", "grads + optimizer state",
-                      "weights fit one device but grads + Adam state do not"),
+                      "weights fit one device but grads + Adam state do not",
+                      plan_order=30, compile=_COMPILE_DS, qlora=_QLORA_ZERO12, tested_with=frozenset({"lora"})),
     "fsdp_hybrid": RungInfo(3, "full fine-tune 30B-70B on several nodes", "params + grads + optimizer state "
-                            "inside a node; replicated across nodes", "multi-node, slow inter-node fabric"),
+                            "inside a node; replicated across nodes", "multi-node, slow inter-node fabric",
+                            plan_order=60, compile=True, qlora=True, tested_with=frozenset({"qlora"})),
     "zero3": RungInfo(3, "full fine-tune 30B-70B", "params + grads + optimizer state",
-                      "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem"),
+                      "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem",
+                      plan_order=50, compile=_COMPILE_DS, qlora=True, tested_with=frozenset({"lora", "bf16", "qlora"})),
     "pp": RungInfo(4, "beyond ~30B: the model's depth spread over GPUs or nodes",
                    "decoder layers over pp ranks (pipeline stages, 1F1B schedule)",
-                   "stages fit one device each; only point-to-point activations cross links, so pp spans nodes"),
+                   "stages fit one device each; only point-to-point activations cross links, so pp spans nodes",
+                   plan_order=70, compile=_COMPILE_PP, qlora=True, e2e="pipeline",
+                   tested_with=frozenset({"lora", "bf16", "qlora"})),
     "fsdp_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs", "params + grads + optimizer state "
                         "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
-                        "sharding alone is not enough or its all-gathers dominate; tp inside a node"),
+                        "sharding alone is not enough or its all-gathers dominate; tp inside a node",
+                        plan_order=80, compile=True, qlora=_QLORA_TP,
+                        tested_with=frozenset({"lora", "bf16", "compile"})),
     "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
                          "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
-                         "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19"),
+                         "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19",
+                         plan_order=90, compile=_COMPILE_DS, qlora=_QLORA_TP, tested_with=frozenset({"bf16"})),
     "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
                    "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
-                   "the model needs tp inside a node and pp across nodes to fit; dp for the rest"),
+                   "the model needs tp inside a node and pp across nodes to fit; dp for the rest",
+                   plan_order=100, compile=_COMPILE_PP, qlora=_QLORA_TP, e2e="pipeline",
+                   tested_with=frozenset({"bf16"})),
     "fsdp_cp": RungInfo(4, "long-context fine-tune (32K-128K tokens): activations exceed a device",
                         "every sequence's tokens over cp (Ulysses attention) x params + grads + optimizer state "
                         "over dp_shard x cp (FSDP2)", "activations do not fit even with checkpointing; cp inside "
-                        "a node", "--seq-len 32768"),
+                        "a node", "--seq-len 32768",
+                        plan_order=110, compile=_COMPILE_CP, qlora=True, e2e="context_parallel",
+                        tested_with=frozenset({"lora", "qlora"})),
     "zero3_offload_cpu": RungInfo(6, "single-node fine-tune, model exceeds the GPUs' memory",
                                   "params + grads + optimizer state, offloaded to CPU RAM",
-                                  "not enough GPU memory at any sharding; slow but feasible"),
+                                  "not enough GPU memory at any sharding; slow but feasible",
+                                  plan_order=120, compile=_COMPILE_DS, qlora=_QLORA_OFFLOAD),
     "zero3_offload_nvme": RungInfo(6, "single node, model exceeds GPU and CPU memory",
                                    "params + optimizer state offloaded to NVMe", "last resort: even CPU RAM is short",
-                                   "--nvme-path /local_nvme"),
+                                   "--nvme-path /local_nvme", plan_order=130, compile=_COMPILE_DS,
+                                   qlora=_QLORA_OFFLOAD),
 }
+
+
+def rungs_where(test: Callable[[RungInfo], bool] | None = None, **fields: object) -> list[str]:
+    """The table's rungs (table order) whose entry passes `test` and equals `fields`, e.g.
+    `rungs_where(e2e="ladder")`, `rungs_where(lambda i: "lora" in i.tested_with)`, `rungs_where(compile=True)`."""
+    return [name for name, info in RUNG_INFO.items()
+            if (test is None or test(info)) and all(getattr(info, k) == v for k, v in fields.items())]

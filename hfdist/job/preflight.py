@@ -16,10 +16,8 @@ from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_mixed_precision
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["batch_layout", "check_deepspeed_json", "plan_check", "qlora_refusal", "check_qlora",
+__all__ = ["batch_layout", "check_deepspeed_json", "plan_check", "check_qlora",
            "check_model_fits_rung", "check_context_parallel", "check_nvme_offload", "preflight"]
-
-QLORA_RUNGS = "single, ddp, fsdp_full_shard, fsdp_hybrid, zero3, pp, fsdp_cp"
 
 
 def batch_layout(global_batch: int, micro_batch: int | None, dp: int) -> tuple[int, int]:
@@ -219,22 +217,6 @@ def check_nvme_offload(rung: Rung) -> None:
                           "offload to CPU memory instead (--config zero3_offload_cpu).")
 
 
-def qlora_refusal(rung: Rung) -> str | None:
-    """Why `rung` cannot train QLoRA (a 4-bit base), or None where it can."""
-    if rung.uses_tp:
-        return ("tensor parallelism splits every projection into DTensor shards and runs its matmul on them, while "
-                "bitsandbytes' 4-bit matmul takes a plain packed weight, and splitting a projection's input dimension "
-                "would cut through the packed codes of every row")
-    if rung.uses_deepspeed and rung.zero_stage < 3:
-        return (f"ZeRO-{rung.zero_stage} shards optimizer state and gradients, which under QLoRA are the adapters' "
-                "(a few MB); the 4-bit base stays whole on every rank exactly as on ddp, so the rung adds nothing: "
-                "use ddp, or zero3 to shard the base")
-    if rung.uses_deepspeed and (rung.offload_param != "none" or rung.offload_optimizer != "none"):
-        return ("hfdist has not built QLoRA with DeepSpeed's offload: the 4-bit base would have to be offloaded and "
-                "fetched with its quantisation state, which stays on the device")
-    return None
-
-
 def check_qlora(cfg: FinetuneConfig, rung: Rung, config) -> None:
     """--qlora on a rung that trains it, with a model whose projections split into whole 4-bit blocks per row and
     shard into whole rows, and without --compile.
@@ -244,10 +226,9 @@ def check_qlora(cfg: FinetuneConfig, rung: Rung, config) -> None:
     """
     if not cfg.qlora:
         return
-    why = qlora_refusal(rung)
-    if why is not None:
-        raise ConfigError(f"--qlora does not run on {rung.name}: {why}. Use a rung that trains QLoRA ({QLORA_RUNGS}), "
-                          f"or --lora on {rung.name} (its base in full precision).")
+    from hfdist.config.features import refuse_unless
+
+    refuse_unless(rung, "qlora")  # the rung table says which rungs take it, and why the others do not
     if cfg.compile:
         raise ConfigError("--qlora does not run with --compile: bitsandbytes' 4-bit layers re-wrap their packed "
                           "weight on every call, which hfdist has not verified under torch.compile. Drop --compile.")

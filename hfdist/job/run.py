@@ -217,8 +217,9 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     skeleton = _meta_model(cfg, tokenizer, torch.float32)
     collator = collator_for(model.config, cfg.seq_len)  # the model's attention implementation decides the mask
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
-    dataset = _prepare_data(cfg, tokenizer, args)
-    watch.start()  # the world has formed (main_process_first above needs it): its timeout, this rank's heartbeat
+    watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
+    with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
+        dataset = _prepare_data(cfg, tokenizer, args)
     model, load = _build_model(cfg, rung, tokenizer, model, args, mixed)
     watch.cover_groups()  # the mesh's groups
 
@@ -275,7 +276,8 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
 
     watch = _arm_watch(cfg)
     run = _set_up(cfg, rung, micro, grad_accum, watch)
-    run.sink.start()  # W&B's start-up (seconds) stays out of the measured training loop
+    with watch.alone("starting W&B", "WANDB"):  # rank 0's W&B start-up (seconds) stays out of the measured loop
+        run.sink.start()
     resume_from = resume_point(cfg, rung)
     if resume_from is not None and _is_rank0():
         print(resume_line(resume_from, cfg, rung), flush=True)
@@ -291,8 +293,9 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
                                                   "precision": precision, **_compile_record(cfg, rung, run)})
-    if _is_rank0():
-        write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
+    with watch.alone("writing the summary", "SUMMARY"):  # and finishing W&B's run (an upload, online)
+        if _is_rank0():
+            write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
     _leave_process_group()
     return 0
 

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 __all__ = ["held_tensor", "innermost_optimizer", "rank_state_bytes", "peak_memory_bytes", "current_memory_bytes",
-           "reset_peak_memory", "start_peak_window", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes",
+           "reset_peak_memory", "cuda_peaks_kept_through_resets", "start_peak_window", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes",
            "freed_memory_returned_to_os", "MMAP_THRESHOLD_BYTES"]
 
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -123,7 +123,7 @@ def peak_memory_bytes(device: torch.device) -> int:
     (pytest, a notebook) would report the launcher's peak.
     """
     if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
+        return max(int(torch.cuda.max_memory_allocated(device)), _CLEARED_CUDA_PEAK[0])
     hwm = _vm_hwm_bytes()
     if hwm is not None:
         return hwm
@@ -143,6 +143,40 @@ def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak window (CUDA only: a process's peak RSS cannot be reset)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+        _CLEARED_CUDA_PEAK[0] = 0
+
+
+# The highest CUDA peak that a reset by someone else cleared inside `cuda_peaks_kept_through_resets` since hfdist's
+# own last reset (one value: a rank uses one GPU).
+_CLEARED_CUDA_PEAK = [0]
+
+
+@contextmanager
+def cuda_peaks_kept_through_resets() -> Iterator[None]:
+    """Inside the block, a reset of CUDA's peak statistics by other code first keeps the peak it clears, and
+    `peak_memory_bytes` counts it until hfdist starts its next peak window.
+
+    DeepSpeed resets them while it builds ZeRO-1/2 (`empty_cache` before flattening each parameter group, on every
+    rank) and its bf16 optimizer (`see_memory_usage(force=True)`, on rank 0 only): read afterwards, the setup peak
+    would be understated, and by different amounts on different ranks. DeepSpeed's CUDA accelerator resets through
+    torch.cuda's function, looked up at each call, which the block swaps for one that keeps the peak first.
+    """
+    import torch.cuda.memory as cuda_memory
+
+    modules = (torch.cuda, cuda_memory)
+    originals = [module.reset_peak_memory_stats for module in modules]
+
+    def keeping(device=None) -> None:
+        _CLEARED_CUDA_PEAK[0] = max(_CLEARED_CUDA_PEAK[0], int(torch.cuda.max_memory_allocated(device)))
+        originals[0](device)
+
+    for module in modules:
+        module.reset_peak_memory_stats = keeping
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module.reset_peak_memory_stats = original
 
 
 def _set_mmap_threshold(nbytes: int) -> bool:
@@ -188,7 +222,7 @@ def start_peak_window(device: torch.device) -> int:
     Where the peak RSS cannot be restarted (not Linux), it stays the process's peak since it started.
     """
     if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_peak_memory(device)
     else:
         try:
             with open("/proc/self/clear_refs", "w") as f:

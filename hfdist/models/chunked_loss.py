@@ -3,24 +3,31 @@
 A batch's fp32 logits (B x S x V x 4 bytes: 2 GiB for Llama-3's 128K vocabulary at B=1, S=4096) are usually the
 largest activation of a fine-tune. `causal_lm_loss` runs the model with its lm_head swapped, for that one call, for
 a `_ChunkedLossHead`: HF's ForCausalLM forward hands it the final hidden states (B x S x H) and gets back the summed
-token loss where it expects logits. The head calls the real lm_head on `chunk_size` positions of the sequence at a
-time, each chunk under non-reentrant activation checkpointing, so one chunk's logits (and their log-softmax) exist
-at a time: in the forward, and again in the backward, which recomputes them chunk by chunk.
-
-Swapping the head rather than calling the decoder and lm_head separately keeps every wrapper's contract: the call
-still enters through the outer model (DDP's forward, DeepSpeed's engine, FSDP2's root unshard), and the real lm_head
-module is called per chunk, so the hooks on it run for each chunk (tensor parallelism's input/output layouts,
-ZeRO-3's parameter gather). Under tensor parallelism with loss parallelism each chunk's logits are vocab-sharded and
-their cross-entropy runs under `loss_parallel()`, which the caller enters. A pipeline's last stage, which is not a
+token loss where it expects logits. Swapping the head rather than calling the decoder and lm_head separately keeps
+every wrapper's contract: the call still enters through the outer model (DDP's forward, DeepSpeed's engine, FSDP2's
+root unshard, so lm_head's weight is the gathered one while the head runs). A pipeline's last stage, which is not a
 HF model, calls `chunked_token_sum_cross_entropy` on its hidden states directly.
 
-The sum over chunks is the same sum of token losses as over the whole batch, added in another order (fp32: relative
-differences near 1e-7). chunk_size=None (or >= S) is one chunk without recomputation: the unchunked loss.
+Two ways to compute a chunk, the same numbers (fp32: relative differences near 1e-7, the order of the sums):
+- fused (the default; hfdist.models.fused_loss): each chunk's logits -> loss and, in the same pass, the gradients
+  of the hidden states and of lm_head's weight (and bias); nothing of the logits is kept and backward only scales
+  those gradients. Under tensor parallelism it computes the vocab-parallel softmax itself on lm_head's vocab-sharded
+  weight (loss_parallel() is then not needed). It reads lm_head's weight directly, so it runs only where that is
+  the module's whole computation (`fused_loss_blocker`);
+- recomputing (fused=False, and where the fused loss does not apply, with a warning): the real lm_head module is
+  called per chunk under non-reentrant activation checkpointing, so its hooks run for each chunk (DeepSpeed ZeRO-3's
+  parameter gather, an adapter on lm_head), and backward recomputes each chunk's logits. Under tensor parallelism
+  each chunk's logits are vocab-sharded and their cross-entropy runs under `loss_parallel()`, which the caller
+  enters.
+
+A chunk is `chunk_size` sequence positions of every row of the batch (B x chunk_size tokens' logits at a time);
+chunk_size=None (or >= S) is the whole sequence: fused, one pass; not fused, the plain unchunked loss.
 """
 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -29,11 +36,12 @@ from torch.utils.checkpoint import checkpoint
 
 from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
 from hfdist.errors import HfdistError
+from hfdist.models.fused_loss import fused_linear_cross_entropy, vocab_parallel_cross_entropy
 from hfdist.models.loss import IGNORE_INDEX, shift_labels, token_sum_cross_entropy
 from hfdist.models.registry import facts_for, is_supported
 
 __all__ = ["DEFAULT_LOSS_CHUNK_SIZE", "VocabShardedLogitsError", "causal_lm_loss", "chunked_token_sum_cross_entropy",
-           "find_causal_lm_head", "loss_parallel_active"]
+           "find_causal_lm_head", "fused_loss_blocker", "loss_parallel_active"]
 
 
 class VocabShardedLogitsError(HfdistError, RuntimeError):
@@ -74,22 +82,81 @@ def _chunk_token_sum(lm_head: nn.Module, hidden: torch.Tensor, targets: torch.Te
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
+def fused_loss_blocker(lm_head: nn.Module, hidden: torch.Tensor | None = None) -> str | None:
+    """Why the fused loss cannot run on `lm_head` (and `hidden`, the states it gets), or None when it can.
+
+    The fused loss reads lm_head's weight and bias and computes `hidden @ weight.T + bias` itself, so lm_head must
+    be a plain Linear whose weight is the whole matrix while the model's forward runs: plain (DDP, ZeRO-1/2, the
+    gathered root of FSDP2) or the vocab-sharded DTensor of tensor parallelism, whose layout hooks it replaces.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(lm_head, nn.Linear) or type(lm_head).forward is not nn.Linear.forward:
+        return (f"lm_head is a {type(lm_head).__name__}, not a plain Linear (an adapter or a quantised layer "
+                "computes its own output)")
+    if isinstance(lm_head, FSDPModule):
+        return "lm_head is an FSDP2 unit of its own, whose weight is gathered only by its own forward"
+    weight = lm_head.weight
+    if isinstance(weight, DTensor):
+        if weight.device_mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+            return (f"lm_head's weight is a DTensor placed {tuple(weight.placements)} on a {weight.device_mesh.ndim}"
+                    "-D mesh, not tensor parallelism's vocabulary split (Shard(0) on the tp mesh)")
+        if isinstance(hidden, DTensor) and hidden.device_mesh != weight.device_mesh:
+            return "the hidden states are a DTensor on another mesh than lm_head's weight"
+    elif lm_head._forward_pre_hooks or lm_head._forward_hooks:
+        return ("lm_head has forward hooks (DeepSpeed ZeRO-3 gathers its partitioned weight in one), which a loss "
+                "reading the weight directly would bypass")
+    elif isinstance(hidden, DTensor):
+        return "the hidden states are a DTensor but lm_head's weight is not"
+    if not weight.is_floating_point() or tuple(weight.shape) != (lm_head.out_features, lm_head.in_features):
+        return f"lm_head's weight is a {weight.dtype} tensor of shape {tuple(weight.shape)}, not the whole matrix"
+    return None
+
+
+def _warn_unfused(reason: str) -> None:
+    warnings.warn(f"The fused loss does not apply here ({reason}): each loss chunk's logits are recomputed in "
+                  "backward instead (the same numbers, one more lm_head matmul per chunk).", stacklevel=3)
+
+
+def _fused_token_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int | None,
+                     grad_scale: float | torch.Tensor) -> torch.Tensor:
+    """The fused loss on a head `fused_loss_blocker` accepts: vocab-parallel where its weight is a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    rows = None if chunk_size is None else chunk_size * hidden.shape[0]  # chunk_size positions of every row
+    if isinstance(lm_head.weight, DTensor):
+        return vocab_parallel_cross_entropy(hidden, lm_head.weight, lm_head.bias, targets, rows, grad_scale)
+    return fused_linear_cross_entropy(hidden.flatten(0, -2), lm_head.weight, lm_head.bias, targets.flatten(), rows,
+                                      grad_scale=grad_scale)
+
+
 def chunked_token_sum_cross_entropy(lm_head: nn.Module, hidden: torch.Tensor, shifted_labels: torch.Tensor,
-                                    chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE) -> torch.Tensor:
+                                    chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, fused: bool = True,
+                                    grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """Summed fp32 token cross-entropy of `lm_head(hidden)` against `shifted_labels`, `chunk_size` sequence
     positions at a time (None: all at once), never holding more than one chunk's logits.
 
     Args:
-        lm_head: the output projection module (called once per chunk, so its hooks run).
+        lm_head: the output projection module.
         hidden: final hidden states (B, S, H), a plain tensor or a DTensor (tensor parallelism).
         shifted_labels: (B, S) targets aligned with `hidden` (hfdist.models.loss.shift_labels), IGNORE_INDEX
             where no loss is taken.
+        fused: compute the gradients with the loss (hfdist.models.fused_loss) where `fused_loss_blocker` allows,
+            else (or with False) call lm_head per chunk and recompute each chunk's logits in backward.
+        grad_scale: the gradient the sum will get in backward, where known (1 / the token count the caller
+            divides by): only the fused loss's rounding depends on it (hfdist.models.fused_loss).
 
     Returns:
         A plain 0-dim fp32 tensor: the sum over every scored position.
     """
     seq = hidden.shape[1]
     targets = shifted_labels.to(hidden.device)
+    if fused:
+        blocker = fused_loss_blocker(lm_head, hidden)
+        if blocker is None:
+            return _fused_token_sum(lm_head, hidden, targets, chunk_size, grad_scale)
+        _warn_unfused(blocker)
     if chunk_size is None or chunk_size >= seq:
         return _chunk_token_sum(lm_head, hidden, targets)
     hidden = _replicated_sequence(hidden)
@@ -104,15 +171,19 @@ def chunked_token_sum_cross_entropy(lm_head: nn.Module, hidden: torch.Tensor, sh
 class _ChunkedLossHead(nn.Module):
     """Stands in for lm_head during one forward: takes the hidden states, returns the summed token loss."""
 
-    def __init__(self, lm_head: nn.Module, shifted_labels: torch.Tensor, chunk_size: int | None):
+    def __init__(self, lm_head: nn.Module, shifted_labels: torch.Tensor, chunk_size: int | None, fused: bool,
+                 grad_scale: torch.Tensor):
         super().__init__()
         # Held outside _modules: the swap must not rename lm_head's parameters (lm_head.lm_head.weight).
         object.__setattr__(self, "lm_head", lm_head)
         self.shifted_labels = shifted_labels
         self.chunk_size = chunk_size
+        self.fused = fused
+        self.grad_scale = grad_scale
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return chunked_token_sum_cross_entropy(self.lm_head, hidden, self.shifted_labels, self.chunk_size)
+        return chunked_token_sum_cross_entropy(self.lm_head, hidden, self.shifted_labels, self.chunk_size,
+                                               self.fused, self.grad_scale)
 
 
 def find_causal_lm_head(model: nn.Module) -> tuple[nn.Module, str] | None:
@@ -131,9 +202,9 @@ def find_causal_lm_head(model: nn.Module) -> tuple[nn.Module, str] | None:
 
 
 @contextlib.contextmanager
-def _head_swapped(causal_lm: nn.Module, name: str, shifted: torch.Tensor, chunk_size: int | None) -> Iterator[None]:
+def _head_swapped(causal_lm: nn.Module, name: str, *head_args) -> Iterator[None]:
     real = getattr(causal_lm, name)
-    setattr(causal_lm, name, _ChunkedLossHead(real, shifted, chunk_size))
+    setattr(causal_lm, name, _ChunkedLossHead(real, *head_args))
     try:
         yield
     finally:
@@ -142,13 +213,14 @@ def _head_swapped(causal_lm: nn.Module, name: str, shifted: torch.Tensor, chunk_
 
 def causal_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor],
                    num_items_in_batch: int | torch.Tensor | None = None,
-                   chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE) -> torch.Tensor:
+                   chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, fused: bool = True) -> torch.Tensor:
     """The causal-LM loss of `model` on `batch`: summed token cross-entropy (fp32) / `num_items_in_batch`.
 
     Labels are shifted as HF does (pad with IGNORE_INDEX, drop the first position); a batch may bring them already
     shifted as `shift_labels` (context parallelism cuts rows after shifting). The lm_head runs in chunks of
-    `chunk_size` sequence positions (None: unchunked); a model of an architecture hfdist does not know gets HF's
-    own loss instead.
+    `chunk_size` sequence positions (None: the whole sequence), fused (gradients computed with the loss) unless
+    `fused` is False or `fused_loss_blocker` names a reason (module docstring); a model of an architecture hfdist
+    does not know gets HF's own loss instead.
 
     Args:
         model: a causal LM, possibly inside peft, DDP, DeepSpeed's engine, FSDP2 or tensor parallelism.
@@ -165,8 +237,10 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor],
     if found is None:
         return model(**inputs, labels=labels, num_items_in_batch=num_items_in_batch).loss
     targets = batch["shift_labels"] if "shift_labels" in batch else shift_labels(labels)
-    with _head_swapped(*found, targets, chunk_size):  # the model's forward as HF's own loss calls it
-        loss = model(**inputs).logits
     if num_items_in_batch is None:
         num_items_in_batch = (targets != IGNORE_INDEX).sum()
+    # The gradient the division below sends the summed loss (as autograd computes it: 1 / count in fp32).
+    grad_scale = torch.ones((), dtype=torch.float32) / num_items_in_batch
+    with _head_swapped(*found, targets, chunk_size, fused, grad_scale):  # the model's forward as HF's loss calls it
+        loss = model(**inputs).logits
     return loss / num_items_in_batch

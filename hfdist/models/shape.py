@@ -42,7 +42,10 @@ the all-gathered inputs of the column-parallel projections (2 e H) are saved who
 
 The head: the final norm (4 H + e H), lm_head's input (e H) and the logits, counted once as fp32 (x 4: the loss
 upcasts them), divided by tp under loss parallel. hfdist's loss (hfdist.models.chunked_loss) holds the logits of
-one chunk of the sequence at a time (B x chunk x V x 4), not the whole batch's (S B V x 4).
+one chunk of the sequence at a time (B x chunk x V x 4), not the whole batch's (S B V x 4), plus, where lm_head
+computes in bf16, the bf16 copy of their gradient that the fused loss (hfdist.models.fused_loss) multiplies with
+(x 2). The fused loss also keeps the hidden states' gradient from its forward to backward (e H, whole under TP);
+lm_head's weight gradient, computed there too, is the gradient counted with the model states.
 """
 
 from __future__ import annotations
@@ -164,14 +167,16 @@ class ModelShape:
         return int(tokens * per_token)
 
     def head_activation_bytes(self, tokens: int, elem: int, tp: int = 1, logit_tokens: int | None = None) -> int:
-        """Bytes saved by the final norm, lm_head input and the fp32 logits (module docstring).
+        """Bytes saved by the final norm, lm_head input, the fused loss's hidden-state gradient and the fp32 logits
+        (module docstring).
 
         Args:
             logit_tokens: tokens whose logits exist at once (a chunked loss's chunk); default all `tokens`.
         """
         logit_tokens = tokens if logit_tokens is None else logit_tokens
-        return int(tokens * ((4 * self.hidden + elem * self.hidden) / tp + elem * self.hidden)
-                   + logit_tokens * 4 * self.vocab / tp)
+        logit_bytes = 4 + (elem if elem < 4 else 0)
+        return int(tokens * ((4 * self.hidden + elem * self.hidden) / tp + 2 * elem * self.hidden)
+                   + logit_tokens * logit_bytes * self.vocab / tp)
 
     def checkpointed_layer_bytes(self, tokens: int, elem: int, tp: int = 1) -> int:
         """Bytes one checkpointed layer keeps between forward and backward: its input hidden states.

@@ -10,7 +10,8 @@ before the last two steps, and then only this rank's shards:
     apply_ac(model)                         activation checkpointing per decoder layer (asked for or in the YAML)
     apply_compile(model)                    torch.compile per decoder layer, in place (--compile)
     split into pipeline stages              this rank's stages only; the rest of the model is dropped (pp > 1)
-    apply_fsdp(module, dp_mesh)             FSDP2 per decoder layer + root, per stage under PP; over dp_shard x cp
+    apply_fsdp(module, dp_mesh)             FSDP2 per decoder layer + root, per stage under PP (kept gathered
+                                            through the step there: reshard_after_forward); over dp_shard x cp
     materialize(module, device)             only the local shards, allocated on the rank's device
     load_weights(local tensors, plan)       each rank reads just its slices of the checkpoint (or seeded init)
 
@@ -26,7 +27,8 @@ dynamo-disabled). The compile is in place (`module.compile()`, as accelerate's `
 `torch.compile(module)` would return a wrapper whose call bypasses the hooks `fully_shard` adds afterwards, and
 would rename every parameter (`_orig_mod.`), which checkpoints and the weight loader key on. DDP
 and single-process runs compile the same way in hfdist.job.run, before the Trainer wraps the model in DDP.
-Pipeline, context-parallel and DeepSpeed rungs refuse --compile before launch (check_compile).
+The rung table (hfdist.config.rungs) says which rungs take --compile; the others are refused before launch
+(check_compile).
 
 Precision: FSDP2's MixedPrecisionPolicy is the one mechanism (compute in bf16, parameters, gradient reduction
 and optimizer in fp32): a pipeline with one data-parallel rank gets FSDP2 on its 1-rank dp mesh under bf16, so
@@ -40,11 +42,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfdist.config.finetune import ConfigError
+from hfdist.config.features import refuse_unless
 from hfdist.config.ladder import Rung
 
-__all__ = ["parallelize", "apply_ac", "apply_compile", "check_compile", "compile_record", "verify_compiled",
-           "uses_fsdp"]
+__all__ = ["parallelize", "reshard_after_forward", "apply_ac", "apply_compile", "check_compile", "compile_record",
+           "verify_compiled", "uses_fsdp"]
 
 
 def apply_ac(model: nn.Module) -> None:
@@ -54,22 +56,13 @@ def apply_ac(model: nn.Module) -> None:
 
 
 def check_compile(rung: Rung) -> None:
-    """Refuse --compile on the rungs it is not built or tested for, before any process starts.
+    """Refuse --compile on the rungs it is not built or tested for, before any process starts (the rung table's
+    `compile`: hfdist.config.features.refuse_unless).
 
     Raises:
-        ConfigError: naming the rung and the rungs that take --compile.
+        ConfigError: naming the rung, why, and the rungs that take --compile.
     """
-    if rung.uses_pipeline:
-        why = "pipeline stages run their layers through torch.distributed.pipelining's schedule, not built for it"
-    elif rung.uses_deepspeed:
-        why = "DeepSpeed's engine puts its own hooks on the layers (ZeRO-3 gathers parameters in them)"
-    elif rung.dims.cp > 1:
-        why = "context parallelism swaps the attention function for an all-to-all one the compiler would trace"
-    else:
-        return
-    raise ConfigError(f"--compile does not run on {rung.name}: {why}, and hfdist has not verified compiled layers "
-                      "there. Drop --compile, or use a rung that takes it: single, ddp, fsdp_full_shard, fsdp_hybrid, "
-                      "fsdp_tp (or a YAML of theirs).")
+    refuse_unless(rung, "compile")
 
 
 def _decoder_layers(model: nn.Module, layer_cls_name: str | None = None) -> list[nn.Module]:
@@ -128,6 +121,17 @@ def uses_fsdp(rung: Rung, mixed_precision: str) -> bool:
     return rung.uses_fsdp or (rung.owns_sharding and mixed_precision == "bf16")
 
 
+def reshard_after_forward(rung: Rung) -> bool:
+    """Whether FSDP2 frees a decoder layer's gathered parameters after its forward: the YAML's setting, except on
+    pipeline stages, which keep them. A schedule runs every micro-batch's forward and backward through a stage within
+    one step, and torch's stages already keep the parameters gathered from backward to the next forward (and reduce
+    the gradients once, after the last micro-batch); resharding after each forward would all-gather every layer
+    again for every micro-batch's backward, exposed in the bubble rather than overlapped (torchtitan's rule under
+    pipelining too). The planner counts pipeline stages' layers as gathered through the step accordingly."""
+    assert rung.fsdp is not None
+    return rung.fsdp.reshard_after_forward and not rung.uses_pipeline
+
+
 def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_precision: str,
                 activation_checkpointing: bool, compile: bool = False, weights=None) -> nn.Module:
     """Apply `rung`'s parallelism to `model` (on the meta device, LoRA already injected) on this rank; see the
@@ -164,7 +168,7 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
 
     def shard(module: nn.Module) -> nn.Module:
         return apply_fsdp(module, dp_mesh, layer_cls_name=rung.fsdp.layer_cls_to_wrap,
-                          reshard_after_forward=rung.fsdp.reshard_after_forward,
+                          reshard_after_forward=reshard_after_forward(rung),
                           param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,
                           offload_params=rung.fsdp.offload_params and device.type == "cuda")
 

@@ -25,13 +25,6 @@ from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, dims_on_cluste
 
 __all__ = ["Plan", "RungPlan", "plan_rungs", "plan_order"]
 
-# The decision-table order the recommendation walks (simplest first); rungs not named here (TP, 3D) come after
-# these, offload rungs always last.
-# Beyond sharding: pipeline stages first, then tensor parallelism, then both (the README's decision table).
-_ORDER = ("single", "ddp", "zero1", "zero2", "fsdp_full_shard", "zero3", "fsdp_hybrid", "pp", "fsdp_tp", "zero2_tp",
-          "3d")
-
-
 @dataclass(frozen=True)
 class RungPlan:
     """One rung on this cluster: its layout, predicted bytes and launch command (bytes None if it cannot run)."""
@@ -184,12 +177,11 @@ def _describe_dims(d: ParallelDims) -> str:
 
 
 def plan_order(rungs: Iterable[Rung]) -> list[Rung]:
-    """Rungs in the order the recommendation walks: (single,) ddp, zero1, zero2, fsdp_full_shard, zero3, fsdp_hybrid,
-    any other (TP / 3D) rungs by decision-table row, offload rungs last."""
+    """Rungs in the order the recommendation walks: the rung table's plan_order ((single,) ddp, zero1, zero2,
+    fsdp_full_shard, zero3, fsdp_hybrid, pp, fsdp_tp, zero2_tp, 3d, fsdp_cp), then rungs the table does not list,
+    offload rungs last."""
     def key(r: Rung) -> tuple:
-        row = r.info.table_row if r.info else 99
-        named = _ORDER.index(r.name) if r.name in _ORDER else len(_ORDER) + row
-        return (offload_device(r) != "none", named, r.name)
+        return (offload_device(r) != "none", r.info is None, r.info.plan_order if r.info else 0, r.name)
 
     return sorted(rungs, key=key)
 

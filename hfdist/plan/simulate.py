@@ -255,7 +255,8 @@ def _meta_state_bytes(model) -> tuple[int, int, int]:
     return _state_bytes(params, optimizer)
 
 
-def _simulated_step(model, rung: Rung, seq: int, micro_batch: int) -> tuple[tuple[int, int, int], dict[str, int]]:
+def _simulated_step(model, rung: Rung, seq: int, micro_batch: int,
+                    mixed_precision: str) -> tuple[tuple[int, int, int], dict[str, int]]:
     """One training step of a sharded meta model in fake tensors (shapes and dtypes, no data), under torch's FSDP2
     memory tracker: forward with the job's loss (vocab-parallel under TP), backward, AdamW step. Returns the state
     bytes after the step and the tracker's breakdown at the step's peak ("Total", ...), with "Activation" the
@@ -281,16 +282,32 @@ def _simulated_step(model, rung: Rung, seq: int, micro_batch: int) -> tuple[tupl
             # The job's loss (HfdistTrainer.causal_lm_loss): chunked over the sequence (the planner's default
             # chunk), each chunk's logits vocab-parallel under TP.
             loss = causal_lm_loss(model, {"input_ids": input_ids})
-            (forward,) = tracker.get_tracker_snapshot("current").values()
+            forward = [*tracker.get_tracker_snapshot("peak").values(), *tracker.get_tracker_snapshot("current").values()]
             loss.backward()
             optimizer.step()
         (peak,) = tracker.get_tracker_snapshot("peak").values()
         named = {getattr(k, "value", k): int(v) for k, v in peak.items()}
-        # The tracker keeps the breakdown at the step's total peak; where the optimizer step is that peak (small
-        # models, short sequences) the activations are gone by then, and their high-water mark is the end of forward.
-        activations = max(named["Activation"], *(int(v) for k, v in forward.items()
+        # The tracker keeps the breakdown at a total peak; where the optimizer step is the step's (small models,
+        # short sequences) the activations are gone by then, and their high-water mark is the forward's own peak
+        # (inside the loss, while a chunk's logits exist) or, where that peak came earlier (activation
+        # checkpointing: a layer's all-gather), the end of forward.
+        activations = max(named["Activation"], *(int(v) for snapshot in forward for k, v in snapshot.items()
                                                  if getattr(k, "value", k) == "Activation"))
+        # The fused loss computes lm_head's weight gradient in the forward, so the tracker files it under activations
+        # (at the end of forward, hence in that maximum); the planner counts it with the gradients, where it ends up.
+        activations -= _fused_head_grad_bytes(model, rung.dims.tp, 2 if mixed_precision == "bf16" else 4)
         return _state_bytes(params, optimizer), {**named, "Activation": activations}
+
+
+def _fused_head_grad_bytes(model, tp: int, elem: int) -> int:
+    """Bytes of the lm_head weight gradient the job's fused loss computes in the forward on this rank: of the
+    weight FSDP2 gathers (its tp shard) in the compute dtype (`elem` bytes); 0 where lm_head is frozen. (The
+    simulated rungs keep lm_head a plain Linear, gathered with the root: the fused loss applies.)"""
+    from hfdist.models.chunked_loss import find_causal_lm_head
+
+    causal_lm, name = find_causal_lm_head(model)
+    weight = getattr(causal_lm, name).weight
+    return weight.numel() // tp * elem if weight.requires_grad else 0
 
 
 def _distinct_stages(num_layers: int, pp: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -358,7 +375,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
             if step_seq is None:
                 param, grad, optimizer = _meta_state_bytes(model)
             else:
-                (param, grad, optimizer), peak = _simulated_step(model, rung, step_seq, micro_batch)
+                (param, grad, optimizer), peak = _simulated_step(model, rung, step_seq, micro_batch, mixed_precision)
                 step = StepPeak(step_seq, micro_batch, peak["Activation"], peak["Total"],
                                 _planned_activations(template.config, rung, mixed_precision, activation_checkpointing,
                                                      step_seq, micro_batch))

@@ -27,11 +27,15 @@ class MatrixError(HfdistError, ValueError):
     """No usable run summaries where the matrix was asked to look."""
 
 
-def hardware_name() -> str:
-    """A folder name for this machine's results: the GPU model and count, or the CPU core count."""
+def hardware_name(device: str | None = None) -> str:
+    """A folder name for results measured on `device`: "cuda", the GPU model and count; "cpu", the CPU core count
+    (whatever GPUs the machine has: a benchmark whose workers run gloo on CPU tensors measured the CPU). None:
+    this machine's GPUs when it has any, else its CPU."""
     import torch
 
-    if torch.cuda.is_available():
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
         name = torch.cuda.get_device_name(0).replace("NVIDIA ", "").lower()
         return f"{'-'.join(name.split())}-x{torch.cuda.device_count()}"
     return f"cpu-{os.cpu_count()}core"

@@ -86,10 +86,12 @@ class PrecisionProbe:
         self._hooks: list = []
 
     def attach(self, model: nn.Module) -> None:
-        """Watch the first Linear inside a decoder layer of `model` (or of this rank's first pipeline stage), and
-        the output of each pipeline stage but the last."""
+        """Watch the first Linear inside a decoder layer of `model` (or of this rank's first pipeline stage; the
+        layer DeepSpeed's AutoTP put in a Linear's place, whose weight carries AutoTP's gather), and the output of
+        each pipeline stage but the last."""
         layer_linear = next((m for name, m in model.named_modules()
-                             if isinstance(m, nn.Linear) and ".layers." in f".{name}" and "lora_" not in name), None)
+                             if (isinstance(m, nn.Linear) or hasattr(getattr(m, "weight", None), "gather_params"))
+                             and ".layers." in f".{name}" and "lora_" not in name), None)
         if layer_linear is not None:
             self._hooks.append(layer_linear.register_forward_hook(self._computed))
         runner = getattr(model, "runner", None)

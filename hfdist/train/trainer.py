@@ -4,8 +4,8 @@ DDP and DeepSpeed ZeRO go through the Trainer and accelerate unchanged. For FSDP
 itself; the Trainer then must neither wrap it in DDP nor move it, and must gather the shards to save. Under PP the
 Trainer's model is a PipelineModel (hfdist.parallel.pipeline.model) whose forward runs a whole schedule step, so
 the training step, gradient clipping and saving go through its runner. Before the first step the strategy in effect
-is verified (hfdist.parallel.verify), and its precision (hfdist.train.precision). Every rung but DeepSpeed AutoTP saves
-through hfdist.checkpoint.hf_export: fp32, one tensor at a time.
+is verified (hfdist.parallel.verify), and its precision (hfdist.train.precision). Every rung saves through
+hfdist.checkpoint.hf_export: fp32, one tensor at a time.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from transformers import Trainer, TrainingArguments
 
 from hfdist.checkpoint.trainer_hooks import CheckpointingMixin
 from hfdist.config.ladder import Rung
+from hfdist.metrics.memory import cuda_peaks_kept_through_resets
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.context import cp_group_of, shard_batch
 from hfdist.parallel.parallelize import verify_compiled
@@ -63,8 +64,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         checkpoint_identity: what a checkpoint records about the run, to refuse resuming another setup's.
         mixed_precision: "bf16" or "no", as the run trains (checked before the first step).
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
-        loss_chunk_size: sequence positions per lm_head + cross-entropy chunk (hfdist.models.chunked_loss), on
-            every rung; None: the whole sequence at once.
+        loss_chunk_size: sequence positions per lm_head + cross-entropy chunk (hfdist.models.chunked_loss: fused,
+            or recomputing where lm_head is not a plain Linear), on every rung; None: the whole sequence at once.
         compile: whether the decoder layers were compiled (--compile; verified before the first step).
     """
 
@@ -148,7 +149,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         return shard_batch(inputs, dist.get_rank(group), self.rung.dims.cp)
 
     def loss_context(self) -> contextlib.AbstractContextManager:
-        """`loss_parallel()` under TP (cross-entropy on vocab-sharded logits, forward and backward), else nothing."""
+        """`loss_parallel()` under TP (cross-entropy on vocab-sharded logits, forward and backward, where the loss
+        is not fused: the fused loss does its vocab-parallel softmax itself), else nothing."""
         if self.rung.uses_tp:
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -156,8 +158,8 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         return contextlib.nullcontext()
 
     def causal_lm_loss(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        """The causal-LM loss, chunked (hfdist.models.chunked_loss: never the whole batch's logits); under TP
-        the chunks' logits are vocab-sharded (loss_context)."""
+        """The causal-LM loss, chunked and fused (hfdist.models.chunked_loss: never the whole batch's logits, lm_head's
+        gradients computed in the forward); under TP vocab-parallel."""
         return causal_lm_loss(model, inputs, num_items_in_batch, self.loss_chunk_size)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -221,7 +223,11 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         return optimizer
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
+        # DeepSpeed's engine resets CUDA's peak statistics while it builds (ZeRO-1/2, its bf16 optimizer): the
+        # setup peak the memory meter reads at the first step must still count what came before.
+        with cuda_peaks_kept_through_resets():
+            model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
+                                                                    resume_from_checkpoint)
         verify_strategy(self.rung, model, self.model, self.lora, qlora=self.qlora)
         if self.compile:
             verify_compiled(self.rung, self.model)
@@ -242,30 +248,24 @@ class HfdistTrainer(CheckpointingMixin, Trainer):
         finally:
             self.model.set_requires_gradient_sync(True)
 
-    def _streams_its_save(self) -> bool:
-        """Every rung saves through hfdist.checkpoint.hf_export, but DeepSpeed AutoTP (zero2_tp): its split Linear layers
-        are DeepSpeed's own, gathered for saving by the Trainer (16-bit, whole state dict on rank 0)."""
-        return not (self.rung.uses_deepspeed and self.rung.uses_tp)
-
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        if not self._streams_its_save():
-            return super().save_model(output_dir, _internal_call)
         self._save(output_dir)
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        """The model (or LoRA adapter) in fp32 as a HF checkpoint, one tensor at a time (collective), + tokenizer."""
-        if not self._streams_its_save():
-            return super()._save(output_dir, state_dict)
+        """The model (or LoRA adapter) in fp32 as a HF checkpoint, one tensor at a time (collective), + tokenizer:
+        on every rung, DeepSpeed AutoTP's (zero2_tp) included (its split layers' fp32 master slices)."""
         from hfdist.checkpoint.hf_export import save_hf_checkpoint
         from hfdist.models.load import local_tensors
+        from hfdist.train.watchdog import solo_phase
 
         output_dir = output_dir or self.args.output_dir
         if self.rung.uses_pipeline:
             modules = [(stage, stage.original_name) for stage in self.model.runner.stages]
         else:
             modules = [(self.model, None)]
-        save_hf_checkpoint(output_dir, self.skeleton, local_tensors(modules), adapter_only=self.lora)
-        if self.args.should_save and self.processing_class is not None:
-            self.processing_class.save_pretrained(output_dir)
-        if dist.is_initialized():
-            dist.barrier()
+        with solo_phase("saving the model", "SAVE"):  # rank 0 writes every tensor while the others wait on it
+            save_hf_checkpoint(output_dir, self.skeleton, local_tensors(modules), adapter_only=self.lora)
+            if self.args.should_save and self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
+            if dist.is_initialized():
+                dist.barrier()

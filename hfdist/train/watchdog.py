@@ -15,6 +15,15 @@ The pieces, all from torch 2.13 itself:
   c10d store its step, its flight-recorder group status and its main thread's Python stack. A stopped, dead or GIL-holding rank stops
   publishing, so its last heartbeat is where it was; the store (kept by the launcher's agent) outlives it.
 
+NCCL raises nothing in Python: the main thread waits inside CUDA, and torch's own watchdog aborts the process once
+a collective has waited the timeout (TORCH_NCCL_ASYNC_ERROR_HANDLING=3). So under NCCL the heartbeat thread
+watches NCCL's flight recorder (`_dump_nccl_trace_json`; gloo's is `_dump_fr_trace_json`) and reports once this rank's
+oldest unfinished collective has waited STALL_FRACTION of the timeout, before torch's watchdog would.
+
+Phases in which rank 0 works alone while the others wait in a collective (data preparation behind
+main_process_first, the streamed save of the model, W&B's start and the summary) run under `alone` / `solo_phase`: every group's timeout is widened to
+SOLO_PHASE_TIMEOUT_SECONDS (or the --collective-timeout, if longer) for the phase and restored after it.
+
 On the timeout each surviving rank compares the timed-out collective's sequence number with every rank's last
 enqueued one in that group: the ranks behind it never joined. The report goes to the screen and, written atomically,
 to OUTPUT_DIR/logs/hang-rank-<r>.txt. Silent ranks on the reporting rank's own host are killed (a stopped process
@@ -41,11 +50,18 @@ from typing import Any
 
 from transformers.trainer_callback import TrainerCallback
 
-__all__ = ["CollectiveWatch", "StepWatchCallback", "flight_recorder_env", "HEARTBEAT_SECONDS", "EXIT_CODE",
-           "MIN_TIMEOUT_SECONDS", "DEFAULT_TIMEOUT_SECONDS"]
+__all__ = ["CollectiveWatch", "StepWatchCallback", "flight_recorder_env", "solo_phase", "HEARTBEAT_SECONDS",
+           "EXIT_CODE", "MIN_TIMEOUT_SECONDS", "DEFAULT_TIMEOUT_SECONDS", "SOLO_PHASE_TIMEOUT_SECONDS", "STALL_FRACTION",
+           "TEST_HOLD_ENV"]
 
 DEFAULT_TIMEOUT_SECONDS = 300.0  # long enough for a first step's lazy init and a large checkpoint's collectives
 MIN_TIMEOUT_SECONDS = 1.0
+# Rank 0 alone: 280 GB of fp32 70B weights at 30 MB/s, or tokenizing a large dataset (its cache makes reruns fast).
+SOLO_PHASE_TIMEOUT_SECONDS = 3 * 3600.0
+STALL_FRACTION = 0.8  # under NCCL the heartbeat reports at this share of the timeout, before torch's watchdog aborts
+# Tests only: HFDIST_TEST_HOLD_<KEY>=seconds holds rank 0 that long alone at the start of the solo phase KEY (DATA:
+# data preparation, SAVE: the streamed save, WANDB / SUMMARY: W&B's start, the summary), to show the others wait.
+TEST_HOLD_ENV = "HFDIST_TEST_HOLD_"
 HEARTBEAT_SECONDS = 2.0
 EXIT_CODE = 3
 _STACK_FRAMES = 12
@@ -60,12 +76,15 @@ def flight_recorder_env(output_dir: str | Path) -> dict[str, str]:
     return {"TORCH_FR_BUFFER_SIZE": _FR_ENTRIES, "TORCH_NCCL_DUMP_ON_TIMEOUT": "1", "TORCH_FR_DUMP_TEMP_FILE": dump, "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": dump}
 
 
-def _flight_record(collectives: bool) -> dict[str, Any]:
-    """This process's flight-recorder record ({"error": why} when it is off or unreadable)."""
+def _flight_record(collectives: bool, nccl: bool = False, only_active: bool = False) -> dict[str, Any]:
+    """This process's flight-recorder record: NCCL's under NCCL, else gloo's (torch keeps one per backend);
+    {"error": why} when it is off or unreadable. only_active: just the collectives not finished."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        import torch._C._distributed_c10d as c10d
 
-        return json.loads(_dump_fr_trace_json(includeCollectives=collectives).decode(errors="replace"))
+        dump = c10d._dump_nccl_trace_json if nccl else c10d._dump_fr_trace_json
+        raw = dump(collectives, only_active)  # (includeCollectives, onlyActive), both recorders alike
+        return json.loads(raw.decode(errors="replace") if isinstance(raw, bytes) else raw)
     except Exception as exc:  # noqa: BLE001 (diagnostics must never fail the run)
         return {"error": f"{type(exc).__name__}: {exc}"}
 
@@ -92,7 +111,10 @@ class CollectiveWatch:
         self.step: int | None = None
         self._store = None
         self._rank, self._world = 0, 1
+        self._nccl = False  # set by start(): NCCL's flight recorder, and stalls reported by the heartbeat
+        self._timeout_now = timeout  # the timeout the groups have now (widened in a solo phase)
         self._stop, self._wake = threading.Event(), threading.Event()
+        self._reporting = threading.Lock()  # one report per process: the heartbeat's or the main thread's
         self._record: dict[str, Any] = {}
 
     def where(self, phase: str, step: int | None = None) -> None:
@@ -101,7 +123,7 @@ class CollectiveWatch:
         self._wake.set()
 
     def _beat(self) -> dict[str, Any]:
-        status = _flight_record(collectives=False).get("pg_status", {})
+        status = _flight_record(collectives=False, nccl=self._nccl).get("pg_status", {})
         return {"rank": self._rank, "host": socket.gethostname(), "pid": os.getpid(), "time": time.time(),
                 "phase": self.phase, "step": self.step,
                 "last_enqueued": {pg: s.get("last_enqueued_collective") for pg, s in status.items()},
@@ -113,23 +135,67 @@ class CollectiveWatch:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._wake.wait(HEARTBEAT_SECONDS)
+            # A short timeout is checked often enough to report before it runs out (NCCL).
+            self._wake.wait(min(HEARTBEAT_SECONDS, 0.1 * self._timeout_now))
             self._wake.clear()
             if self._stop.is_set():
                 return
             self._publish()
+            if self._nccl:
+                self._report_stall()
             self._stop.wait(0.2)  # a fast run's steps must not turn the heartbeat into a busy loop
 
-    def cover_groups(self) -> None:
-        """Put the timeout on every process group that exists now (call again after creating more)."""
+    def _report_stall(self) -> None:
+        """Under NCCL: report and leave once this rank's oldest unfinished collective has waited STALL_FRACTION of
+        the timeout (torch's watchdog times it from the same moment, its enqueueing, and aborts at the whole)."""
+        entries = _flight_record(collectives=True, nccl=True, only_active=True).get("entries", [])
+        waiting = [e for e in entries if not e.get("retired") and e.get("state") != "completed"]
+        if not waiting:
+            return
+        oldest = min(int(e.get("time_created_ns") or 0) for e in waiting)
+        if time.time() - oldest / 1e9 >= STALL_FRACTION * self._timeout_now:
+            self._stop.set()
+            self.report_and_exit(None)
+
+    def _set_timeout(self, seconds: float) -> None:
+        """Put `seconds` on every process group this rank is in (and the heartbeat's stall threshold)."""
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
 
+        self._timeout_now = seconds
         if not (dist.is_available() and dist.is_initialized()):
             return
         for group in list(c10d._world.pg_map):
             if not c10d._rank_not_in_group(group):
-                c10d._set_pg_timeout(timedelta(seconds=self.timeout), group)
+                c10d._set_pg_timeout(timedelta(seconds=seconds), group)
+
+    def cover_groups(self) -> None:
+        """Put the timeout on every process group that exists now (call again after creating more)."""
+        self._set_timeout(self._timeout_now)
+
+    @contextlib.contextmanager
+    def alone(self, phase: str, key: str) -> Iterator[None]:
+        """Run a phase in which rank 0 works alone while the other ranks wait for it: every group's timeout is
+        SOLO_PHASE_TIMEOUT_SECONDS (or the --collective-timeout, if longer) for the phase, which every rank leaves
+        together (a barrier at its end, so that no rank waits for rank 0 after its timeout is restored). Must be
+        entered by every rank. `key` names the phase's test hold (TEST_HOLD_ENV + key, seconds; rank 0 only)."""
+        import torch.distributed as dist
+
+        before = (self.phase, self.step)
+        self.where(phase)
+        self._set_timeout(max(self.timeout, SOLO_PHASE_TIMEOUT_SECONDS))
+        try:
+            hold = float(os.environ.get(TEST_HOLD_ENV + key) or 0)
+            if hold > 0 and self._rank == 0:
+                print(f"hfdist: test hold: rank 0 alone in {phase} for {hold:g} s ({TEST_HOLD_ENV}{key})",
+                      file=sys.stderr, flush=True)
+                time.sleep(hold)
+            yield
+            if dist.is_available() and dist.is_initialized():
+                dist.barrier()
+        finally:
+            self._set_timeout(self.timeout)
+            self.where(*before)
 
     def start(self) -> None:
         """Put the timeout on the process groups and start publishing heartbeats (once the world has formed; a
@@ -141,13 +207,17 @@ class CollectiveWatch:
         self.cover_groups()
         self._store = dist.distributed_c10d._get_default_store()
         self._rank, self._world = dist.get_rank(), dist.get_world_size()
+        self._nccl = "nccl" in str(dist.get_backend())  # "nccl", or "cuda:nccl,cpu:gloo" beside CPU offload
         self._publish()
+        _STARTED[:] = [self]
         threading.Thread(target=self._loop, name="hfdist-heartbeat", daemon=True).start()
 
     def stop(self) -> None:
         """Stop the heartbeat thread."""
         self._stop.set()
         self._wake.set()
+        if self in _STARTED:
+            _STARTED.clear()
 
     @contextlib.contextmanager
     def watching(self) -> Iterator[None]:
@@ -160,8 +230,9 @@ class CollectiveWatch:
             self._stop.set()
             self.report_and_exit(exc)
 
-    def _beats(self, exc: BaseException) -> dict[int, dict[str, Any]]:
-        """Every rank's last heartbeat that the store holds; this rank's now, its stack where the timeout struck."""
+    def _beats(self, exc: BaseException | None) -> dict[int, dict[str, Any]]:
+        """Every rank's last heartbeat that the store holds; this rank's now, its stack where the timeout struck
+        (its main thread's now, when the heartbeat found the stall)."""
         beats = {}
         with contextlib.suppress(Exception):
             self._store.set_timeout(timedelta(seconds=5))  # the report must not wait a full timeout on the store
@@ -170,34 +241,46 @@ class CollectiveWatch:
             with contextlib.suppress(Exception):
                 if self._store.check([key]):
                     beats[rank] = json.loads(self._store.get(key))
-        stack = [line.rstrip() for line in traceback.format_tb(exc.__traceback__)[-_STACK_FRAMES:]]
-        beats[self._rank] = {**self._beat(), "stack": stack}
+        beats[self._rank] = self._beat()
+        if exc is not None:
+            beats[self._rank]["stack"] = [ln.rstrip() for ln in traceback.format_tb(exc.__traceback__)[-_STACK_FRAMES:]]
         return beats
 
-    def report(self, exc: BaseException) -> str:
+    def report(self, exc: BaseException | None = None) -> str:
         """The paragraph a surviving rank prints: the collective that timed out, the ranks that never joined it,
-        and where each rank was (its last heartbeat's Python stack)."""
-        record = _flight_record(collectives=True)
+        and where each rank was (its last heartbeat's Python stack).
+
+        Args:
+            exc: the timeout the main thread raised (gloo); None when the heartbeat found the collective stalled
+                (NCCL, before torch's watchdog aborts the process).
+        """
+        record = _flight_record(collectives=True, nccl=self._nccl)
         self._record = record
         entry = _timed_out_entry(record)
         beats, now = self._beats(exc), time.time()
         where = f"step {self.step}" if self.step is not None else self.phase
+        limit = f"--collective-timeout {self.timeout:g} s" if self._timeout_now == self.timeout else \
+            f"the timeout {self._timeout_now:g} s of this phase (rank 0 works alone in it)"
+        waited = f"waited more than {limit}"
         if entry is not None:
             group_key, group_desc = (entry.get("process_group") or ["?", "?"])[:2]
             seq = int(entry.get("collective_seq_id") or entry.get("p2p_seq_id") or 0)
             what = f"{entry.get('profiling_name')} #{seq} of process group {group_key} ({group_desc or 'unnamed'})"
             missing = sorted(r for r, b in beats.items() if group_key in b.get("last_enqueued", {})
                              and int(b["last_enqueued"][group_key] or -1) < seq)
+            if exc is None:
+                waited = (f"has waited {now - int(entry.get('time_created_ns') or 0) / 1e9:.0f} s, over "
+                          f"{STALL_FRACTION:.0%} of {limit}: reported now, before NCCL's watchdog aborts the process")
         else:  # torch 2.13's gloo records only some ops (not FSDP2's all-gather / reduce-scatter into tensors)
             error = f"; flight recorder: {record['error'][:160]}" if "error" in record else ""
-            what = (f"{_collective_from_stack(exc)} (from this rank's stack: the flight recorder holds no unfinished "
-                    f"entry{error}; gloo: {str(exc).splitlines()[0].split('] ')[-1][:120]})")
+            gloo = f"; gloo: {str(exc).splitlines()[0].split('] ')[-1][:120]}" if exc is not None else ""
+            what = (f"{_collective_from_stack(exc) if exc is not None else 'a collective'} (from this rank's stack: "
+                    f"the flight recorder holds no unfinished entry{error}{gloo})")
             missing, group_key = [], None
         silent = sorted(r for r, b in beats.items() if now - b["time"] > 3 * HEARTBEAT_SECONDS and r != self._rank)
         unknown = sorted(set(range(self._world)) - set(beats))
         culprits = sorted(set(missing) | set(silent) | set(unknown))
-        lines = [f"hfdist: collective timeout on rank {self._rank} at {where}: {what} waited more than "
-                 f"--collective-timeout {self.timeout:g} s.",
+        lines = [f"hfdist: collective timeout on rank {self._rank} at {where}: {what} {waited}.",
                  f"hfdist: never joined: {_rank_list(culprits) if culprits else 'no rank is known to be missing'}"
                  + "".join(f"\nhfdist:   rank {r}: {_state_of(beats.get(r), now, group_key)}" for r in culprits)]
         lines.append("hfdist: where each rank was (Python stack of its main thread: its last heartbeat's, this "
@@ -232,13 +315,16 @@ class CollectiveWatch:
                     ended.append(rank)
         return ended
 
-    def report_and_exit(self, exc: BaseException) -> None:
-        """Print the report, write it to logs/hang-rank-<r>.txt (atomically), and leave now."""
+    def report_and_exit(self, exc: BaseException | None) -> None:
+        """Print the report (`report`), write it to logs/hang-rank-<r>.txt (atomically), and leave now. A second
+        caller (the other thread) waits for the first one's exit."""
+        self._reporting.acquire()
         text = self.report(exc)
         print(text, file=sys.stderr, flush=True)
         logs = self.output_dir / "logs"
         _write_atomically(logs / f"hang-rank-{self._rank}.txt", text + "\n")
-        # The flight recorder's record, as NCCL dumps it on GPU (TORCH_NCCL_DUMP_ON_TIMEOUT), here as JSON.
+        # The flight recorder's record as JSON (under NCCL its own dump on a timeout, TORCH_NCCL_DUMP_ON_TIMEOUT,
+        # never comes: the process leaves before torch's watchdog fires).
         _write_atomically(logs / "flight_recorder" / f"rank_{self._rank}.json", json.dumps(self._record, indent=1))
         from hfdist import console
 
@@ -246,6 +332,15 @@ class CollectiveWatch:
             console.finish()
         sys.stdout.flush()
         os._exit(EXIT_CODE)
+
+
+_STARTED: list[CollectiveWatch] = []  # this process's started watch (one per rank)
+
+
+def solo_phase(phase: str, key: str) -> contextlib.AbstractContextManager:
+    """`CollectiveWatch.alone(phase, key)` on this process's started watch; nothing without one (hfdist's trainer
+    used outside the job)."""
+    return _STARTED[0].alone(phase, key) if _STARTED else contextlib.nullcontext()
 
 
 def _write_atomically(path: Path, text: str) -> None:

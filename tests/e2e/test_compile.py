@@ -1,9 +1,10 @@
 """End-to-end: `--compile` (torch.compile per decoder layer, inductor on CPU) trains what eager trains, on the rungs
 that take it, with every layer checked compiled; a rung that does not take it is refused before launch.
 
-One compiled run per rung (ddp, fsdp_full_shard, fsdp_tp) on llama-tiny, compared with the single-process eager
-run every strategy is compared with (each rung's eager losses equal it at rel 1e-5: tests/e2e/
-test_finetune_ladder.py). Compiling on 2 CPU cores costs about a minute per run; the steps themselves are tiny.
+One compiled run per rung the rung table tests with compile (ddp, fsdp_full_shard, fsdp_tp) on llama-tiny,
+compared with the single-process eager run every strategy is compared with (each rung's eager losses equal it at rel
+1e-5: tests/e2e/test_finetune_ladder.py). Compiling on 2 CPU cores costs about a minute per run; the steps
+themselves are tiny.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import sys
 
 import pytest
 
-from helpers import FINETUNE, finetune_all, run_cmd
+from helpers import FINETUNE, finetune_all, run_cmd, table_rungs
 
 pytestmark = pytest.mark.multiproc
 
 COMPILE_RTOL = 1e-4
-RUNGS = ["ddp", "fsdp_full_shard", "fsdp_tp"]
+RUNGS = table_rungs(option="compile")  # the rung table's tested_with: ddp, fsdp_full_shard, fsdp_tp
 
 
 @pytest.fixture(scope="module")

@@ -14,26 +14,29 @@ import sys
 import pytest
 import yaml
 
-from helpers import REPO, finetune_all, run_cmd
+from helpers import REPO, finetune_all, run_cmd, table_rungs
 
 LOSS_RTOL = 1e-5
 CP_ARGS = ["--seq-len", "512", "--global-batch-size", "4", "--max-steps", "3", "--no-wandb"]
 HFDIST = [sys.executable, "-m", "hfdist.cli"]
+RUNGS = table_rungs("context_parallel")  # the rung table's context-parallel rungs (fsdp_cp)
+LORA = table_rungs("context_parallel", "lora")
+NAMES = RUNGS + [f"lora_{n}" for n in LORA]
 
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("cp_job")
-    runs = finetune_all({name: (root / name, (*CP_ARGS, *extra), {"via": "python"}) for name, extra in (
-        ("single", ()), ("fsdp_cp", ("--config", "fsdp_cp")),
-        ("lora_single", ("--lora",)), ("lora_fsdp_cp", ("--config", "fsdp_cp", "--lora")))})
+    jobs = {"single": (), "lora_single": ("--lora",),
+            **{n: ("--config", n) for n in RUNGS}, **{f"lora_{n}": ("--config", n, "--lora") for n in LORA}}
+    runs = finetune_all({name: (root / name, (*CP_ARGS, *extra), {"via": "python"}) for name, extra in jobs.items()})
     for name, summary in runs.items():
         summary["_dir"] = root / name
     return runs
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", ["fsdp_cp", "lora_fsdp_cp"])
+@pytest.mark.parametrize("name", NAMES)
 def test_cp_losses_match_single_process(cp_runs, name):
     ref = cp_runs["lora_single" if name.startswith("lora") else "single"]
     got = cp_runs[name]

@@ -11,17 +11,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import REPO, SHARED_RUNS, check_batch, finished_offline_run
+from hfdist.config.ladder import load_rung
+
+from helpers import REPO, SHARED_RUNS, check_batch, finished_offline_run, table_rungs
 
 pytestmark = pytest.mark.multiproc
 
 # fp32 on CPU: sums over ranks/buckets happen in another order than in one process; 1e-5 relative covers that
 # (observed differences are ~1e-7) and no real bug (a wrong normaliser, a lost shard) stays under it.
 LOSS_RTOL = 1e-5
-FULL = ["ddp", "fsdp_full_shard", "fsdp_hybrid", "fsdp_tp", "zero1", "zero2", "zero2_tp", "zero3",
-        "zero3_offload_cpu", "zero3_offload_nvme"]
-LORA = ["ddp", "fsdp_full_shard", "fsdp_tp", "zero2", "zero3"]
-WORLD = {"fsdp_hybrid": 4, "fsdp_tp": 4, "zero2_tp": 4}
+# The rung table's ladder rungs (pipeline and context-parallel rungs have their own modules), each on its YAML's
+# process count, and those it also trains with LoRA.
+FULL = table_rungs("ladder")
+LORA = table_rungs("ladder", "lora")
+# Every rung holding 1/dp_shard of params, grads and optimizer state: ZeRO-3 and FSDP2 without tp.
+FULL_SHARDING = [n for n in FULL if (r := load_rung(n)).zero_stage == 3 or (r.uses_fsdp and not r.uses_tp)]
 # Half the rungs go through the README's form (hfdist hands over to accelerate), half through
 # `accelerate launch --config_file`, so both entry paths are exercised on every kind of strategy.
 VIA_CONFIG_FILE = {"fsdp_hybrid", "zero1", "zero2_tp", "zero3_offload_cpu"}
@@ -63,10 +67,10 @@ def test_losses_match_single_process(runs, name):
 @pytest.mark.parametrize("name", FULL)
 def test_strategy_and_world_recorded(runs, name):
     s = runs[name]["strategy"]
-    want_world = WORLD.get(name, 2)
-    assert s["name"] == name and s["world_size"] == want_world == len(runs[name]["ranks"])
-    assert s["dp_replicate"] * s["dp_shard"] * s["pp"] * s["tp"] == want_world
-    assert s["zero_stage"] == (int(name[4]) if name.startswith("zero") else 0)
+    rung = load_rung(name)
+    assert s["name"] == name and s["world_size"] == rung.num_processes == len(runs[name]["ranks"])
+    assert s["dp_replicate"] * s["dp_shard"] * s["pp"] * s["tp"] == rung.num_processes
+    assert s["zero_stage"] == rung.zero_stage
     assert s["mixed_precision"] == "no"  # the YAMLs say bf16: translated on CPU
 
 
@@ -80,15 +84,14 @@ def test_ddp_replicates_everything(runs):
         assert _bytes(runs["ddp"], key) == [single[key]] * 2
 
 
-@pytest.mark.parametrize("name", ["fsdp_full_shard", "fsdp_hybrid", "zero3", "zero3_offload_cpu",
-                                  "zero3_offload_nvme"])
+@pytest.mark.parametrize("name", FULL_SHARDING)
 def test_full_sharding_holds_half_of_everything(runs, name):
     """FSDP full shard and ZeRO-3 hold ~1/dp_shard of params, grads and optimizer state (dp_shard = 2 here)."""
-    ddp = runs["ddp"]["ranks"][0]
+    ddp, shards = runs["ddp"]["ranks"][0], load_rung(name).dims.dp_shard
     for key in ("param_bytes", "grad_bytes", "optimizer_bytes"):
         for got in _bytes(runs[name], key):
             # Flat buffers round each rank's share up to an alignment; 2% covers that on this tiny model.
-            assert got == pytest.approx(ddp[key] / 2, rel=0.02), f"{name} {key}: {got} vs ddp {ddp[key]}"
+            assert got == pytest.approx(ddp[key] / shards, rel=0.02), f"{name} {key}: {got} vs ddp {ddp[key]}"
 
 
 def test_zero1_shards_optimizer_state_only(runs):
@@ -132,8 +135,7 @@ def test_zero2_tp_splits_the_linears(runs):
         assert r["optimizer_bytes"] < 0.5 * ddp["optimizer_bytes"]
 
 
-@pytest.mark.parametrize("name", ["single", "ddp", "fsdp_full_shard", "fsdp_hybrid", "fsdp_tp", "zero2", "zero2_tp",
-                                  "zero3", "zero3_offload_nvme"])
+@pytest.mark.parametrize("name", ["single"] + FULL)
 def test_saved_model_reloads_with_trained_loss(runs, name):
     from transformers import AutoModelForCausalLM
 
@@ -174,7 +176,6 @@ def test_planner_predicts_the_measured_bytes(runs, name):
     partitions; Adam's step counters (a few bytes per tensor) are not predicted. ZeRO-2's gradients also include
     DeepSpeed's reduce bucket, which the planner counts under buffers, so they may exceed the prediction by it.
     """
-    from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.plan import predict_state_bytes
 

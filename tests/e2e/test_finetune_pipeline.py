@@ -11,13 +11,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import SHARED_RUNS, check_batch
+from hfdist.config.ladder import load_rung
+
+from helpers import SHARED_RUNS, check_batch, table_rungs
 
 pytestmark = pytest.mark.multiproc
 
 LOSS_RTOL = 1e-5  # as in test_finetune_ladder.py
 SCHEDULES = ["GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]  # pp.yaml itself runs 1F1B
-WORLD = {"3d": 8}
+RUNGS = table_rungs("pipeline")  # the rung table's pipeline rungs (pp, 3d), each on its YAML's process count
+LORA = [f"lora_{n}" for n in table_rungs("pipeline", "lora")]  # lora_pp
 ACCUM_AC_SCHEDULE = "GPipe"
 ACCUM_AC = ("--micro-batch-size", "4", "--pp-microbatches", "2", "--activation-checkpointing")
 
@@ -30,8 +33,9 @@ def runs(tmp_path_factory, references, shared_runs):
     test_checkpoint_export also read; so is pp_Interleaved1F1B, whose loss in sequence chunks test_chunked_loss_job
     also checks."""
     root = tmp_path_factory.mktemp("pipeline")
-    shared = ["pp", "3d"] + [f"pp_{s}" for s in SCHEDULES if f"pp_{s}" in SHARED_RUNS]
-    jobs = {"lora_pp": (root / "lora_pp", ("--config", "pp", "--lora"), {"via": "python"})}
+    shared = [n for n in RUNGS + [f"pp_{s}" for s in SCHEDULES] if n in SHARED_RUNS]
+    jobs = {name: (root / name, ("--config", name.removeprefix("lora_"), *(("--lora",) if name in LORA else ())),
+                   {"via": "python"}) for name in RUNGS + LORA if name not in SHARED_RUNS}
     for schedule in SCHEDULES:
         if f"pp_{schedule}" in SHARED_RUNS:
             continue
@@ -45,10 +49,10 @@ def runs(tmp_path_factory, references, shared_runs):
     return {**references, **out}
 
 
-NAMES = ["pp", "3d"] + [f"pp_{s}" for s in SCHEDULES]
+NAMES = RUNGS + [f"pp_{s}" for s in SCHEDULES]
 
 
-@pytest.mark.parametrize("name", NAMES + ["lora_pp"])
+@pytest.mark.parametrize("name", NAMES + LORA)
 def test_losses_match_single_process(runs, name):
     ref = runs["lora_single" if name.startswith("lora_") else "single"]["losses"]
     got = runs[name]["losses"]
@@ -60,7 +64,7 @@ def test_losses_match_single_process(runs, name):
 @pytest.mark.parametrize("name", NAMES)
 def test_pipeline_recorded_as_asked(runs, name):
     s = runs[name]["strategy"]
-    assert s["world_size"] == WORLD.get(name, 2) == len(runs[name]["ranks"])
+    assert s["world_size"] == load_rung(name if name in RUNGS else "pp").num_processes == len(runs[name]["ranks"])
     assert s["pp"] == 2 and s["dp_replicate"] * s["dp_shard"] * s["pp"] * s["tp"] == s["world_size"]
     want = name.split("_", 1)[1] if name.startswith("pp_") else "1F1B"
     assert s["pp_schedule"] == want
@@ -86,7 +90,7 @@ def test_stages_split_the_model_states(runs):
         assert all(r["tokens"] == 4 * 8 * 64 // dp and r["tokens_per_second"] > 0 for r in runs[name]["ranks"])
 
 
-@pytest.mark.parametrize("name", ["pp", "3d", "pp_ZBVZeroBubble"])
+@pytest.mark.parametrize("name", RUNGS + ["pp_ZBVZeroBubble"])
 def test_consolidated_checkpoint_reloads_with_trained_loss(runs, name):
     """Every stage (and every FSDP/TP shard) gathered into one HF checkpoint: from_pretrained reproduces the
     loss the distributed model scored after training."""
@@ -118,10 +122,9 @@ def test_lora_adapter_from_stages_reloads(runs):
     assert loss == pytest.approx(summary["check_batch_loss"], rel=LOSS_RTOL)
 
 
-@pytest.mark.parametrize("name", ["pp", "3d"])
+@pytest.mark.parametrize("name", RUNGS)
 def test_planner_predicts_the_measured_bytes(runs, name):
     """hfdist plan's per-rank param/grad/optimizer bytes (an average over ranks) against the measured mean (2%)."""
-    from hfdist.config.ladder import load_rung
     from hfdist.models.presets import load_config
     from hfdist.plan import predict_state_bytes
 

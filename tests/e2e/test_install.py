@@ -77,7 +77,7 @@ def test_installed_hfdist_runs_from_any_directory(installed):
 
     configs = _run([venv / "bin" / "hfdist", "configs"], cwd)
     assert configs.returncode == 0, configs.stderr
-    for name in ("ddp", "fsdp_full_shard", "fsdp_hybrid", "zero3", "pp", "fsdp_tp", "3d", "zero3_offload_nvme"):
+    for name in known_rung_names():
         assert f"hfdist finetune --config {name}" in configs.stdout
     assert str(venv) in configs.stdout  # the files it lists are the installed ones
 

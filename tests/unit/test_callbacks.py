@@ -148,6 +148,47 @@ def test_memory_windows_on_cuda_keep_setup_and_after_training_apart(fake_cuda, c
     assert cb.ranks == [run]
 
 
+def test_setup_peak_survives_deepspeeds_resets_of_the_peak(fake_cuda, monkeypatch):
+    """gpu-readiness B8: DeepSpeed's engine, built inside the Trainer's preparation, resets CUDA's peak statistics
+    (ZeRO-1/2's `empty_cache` before flattening each parameter group, on every rank); the setup peak the memory meter
+    records at the first step must still be the highest one before it. DeepSpeed's own `empty_cache` runs through its
+    CUDA accelerator; the Trainer's preparation is replaced by that engine build (peak 7 GB, then the reset)."""
+    import deepspeed.runtime.utils as ds_utils
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+    from transformers import Trainer
+
+    import hfdist.train.trainer as trainer_module
+    from hfdist.callbacks.memory import MemoryMeter
+    from hfdist.config.ladder import load_rung
+    from hfdist.metrics.memory import peak_memory_bytes
+    from hfdist.train.precision import PrecisionProbe
+
+    model = build_model("llama-tiny", vocab_size=1024)
+    fake_cuda.current = GB
+    fake_cuda.use(peak=3 * GB)  # loading the model
+
+    def build_engine(self, max_steps, loader, resume):
+        fake_cuda.use(peak=7 * GB)  # flattening a parameter group
+        ds_utils.empty_cache()  # ... and the next group's reset
+        return self.model, loader
+
+    monkeypatch.setattr(ds_utils, "get_accelerator", CUDA_Accelerator)
+    monkeypatch.setattr(Trainer, "_prepare_for_training", build_engine)
+    monkeypatch.setattr(trainer_module, "verify_strategy", lambda *args: None)
+    monkeypatch.setattr(trainer_module, "check_precision", lambda *args: None)
+    trainer = trainer_module.HfdistTrainer.__new__(trainer_module.HfdistTrainer)
+    trainer.model, trainer.rung, trainer.lora, trainer.compile = model, load_rung("zero2"), False, False
+    trainer.mixed_precision, trainer.accelerator, trainer.precision = "bf16", None, PrecisionProbe()
+    trainer._prepare_for_training(10, None, None)
+    assert fake_cuda.peak == GB  # DeepSpeed did reset the allocator's peak
+
+    meter, cuda = MemoryMeter(), torch.device("cuda", 0)
+    meter.start(model, torch.optim.AdamW(model.parameters()), cuda)
+    assert meter._run["setup_peak_memory_bytes"] == 7 * GB
+    fake_cuda.use(peak=2 * GB)  # the first window: its own peak, the kept one gone with hfdist's reset
+    assert peak_memory_bytes(cuda) == 2 * GB
+
+
 def test_records_travel_as_floats_and_come_back_as_counts():
     keys = ("tokens", "tokens_per_second", "mfu")
     (record,) = gather_records({"tokens": 640, "tokens_per_second": 12.5}, keys, torch.device("cpu"))

@@ -91,7 +91,7 @@ def test_planner_activations_divide_by_cp():
     assert two.weights == one.weights  # states sharded over dp_shard x cp: the same 4 ranks
     # The chunked loss (default) holds one 512-position chunk of logits on every cp rank: that term does not divide.
     chunked = Workload(seq=32768, micro_batch=1, dtype="bf16")
-    chunk_logits = 512 * shape.vocab * 4
+    chunk_logits = 512 * shape.vocab * (4 + 2)  # fp32 logits and the bf16 copy of their gradient (fused loss)
     one = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=4), chunked).activations - chunk_logits
     two = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=2, cp=2), chunked).activations - chunk_logits
     assert two == pytest.approx(one / 2, rel=1e-6)

@@ -19,20 +19,9 @@ import torch
 from hfdist.config.finetune import ConfigError, FinetuneConfig
 from hfdist.config.ladder import known_rung_names, load_rung
 
-from helpers import run_cmd
+from helpers import REPO, run_cmd
 
 GB = 10**9
-
-
-@pytest.fixture
-def gpu_host(monkeypatch):
-    """An 8 x H100 80GB node as torch.cuda describes it."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(torch.cuda, "get_device_properties",
-                        lambda device=None: SimpleNamespace(total_memory=80 * GB, name="NVIDIA H100 80GB HBM3"))
 
 
 def test_the_suite_sees_no_gpu_and_neither_do_its_processes():
@@ -137,3 +126,123 @@ def test_nvme_offload_without_the_cuda_toolkit_is_refused_before_launch(gpu_host
     check_nvme_offload(load_rung("zero3_offload_cpu"))  # no NVMe: nothing to build
     monkeypatch.setattr(cpp, "CUDA_HOME", "/usr/local/cuda")
     check_nvme_offload(load_rung("zero3_offload_nvme"))  # toolkit present (libaio and ninja are, on this machine)
+
+
+def _prebuild_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("prebuild_deepspeed_ops", REPO / "scripts" / "prebuild_deepspeed_ops.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("toolkit", [None, "/usr/local/cuda"])
+def test_setup_prebuilds_cpu_adam_on_a_gpu_host_too(gpu_host, monkeypatch, toolkit):
+    """gpu-readiness C16: zero3_offload_cpu's optimizer (DeepSpeedCPUAdam) JIT-builds cpu_adam on first use, minutes
+    into the first run; setup.sh builds it on GPU hosts too (with or without the CUDA toolkit: on DeepSpeed's CUDA
+    accelerator it is the plain C++ builder), and NVMe's async_io where the toolkit is. The builders come from
+    DeepSpeed's own CUDA accelerator; only their compilation is replaced by a record."""
+    import deepspeed.accelerator
+    import torch.utils.cpp_extension as cpp
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    cuda = CUDA_Accelerator()
+    built = []
+    create = cuda.create_op_builder
+
+    def recording(name):
+        builder = create(name)
+        builder.load = lambda verbose=True: built.append(builder.NAME)
+        return builder
+
+    monkeypatch.setattr(cuda, "create_op_builder", recording)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: cuda)
+    monkeypatch.setattr(cpp, "CUDA_HOME", toolkit)
+    lines = _prebuild_module().prebuild()
+    assert built == (["cpu_adam"] if toolkit is None else ["cpu_adam", "async_io"])
+    assert "setup: DeepSpeed op cpu_adam built" in lines
+    setup = (REPO / "scripts" / "setup.sh").read_text()
+    assert "python scripts/prebuild_deepspeed_ops.py" in setup  # what setup.sh runs, on every host
+
+
+class _FakeGpu:
+    """A device whose work runs after the host queues it: each queued action adds its milliseconds to the queue;
+    events record the queue's position; synchronize waits (sleeps) until the queue has run."""
+
+    def __init__(self) -> None:
+        self.queued_ms, self.done_ms, self.log = 0.0, 0.0, []
+
+    def queue(self, ms: float) -> None:
+        self.queued_ms += ms
+
+    def synchronize(self, device=None) -> None:
+        import time
+
+        time.sleep((self.queued_ms - self.done_ms) / 1000)
+        self.done_ms = self.queued_ms
+        self.log.append("synchronize")
+
+    def event_class(self):
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream=None) -> None:
+                self.at = gpu.queued_ms
+
+            def elapsed_time(self, end) -> float:
+                assert gpu.done_ms >= end.at, "an event read before the device reached it"
+                return end.at - self.at
+
+        return Event
+
+
+def test_bubble_meter_times_gpu_work_on_the_device(monkeypatch):
+    """gpu-readiness B11: on a GPU a stage's forward returns once its kernels are queued; the compute time must be
+    the device's (CUDA events around each action) and a step's wall time must end when the device has finished."""
+    import torch.distributed as dist
+
+    from hfdist.metrics.bubble import time_steps
+
+    gpu = _FakeGpu()
+    monkeypatch.setattr(torch.cuda, "Event", gpu.event_class())
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+
+    class Stage:
+        def forward_one_chunk(self, *args):
+            gpu.queue(2.0)
+
+        def backward_one_chunk(self, *args):
+            gpu.queue(4.0)
+
+        def backward_weight_one_chunk(self, *args):
+            gpu.queue(0.5)
+
+    class Runner:
+        device, pp_group = torch.device("cuda", 0), None
+
+        def __init__(self) -> None:
+            self.pipeline_stages = [Stage()]
+
+        def loss_fn(self, *args):
+            gpu.queue(1.0)
+
+        def step(self, *args):
+            gpu.log.append("step")
+            stage = self.pipeline_stages[0]
+            for _ in range(4):  # micro-batches
+                stage.forward_one_chunk()
+                self.loss_fn()
+                stage.backward_one_chunk()
+                stage.backward_weight_one_chunk()
+            gpu.queue(10.0)  # the step's own work outside the compute actions (communication): not compute
+
+    busy, wall = time_steps(Runner(), None, None, steps=3)
+    assert busy == pytest.approx(3 * 4 * 7.5 / 1000)  # the device's time inside the actions, not the host's ~0
+    assert wall >= 3 * (4 * 7.5 + 10) / 1000  # every step timed until the device finished it
+    assert gpu.log == ["synchronize", "step", "synchronize"] * 3 + ["synchronize"]

@@ -227,3 +227,39 @@ def test_runner_layout_and_errors():
             PipelineRunner(_tiny(True), mesh["pp"], schedule="ZBVZeroBubble", parallelize=lambda stage: stage)
         with pytest.raises(PipelineConfigError, match="1-D pipeline sub-mesh"):
             PipelineRunner(_tiny(), mesh, schedule="1F1B")
+
+
+# ---------------------------------------------------------------- FSDP2 on pipeline stages
+
+
+def _layers_reshard_after_forward(module: torch.nn.Module) -> list[bool]:
+    """For each decoder layer FSDP2 made a unit of: whether it frees its gathered parameters after forward (FSDP2
+    keeps a post-forward mesh only for units that reshard)."""
+    from torch.distributed.fsdp import fully_shard
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return [fully_shard.state(m)._fsdp_param_group.post_forward_mesh_info is not None
+            for m in module.modules() if isinstance(m, LlamaDecoderLayer)]
+
+
+@pytest.mark.parametrize("name", ["pp", "3d"])
+def test_pipeline_stages_keep_their_layers_gathered_through_the_step(name):
+    """gpu-readiness C15: the shipped YAMLs say fsdp_reshard_after_forward: true, which holds for the layers of an
+    unpipelined model; on pipeline stages every micro-batch's backward would all-gather each layer again, so stages
+    never reshard after forward (torchtitan's rule under pipelining)."""
+    from hfdist.config.ladder import load_rung
+    from hfdist.models.build import meta_model
+    from hfdist.parallel.parallelize import parallelize
+
+    rung = load_rung(name)
+    assert rung.fsdp.reshard_after_forward and rung.uses_pipeline  # what the YAML asks for
+    with fake_world(rung.num_processes):
+        model = parallelize(meta_model("llama-tiny", vocab_size=1024), rung, device=torch.device("cpu"),
+                            mixed_precision="bf16", activation_checkpointing=False)
+        flags = [f for stage in model.runner.stages for f in _layers_reshard_after_forward(stage)]
+    assert flags and not any(flags)
+    flat = load_rung("fsdp_full_shard")
+    with fake_world(flat.num_processes):
+        model = parallelize(meta_model("llama-tiny", vocab_size=1024), flat, device=torch.device("cpu"),
+                            mixed_precision="no", activation_checkpointing=False)
+        assert all(_layers_reshard_after_forward(model))  # without stages the YAML's setting stands

@@ -15,7 +15,8 @@ import torch
 
 from hfdist.cli import main
 from hfdist.config.dims import ParallelDims
-from hfdist.config.ladder import load_rung
+from hfdist.config.ladder import known_rung_names, load_rung
+from hfdist.config.rungs import RUNG_INFO
 from hfdist.models.presets import load_config
 from hfdist.models.shape import ModelShape
 from hfdist.plan import GB, plan_rungs, predict_state_bytes
@@ -242,9 +243,8 @@ def test_sharding_per_rung():
     config = load_config("llama-3.1-8b")
     p = ModelShape.from_config(config).total_params
     plan = plan_rungs(config, gpus_per_node=4, nodes=2, gpu_mem_bytes=H100)
-    assert [r.name for r in plan.rungs] == ["ddp", "zero1", "zero2", "fsdp_full_shard", "zero3", "fsdp_hybrid",
-                                            "pp", "fsdp_tp", "zero2_tp", "3d", "fsdp_cp", "zero3_offload_cpu",
-                                            "zero3_offload_nvme"]
+    # Every shipped rung, in the rung table's plan_order (ddp, zero1, zero2, fsdp_full_shard, zero3, ..., offload last).
+    assert [r.name for r in plan.rungs] == sorted(known_rung_names(), key=lambda n: RUNG_INFO[n].plan_order)
     b = {r.name: r.bytes for r in plan.rungs}
     assert (b["ddp"].weights, b["ddp"].grads, b["ddp"].master, b["ddp"].optimizer) == (2 * p, 2 * p, 4 * p, 8 * p)
     assert b["zero1"].grads == 2 * p and b["zero1"].optimizer == 8 * p // 8
@@ -289,19 +289,22 @@ def test_activation_checkpointing_and_batch_scale_activations():
     assert shape.layer_activation_bytes(tokens, 2) / (tokens * shape.hidden) == pytest.approx(49, abs=0.1)
     double = _rung(plan_rungs(config, ["fsdp_full_shard"], seq=4096, micro_batch=2, **kw), "fsdp_full_shard")
     assert double.bytes.activations == pytest.approx(2 * full, rel=1e-6)
-    assert head == tokens * (4 * 4096 + 2 * 4096 + 2 * 4096) + 512 * 4 * 128256  # fp32 logits of one chunk
+    # Final norm, lm_head's input, the fused loss's hidden-state gradient; one chunk's fp32 logits and the bf16
+    # copy of their gradient (the fused loss's matmul operand).
+    assert head == tokens * (4 * 4096 + 2 * 4096 + 2 * 4096 + 2 * 4096) + 512 * (4 + 2) * 128256
 
 
 @pytest.mark.parametrize("rung, tp, micro_batch", [("fsdp_full_shard", 1, 1), ("fsdp_full_shard", 1, 2),
                                                    ("fsdp_tp", 2, 1)])
 def test_chunked_loss_counts_one_chunk_of_logits(rung, tp, micro_batch):
-    """The planner counts B x chunk x V x 4 bytes of fp32 logits (per tp rank) instead of B x S x V x 4; with the
-    loss unchunked (loss_chunk_size=None, --loss-chunk-size 0) the whole batch's."""
+    """The planner counts B x chunk x V x 6 bytes (bf16: fp32 logits and the bf16 copy of their gradient, per tp
+    rank) instead of B x S x V x 6; with the loss unchunked (loss_chunk_size=None, --loss-chunk-size 0) the whole
+    batch's."""
     config = load_config("llama-3.1-8b")
     kw = dict(gpus_per_node=8, gpu_mem_bytes=H100, seq=4096, micro_batch=micro_batch)
     chunked = _rung(plan_rungs(config, [rung], **kw), rung).bytes.activations
     whole = _rung(plan_rungs(config, [rung], loss_chunk_size=None, **kw), rung).bytes.activations
-    assert whole - chunked == micro_batch * (4096 - 512) * 128256 * 4 // tp
+    assert whole - chunked == micro_batch * (4096 - 512) * 128256 * 6 // tp
     bigger = _rung(plan_rungs(config, [rung], loss_chunk_size=8192, **kw), rung).bytes.activations
     assert bigger == whole  # a chunk longer than the sequence is the whole sequence
 
@@ -472,14 +475,15 @@ def test_pipeline_with_one_data_parallel_rank_gathers_only_under_bf16():
 
 def test_cli_loss_chunk_size_counts_one_chunk_or_the_whole_sequence(capsys):
     """`--loss-chunk-size` plans what finetune's flag of the same name runs: one chunk's fp32 logits, or with 0 the
-    whole sequence's; Llama-3's 128256-entry vocabulary makes the difference (8192 - 512) x 128256 x 4 bytes."""
+    whole sequence's; Llama-3's 128256-entry vocabulary makes the difference (8192 - 512) x 128256 x 6 bytes (bf16:
+    fp32 logits and the bf16 copy of their gradient)."""
     activations = {}
     for chunk in ("512", "0"):
         assert main(["plan", "--model", "llama-3.1-8b", "--seq", "8192", "--loss-chunk-size", chunk, "--json"]) == 0
         data = json.loads(capsys.readouterr().out)
         assert data["workload"]["loss_chunk_size"] == (int(chunk) or None)
         activations[chunk] = data["rungs"][0]["per_rank_bytes"]["activations"]
-    assert activations["0"] - activations["512"] == (8192 - 512) * 128256 * 4
+    assert activations["0"] - activations["512"] == (8192 - 512) * 128256 * 6
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--model", "llama-3.1-8b", "--loss-chunk-size", "-1"])
     assert exit_info.value.code == 2 and "must be 0 or more, got -1" in capsys.readouterr().err

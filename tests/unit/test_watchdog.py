@@ -3,6 +3,7 @@ reading of heartbeats and flight-recorder records, and the straggler line of the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 
@@ -66,7 +67,7 @@ def test_report_names_the_rank_behind_the_timed_out_collective(monkeypatch, tmp_
                           {"profiling_name": "gloo:all_reduce", "collective_seq_id": 5, "retired": True,
                            "is_p2p": False, "process_group": ["0", "default_pg"], "time_created_ns": 2}],
               "pg_status": {"0": {"last_enqueued_collective": "5", "last_completed_collective": "4"}}}
-    monkeypatch.setattr(watchdog, "_flight_record", lambda collectives: record)
+    monkeypatch.setattr(watchdog, "_flight_record", lambda collectives, nccl=False, only_active=False: record)
     watch = watchdog.CollectiveWatch(tmp_path, 20)
     watch._store, watch._rank, watch._world = store, 0, 3
     watch.where("training", 7)
@@ -81,6 +82,114 @@ def test_report_names_the_rank_behind_the_timed_out_collective(monkeypatch, tmp_
     assert 'hfdist:      File "trainer.py", line 1, in training_step' in text  # rank 1's last stack
     assert "hfdist: -- rank 2: step 7, heartbeat alive" in text
     assert all(line.startswith("hfdist:") for line in text.splitlines())  # the console keeps it on the screen
+
+
+def _nccl_record(age_s: float) -> dict:
+    """NCCL's flight recorder as a rank stuck in all_reduce #5 of the default group sees it, `age_s` after
+    enqueueing it (#4 completed)."""
+    now = time.time_ns()
+    return {"entries": [{"profiling_name": "nccl:all_reduce", "collective_seq_id": 5, "retired": False,
+                         "state": "scheduled", "is_p2p": False, "process_group": ["0", "default_pg"],
+                         "time_created_ns": now - int(age_s * 1e9)}],
+            "pg_status": {"0": {"last_enqueued_collective": "5", "last_completed_collective": "4"}}}
+
+
+@pytest.fixture
+def nccl_recorder(monkeypatch):
+    """torch's NCCL flight-recorder dump (absent from a CPU build) returning what `state["record"]` holds; gloo's
+    returns nothing, so a report that names the collective read NCCL's."""
+    import torch._C._distributed_c10d as c10d
+
+    state = {"record": {}, "calls": 0}
+
+    def dump(include_collectives=None, only_active=None) -> bytes:
+        state["calls"] += 1
+        return json.dumps(state["record"]).encode()
+
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", dump, raising=False)
+    monkeypatch.setattr(c10d, "_dump_fr_trace_json", lambda *args: b'{"entries": [], "pg_status": {}}')
+    return state
+
+
+def _nccl_watch(tmp_path, timeout: float):
+    """Rank 0 of 2 under NCCL (as start() would set it up), rank 1's last heartbeat 30 s old, before #5."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    store.set("hfdist/heartbeat/1", json.dumps({"rank": 1, "time": time.time() - 30, "phase": "training", "step": 7,
+                                                 "last_enqueued": {"0": "4"}, "stack": []}))
+    watch = watchdog.CollectiveWatch(tmp_path, timeout)
+    watch._store, watch._rank, watch._world, watch._nccl = store, 0, 2, True
+    return watch
+
+
+def test_nccl_stall_is_reported_by_the_heartbeat_before_torchs_watchdog(tmp_path, monkeypatch, nccl_recorder):
+    """gpu-readiness A1: under NCCL nothing raises in Python (torch's watchdog aborts the process at the timeout),
+    so the heartbeat thread reads NCCL's flight recorder and reports once the oldest unfinished collective has
+    waited 80% of the timeout: the report, logs/hang-rank-0.txt and exit code 3, from the heartbeat thread."""
+    import threading
+
+    exits = []
+    monkeypatch.setattr(watchdog.os, "_exit", lambda code: exits.append((code, threading.current_thread().name)))
+    nccl_recorder["record"] = _nccl_record(17)
+    watch = _nccl_watch(tmp_path, 20)
+    watch.where("training", 7)
+    thread = threading.Thread(target=watch._loop, name="hfdist-heartbeat", daemon=True)
+    thread.start()
+    thread.join(10)
+    assert exits == [(watchdog.EXIT_CODE, "hfdist-heartbeat")]
+    text = (tmp_path / "logs" / "hang-rank-0.txt").read_text()
+    assert text.startswith("hfdist: collective timeout on rank 0 at step 7: nccl:all_reduce #5 of process group 0 "
+                           "(default_pg) has waited 17 s, over 80% of --collective-timeout 20 s: reported now, "
+                           "before NCCL's watchdog aborts the process.")
+    assert "hfdist: never joined: rank 1\n" in text
+    assert "test_watchdog.py" in text  # this rank's stack: its main thread's, where it waits
+    mine = json.loads(watch._store.get("hfdist/heartbeat/0"))  # the heartbeat published NCCL's group status
+    assert mine["last_enqueued"] == {"0": "5"}
+
+
+@pytest.mark.parametrize("age, timeout, solo", [(10, 20, False), (17, 20, True)])
+def test_nccl_collective_within_its_time_is_left_alone(tmp_path, monkeypatch, nccl_recorder, age, timeout, solo):
+    """Half the timeout, or a phase where rank 0 works alone (its timeout widened): no report."""
+    monkeypatch.setattr(watchdog.os, "_exit", lambda code: pytest.fail("reported a healthy collective"))
+    nccl_recorder["record"] = _nccl_record(age)
+    watch = _nccl_watch(tmp_path, timeout)
+    with watch.alone("saving the model", "SAVE") if solo else contextlib.nullcontext():
+        watch._report_stall()
+    assert nccl_recorder["calls"] == 1 and not (tmp_path / "logs").exists()
+
+
+def test_solo_phase_widens_every_group_then_restores_it(tmp_path, monkeypatch, capsys):
+    """gpu-readiness A2: while rank 0 works alone (data preparation, the streamed save), every process group's
+    timeout is widened, and restored after; the test hold keeps rank 0 there. A 1-rank gloo world in this process."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this test process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    watch = watchdog.CollectiveWatch(tmp_path, 2)
+    try:
+        watch.start()
+        sub = dist.new_group([0])
+        watch.cover_groups()
+
+        def timeouts() -> set[float]:
+            return {g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                    for g in (c10d.GroupMember.WORLD, sub)}
+
+        assert timeouts() == {2}
+        monkeypatch.setenv("HFDIST_TEST_HOLD_SAVE", "0.1")
+        watch.where("training", 3)
+        with watchdog.solo_phase("saving the model", "SAVE"):
+            assert timeouts() == {watchdog.SOLO_PHASE_TIMEOUT_SECONDS} and watch.phase == "saving the model"
+        assert timeouts() == {2} and (watch.phase, watch.step) == ("training", 3)
+        assert "hfdist: test hold: rank 0 alone in saving the model for 0.1 s" in capsys.readouterr().err
+    finally:
+        watch.stop()
+        dist.destroy_process_group()
+    assert isinstance(watchdog.solo_phase("x", "SAVE"), contextlib.nullcontext)  # no started watch: nothing
 
 
 def test_straggler_line_names_the_slowest_rank_and_by_how_much():

@@ -290,8 +290,11 @@ class PipelineRunner:
             self._build_schedule()
             self._schedule_shape = (batch, seq)
         # An all-ignored batch gives loss 0 (and no gradient) instead of 0/0.
+        num_tokens = num_tokens if num_tokens > 0 else 1
         kwargs = {"target": target.to(self.device) if self.has_last_stage else None,
-                  "loss_kwargs": {"num_tokens": num_tokens if num_tokens > 0 else 1}}
+                  "loss_kwargs": {"num_tokens": num_tokens}}
+        for stage in self.stages:  # the gradient token_sum_loss's division sends each micro-batch's loss sum
+            stage.loss_grad_scale = torch.ones((), dtype=torch.float32) / num_tokens
         if self.has_last_stage:  # split into micro-batches with the other stage inputs (CausalLMStage.forward)
             kwargs["loss_target"] = kwargs["target"]
         if attention_mask is not None:

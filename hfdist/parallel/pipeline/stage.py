@@ -54,8 +54,9 @@ class CausalLMStage(nn.Module):
     forward(x, attention_mask=None, position_ids=None, loss_target=None): x is input_ids (B, S) on the first stage
     and hidden states (B, S, H) elsewhere; the output is hidden states, or on the last stage the summed fp32 token
     cross-entropy against `loss_target` (shifted labels, B x S), computed `loss_chunk_size` sequence positions at a
-    time (hfdist.models.chunked_loss: the micro-batch's whole logits never exist), or logits (B, S, V) when no
-    target is given. Other stages ignore `loss_target`.
+    time and fused unless `fused_loss` is False (hfdist.models.chunked_loss: the micro-batch's whole logits never
+    exist; the fused loss computes lm_head's gradients in the forward), or logits (B, S, V) when no target is
+    given. Other stages ignore `loss_target`.
     Every stage rebuilds the attention masks (full or sliding per layer, as the registry says) from the 2-D
     attention_mask, or takes a 4-D one (packed documents, hfdist.data.collate) as given, and the rotary
     embeddings from the position ids (arange(S) by default, as the HF model does), so only the hidden states cross
@@ -66,7 +67,12 @@ class CausalLMStage(nn.Module):
         layers: ModuleDict of this stage's decoder layers keyed by their global index (as strings).
         embed_tokens, norm, lm_head: the original modules, or None when another stage owns them.
         name_prefix: where the causal LM sits in the model the stage was cut from ("" or "base_model.model.").
-        loss_chunk_size: sequence positions per lm_head + cross-entropy chunk on the last stage (None: unchunked).
+        loss_chunk_size: sequence positions per lm_head + cross-entropy chunk on the last stage (None: the whole
+            sequence).
+        fused_loss: whether the last stage's loss computes its gradients in the forward (the default) or
+            recomputes each chunk's logits in backward.
+        loss_grad_scale: the gradient the loss sum will get in backward (1 / the batch's token count; the runner
+            sets it per step): only the fused loss's rounding depends on it.
     """
 
     def __init__(self, lm: nn.Module, stage_index: int, num_stages: int, layer_range: range, name_prefix: str = ""):
@@ -84,6 +90,8 @@ class CausalLMStage(nn.Module):
         self.rotary_emb = lm.model.rotary_emb
         self.mask_kinds = facts_for(lm.config).mask_kinds(lm.config)
         self.loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE
+        self.fused_loss = True
+        self.loss_grad_scale: float | torch.Tensor = 1.0
 
     @property
     def is_first(self) -> bool:
@@ -132,7 +140,8 @@ class CausalLMStage(nn.Module):
         if loss_target is None:
             return self.lm_head(self.norm(hidden))
         # Inside the stage's forward, so FSDP2's unsharded lm_head and TP's hooks on it serve every chunk.
-        return chunked_token_sum_cross_entropy(self.lm_head, self.norm(hidden), loss_target, self.loss_chunk_size)
+        return chunked_token_sum_cross_entropy(self.lm_head, self.norm(hidden), loss_target, self.loss_chunk_size,
+                                               self.fused_loss, self.loss_grad_scale)
 
 
     def _varlen_documents(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, batch: int) -> dict:
