@@ -119,6 +119,11 @@ RUNG_INFO: dict[str, RungInfo] = {
                         "a node", "--seq-len 32768",
                         plan_order=110, compile=_COMPILE_CP, qlora=True, e2e="context_parallel",
                         tested_with=frozenset({"lora", "qlora"})),
+    "fsdp_offload": RungInfo(6, "the model exceeds the GPUs' memory even sharded, e.g. QLoRA of 70B on 2 x 24 GB",
+                             "params + grads + optimizer state sharded over ranks and kept in CPU RAM (FSDP2 CPU "
+                             "offload); each layer's shards copied to the GPU as it runs", "not even a shard fits a GPU; "
+                             "the FSDP2 way to offload, and the one that trains QLoRA", "--qlora",
+                             plan_order=125, qlora=True, tested_with=frozenset({"qlora"})),
     "zero3_offload_cpu": RungInfo(6, "single-node fine-tune, model exceeds the GPUs' memory",
                                   "params + grads + optimizer state, offloaded to CPU RAM",
                                   "not enough GPU memory at any sharding; slow but feasible",

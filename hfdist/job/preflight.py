@@ -93,6 +93,7 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
     plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
                       gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
+                      qlora=cfg.qlora,
                       activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec,
                       loss_chunk_size=cfg.loss_chunk_size or None)
     mine = next(r for r in plan.rungs if r.name == planned.name)

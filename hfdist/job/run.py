@@ -144,7 +144,7 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
     else:
         materialize(model, args.device)
         load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
-        load_quantized(model, plan)
+        load_quantized(model, plan, device=args.device)
         if cfg.compile:  # before the Trainer wraps it in DDP (the recipe's order: compile, then the data-parallel wrap)
             from hfdist.parallel.parallelize import apply_compile
 

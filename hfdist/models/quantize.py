@@ -33,14 +33,15 @@ from torch import nn
 from hfdist.errors import HfdistError
 from hfdist.models.load import WeightPlan, checkpoint_files, read_rows
 from hfdist.models.registry import LORA_TARGETS
+from hfdist.models.shape import NF4_BLOCK_SIZE, NF4_NESTED_BLOCK_SIZE
 
 __all__ = ["QUANT_TYPE", "BLOCK_SIZE", "NESTED_BLOCK_SIZE", "STORAGE_DTYPE", "QuantizeError", "is_4bit",
            "four_bit_modules", "quantize_meta", "load_quantized", "quantize_rows", "double_quantize",
-           "quant_state_tensors", "quant_state_nbytes", "packed_nbytes", "dequantized_weight", "check_quantizable"]
+           "quant_state_tensors", "dequantized_weight", "check_quantizable"]
 
 QUANT_TYPE = "nf4"
-BLOCK_SIZE = 64  # values per absmax (bitsandbytes' default, QLoRA's)
-NESTED_BLOCK_SIZE = 256  # absmax values per second-level scale (double quantisation)
+BLOCK_SIZE = NF4_BLOCK_SIZE  # values per absmax (bitsandbytes' default, QLoRA's)
+NESTED_BLOCK_SIZE = NF4_NESTED_BLOCK_SIZE  # absmax values per second-level scale (double quantisation)
 STORAGE_DTYPE = torch.bfloat16  # the packed codes' container: the dtype every other parameter is gathered in
 _CODES_PER_ELEMENT = 4  # two 4-bit codes per byte, two bytes per bf16 element
 _CHUNK_VALUES = 1 << 18  # values quantised at once (quantize_rows)
@@ -62,18 +63,6 @@ def is_4bit(module: nn.Module) -> bool:
 def four_bit_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(name, module) of every 4-bit Linear in `model`."""
     return ((name, m) for name, m in model.named_modules() if is_4bit(m))
-
-
-def packed_nbytes(out_features: int, in_features: int) -> int:
-    """Bytes of one weight's packed 4-bit codes (half a byte per value)."""
-    return out_features * in_features // 2
-
-
-def quant_state_nbytes(out_features: int, in_features: int) -> int:
-    """Bytes of one weight's quantisation state as bitsandbytes keeps it under double quantisation: one uint8
-    absmax per block, one fp32 scale per 256 blocks, the two code books (16 and 256 fp32) and the fp32 offset."""
-    blocks = -(-out_features * in_features // BLOCK_SIZE)
-    return blocks + 4 * -(-blocks // NESTED_BLOCK_SIZE) + 4 * (16 + 256) + 4
 
 
 def check_quantizable(config, shard: int = 1) -> None:
@@ -109,11 +98,27 @@ def _linear4bit_on_meta(linear: nn.Linear) -> nn.Module:
                           quant_storage=STORAGE_DTYPE, bnb_quantized=True, module=q)
     if linear.bias is not None:
         q.bias = linear.bias
+    q.quant_state = _meta_quant_state(out_features, in_features)
     # On a CPU with AVX512-BF16, bitsandbytes repacks a weight in place for its bf16 inference kernel the first time
     # the layer runs in eval mode without grad (hfdist scores its check batch so): the repacked weight would replace
     # FSDP2's gathered parameter and compute in bf16 whatever the run's precision. Off: one path, train and eval.
     q.support_avx512bf16_for_cpu = False
     return q
+
+
+def _meta_quant_state(out_features: int, in_features: int):
+    """A quantisation state shaped as `load_quantized` makes it, on the meta device: what a simulated rank holds and
+    what the strategy check reads before the real one replaces it."""
+    import bitsandbytes.functional as bnbf
+
+    blocks = -(-out_features * in_features // BLOCK_SIZE)
+    meta = torch.device("meta")
+    nested = bnbf.QuantState(absmax=torch.empty(-(-blocks // NESTED_BLOCK_SIZE), device=meta),
+                             code=torch.empty(256, device=meta), blocksize=NESTED_BLOCK_SIZE, dtype=torch.float32)
+    return bnbf.QuantState(absmax=torch.empty(blocks, dtype=torch.uint8, device=meta),
+                           shape=torch.Size((out_features, in_features)), code=torch.empty(16, device=meta),
+                           blocksize=BLOCK_SIZE, quant_type=QUANT_TYPE, dtype=STORAGE_DTYPE,
+                           offset=torch.empty((), device=meta), state2=nested)
 
 
 def quantize_meta(model: nn.Module) -> nn.Module:
@@ -143,8 +148,8 @@ def quantize_rows(values: torch.Tensor, out: torch.Tensor | None = None) -> tupl
 
     rows, cols = values.shape
     per_row = cols // _CODES_PER_ELEMENT
-    out = torch.empty(rows * per_row, 1, dtype=STORAGE_DTYPE) if out is None else out
-    absmax = torch.empty(rows * cols // BLOCK_SIZE, dtype=torch.float32)
+    out = torch.empty(rows * per_row, 1, dtype=STORAGE_DTYPE, device=values.device) if out is None else out
+    absmax = torch.empty(rows * cols // BLOCK_SIZE, dtype=torch.float32, device=values.device)
     step = max(1, _CHUNK_VALUES // cols)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
@@ -200,13 +205,15 @@ def _gather_rows_absmax(absmax: torch.Tensor, group) -> torch.Tensor:
 
 
 @torch.no_grad()
-def load_quantized(model: nn.Module, plan: WeightPlan, rename=None) -> None:
+def load_quantized(model: nn.Module, plan: WeightPlan, rename=None, device: torch.device | None = None) -> None:
     """Fill the 4-bit layers of `model` (materialised: plain packed weights, or FSDP2's DTensor shards) from `plan`,
     each rank quantising only the rows it keeps. Collective over each weight's shard group (one all-gather of its
     absmax per weight, in the same order on every rank); no communication where nothing is sharded.
 
     Args:
         rename: maps a name in `model` to the full model's (a pipeline stage's), or None.
+        device: where the layers compute: the rows are quantised there and the quantisation states live there
+            (default: each weight's own device; FSDP2's CPU offload keeps the shards in host memory, not the states).
     """
     from bitsandbytes.nn import Params4bit
     from torch.distributed.tensor import DTensor
@@ -219,10 +226,12 @@ def load_quantized(model: nn.Module, plan: WeightPlan, rename=None) -> None:
         weight = module.weight
         rows, group = _rows_held(weight, out_features, in_features)
         local = weight.to_local() if isinstance(weight, DTensor) else None
-        packed, absmax = quantize_rows(read_rows(source, plan, files, rows), out=local)
+        values = read_rows(source, plan, files, rows).to(device or weight.device)
+        packed, absmax = quantize_rows(values, out=local)
+        del values
         state = double_quantize(_gather_rows_absmax(absmax, group), (out_features, in_features))
         if local is None:
-            module.weight = Params4bit(packed.to(weight.device), requires_grad=False, quant_state=state,
+            module.weight = Params4bit(packed, requires_grad=False, quant_state=state,
                                        compress_statistics=True, quant_type=QUANT_TYPE, quant_storage=STORAGE_DTYPE,
                                        bnb_quantized=True, module=module)
         module.quant_state = state

@@ -190,7 +190,7 @@ def _materialize_and_load(modules: list[tuple[nn.Module, object]], device: torch
         materialize(module, device)
     load_weights(local_tensors(modules), weights)
     for module, rename in modules:  # QLoRA's 4-bit projections: each rank quantises the rows of its shards
-        load_quantized(module, weights, rename)
+        load_quantized(module, weights, rename, device)
 
 
 def _split_pipeline(model: nn.Module, rung: Rung, mesh, shard, device: torch.device, weights) -> nn.Module:

@@ -96,6 +96,7 @@ class Workload:
     micro_batch: int = 1
     lora: bool = False
     lora_r: int = 16
+    qlora: bool = False  # LoRA on a 4-bit base (implies lora)
     lora_targets: tuple[str, ...] = LORA_TARGETS
     activation_checkpointing: bool = False
     dtype: str = "bf16"
@@ -103,6 +104,8 @@ class Workload:
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE  # sequence positions per loss chunk; None: unchunked
 
     def __post_init__(self) -> None:
+        if self.qlora:
+            object.__setattr__(self, "lora", True)
         if self.dtype not in DTYPES:
             raise PlanError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.bytes_per_param_adam not in ADAM_BYTES_CHOICES:
@@ -125,6 +128,13 @@ class RankBytes:
     activations: int
     buffers: int
     offloaded: int = 0
+    offloaded_weights: int = 0  # the part of `offloaded` that is the rank's parameters
+
+    @property
+    def params(self) -> int:
+        """The rank's parameter bytes wherever they are (on the GPU, or offloaded): what `hfdist simulate` and a run
+        measure as param_bytes."""
+        return self.weights + self.offloaded_weights
 
     @property
     def total(self) -> int:
@@ -138,8 +148,8 @@ class RankBytes:
 
     def to_json(self) -> dict[str, int]:
         """The `per_rank_bytes` object of the JSON output."""
-        keys = ("weights", "grads", "master", "optimizer", "activations", "buffers", "offloaded")
-        return {**{k: getattr(self, k) for k in keys}, "total": self.total}
+        keys = ("weights", "grads", "master", "optimizer", "activations", "buffers", "offloaded", "offloaded_weights")
+        return {**{k: getattr(self, k) for k in keys}, "params": self.params, "total": self.total}
 
 
 def offload_device(rung: Rung) -> str:
@@ -231,9 +241,14 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     shard_opt = n if (fsdp or zero >= 1) else 1
     grads_sharded, weights_sharded = fsdp or zero >= 2, fsdp or zero >= 3
 
-    # A LoRA run's frozen base is held in fp32 but under DeepSpeed's bf16, which casts the whole model.
+    # A LoRA run's frozen base is held in fp32 but under DeepSpeed's bf16, which casts the whole model. QLoRA holds
+    # the decoder projections' weights in 4 bits instead (sharded like any weight) and their quantisation states
+    # whole on every rank.
     frozen_weight = pb.weight if rung.uses_deepspeed else 4
-    weights = (trainable * pb.weight + frozen * frozen_weight) / (n if weights_sharded else 1)
+    packed = layers * shape.layer_packed_bytes / tp if w.qlora else 0
+    quant_states = layers * shape.layer_quant_state_bytes / tp if w.qlora else 0
+    frozen_bytes = (frozen - (layers * shape.layer_matmul_params / tp if w.qlora else 0)) * frozen_weight + packed
+    weights = (trainable * pb.weight + frozen_bytes) / (n if weights_sharded else 1)
     if weights_sharded:  # grads reduce-scattered per layer: only the accumulation-dtype shard persists
         grads = trainable * (pb.grad_fp32 or pb.grad) / n
     elif grads_sharded:
@@ -243,7 +258,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     master = trainable * pb.master / shard_opt
     optimizer = trainable * pb.optimizer / shard_opt
 
-    offloaded = 0.0
+    offloaded = offloaded_weights = 0.0
     fsdp_offload = fsdp and rung.fsdp is not None and rung.fsdp.offload_params
     if fsdp_offload or rung.offload_optimizer != "none":
         # Optimizer offload streams each reduced grad partition to the CPU; ZeRO-1 still builds full grads here.
@@ -253,7 +268,8 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
         grads -= moved_grads
     if fsdp_offload or rung.offload_param != "none":
         offloaded += weights
-        weights = 0.0
+        offloaded_weights, weights = weights, 0.0
+    weights += quant_states  # bitsandbytes dequantises on the device: the states stay there
 
     # Activations: stage s of a 1F1B pipeline holds pp - s micro-batches in flight. A cp rank holds 1/cp of every
     # sequence's tokens; its attention saves the full sequence for heads / cp (Ulysses), the same bytes.
@@ -271,18 +287,25 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
         logit_tokens = w.micro_batch * min(w.loss_chunk_size or rows, rows)
         activations += shape.head_activation_bytes(tokens, elem, tp, logit_tokens)
 
-    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, embed + head,
-                                                trainable / max(params, 1))
+    # A gathered layer's weights in their stored dtype: 4-bit projections (QLoRA) or the compute dtype.
+    layer_stored = (layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp \
+        if w.qlora else layer * pb.weight
+    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, pb, layers, layer, embed + head,
+                                                trainable / max(params, 1), layer_stored, w)
+    if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
+        buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)
     if rung.kind is StrategyKind.DDP and dims.dp_replicate > 1:
         buffers += trainable * pb.grad  # the reducer's flat buckets: a second copy of the grads
     if rung.uses_deepspeed:
         buffers += _ds_reduce_bucket_bytes(rung, shape, pb.grad)
-    return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded)))
+    return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded,
+                                        offloaded_weights)))
 
 
-def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, pb: _PerParam, layers: int,
-                    layer: float, root: float, trainable_share: float) -> float:
-    """Unsharded parameters (and their grads) that exist while a sharded-weight rung computes."""
+def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, pb: _PerParam, layers: int, layer: float,
+                    root: float, trainable_share: float, layer_stored: float, w: Workload) -> float:
+    """Unsharded parameters (and their grads) that exist while a sharded-weight rung computes; `layer_stored`: one
+    gathered decoder layer's bytes (its `layer` parameters in the compute dtype, or 4-bit projections)."""
     unit_grad = pb.grad * trainable_share
     if rung.owns_sharding and dims.pp > 1 and dims.dp == 1 and w.dtype == "fp32":
         return 0.0  # a pipeline with one data-parallel rank gets FSDP2 only for bf16 (hfdist.parallel.parallelize)
@@ -290,14 +313,14 @@ def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Worklo
         # Under PP, torch's schedules keep a stage's FSDP units unsharded through all micro-batches and
         # reduce-scatter once at the end of the step (pipelining/stage.py), as without resharding after forward.
         if rung.fsdp is not None and not rung.fsdp.reshard_after_forward or dims.pp > 1:
-            return (layers * layer + root) * (pb.weight + unit_grad)
+            return layers * layer_stored + root * pb.weight + (layers * layer + root) * unit_grad
         # Root unit unsharded all step, two layers gathered (current + prefetched), one layer's grads.
-        return root * (pb.weight + unit_grad) + layer * (2 * pb.weight + unit_grad)
+        return root * (pb.weight + unit_grad) + 2 * layer_stored + layer * unit_grad
     if rung.uses_deepspeed and rung.zero_stage >= 3:
-        largest = max(shape.embed_params, shape.hidden * shape.intermediate, shape.heads * shape.head_dim
-                      * shape.hidden) / dims.tp
+        projection = max(shape.hidden * shape.intermediate, shape.heads * shape.head_dim * shape.hidden)
+        largest = max(shape.embed_params * pb.weight, projection * (0.5 if w.qlora else pb.weight)) / dims.tp
         prefetch = 0.9 * shape.hidden**2  # stage3_prefetch_bucket_size "auto"
-        return largest * (pb.weight + unit_grad) + prefetch * pb.weight
+        return largest + max(shape.embed_params, projection) / dims.tp * unit_grad + prefetch * pb.weight
     return 0.0
 
 
@@ -335,7 +358,7 @@ def _mesh_rank_params(shape: ModelShape, dims: ParallelDims, stage: int) -> floa
 
 def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str = "fp32", lora: bool = False,
                         lora_r: int = 16, lora_targets: tuple[str, ...] = LORA_TARGETS,
-                        stage: int | None = None) -> StateBytes:
+                        stage: int | None = None, qlora: bool = False) -> StateBytes:
     """Per-rank param/grad/optimizer bytes predicted for a run of `rung` on `world` processes (one node).
 
     Unlike the planner's accounting this follows what hfdist's code allocates: the model is built in fp32, so DDP
@@ -348,7 +371,11 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
     `stage` (mesh rungs, full fine-tunes): the bytes of one rank of that pipeline stage (0 without pp) rather than
     the average: the first stage also holds the embedding and the last lm_head, which at pp = 4 puts stage 0 of
     Llama-3.1-8B 13% above the average (what `hfdist simulate` compares with).
+
+    `qlora`: LoRA on a 4-bit base: the projections' weights at half a byte per value, sharded like any weight, and
+    their quantisation states (hfdist.models.shape.quant_state_nbytes) whole on every rank.
     """
+    lora = lora or qlora
     if dtype not in DTYPES:
         raise PlanError(f"dtype must be one of {DTYPES} (the run's mixed precision), got {dtype!r}.")
     dims = (rung.with_num_processes(world) if world else rung).dims  # the layout scripts/finetune.py runs
@@ -370,11 +397,17 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
     weight = 2 if (ds and dtype == "bf16") else 4
     fp32_grad = 4 if (ds and dtype == "bf16") else 0
     shard_opt = n if (rung.owns_sharding or zero >= 1) else 1
+    # Bytes of the parameters held in the weights' dtype (or 4 bits) and of what stays whole on every rank.
+    stored = total * weight
+    whole = 0
+    if qlora:
+        stored += shape.layers * (shape.layer_packed_bytes - shape.layer_matmul_params * weight)
+        whole = shape.layers * shape.layer_quant_state_bytes
     if rung.owns_sharding or zero >= 3:
-        param_bytes = total * weight / n
+        param_bytes = stored / n + whole
         grads = trainable * (fp32_grad or weight) / n
     else:
-        param_bytes = total * weight
+        param_bytes = stored + whole
         grads = trainable * (weight + fp32_grad) / n if zero >= 2 else trainable * weight + trainable * fp32_grad / n
     # Measured (tests/e2e/test_finetune_ladder.py): in an fp32 full fine-tune without offload DeepSpeed steps its fp32
     # flat buffer in place (stage3.py: "we don't need another copy"; ZeRO-1/2 end up sharing it too), while LoRA
