@@ -269,15 +269,18 @@ def _find_fix(config, rungs: list[Rung], model: str, gpus_per_node: int, nodes: 
     ckpt = replace(w, activation_checkpointing=True)
     if w.micro_batch > 1:
         candidates.append(("use --micro-batch 1 with --activation-checkpointing", nodes, replace(ckpt, micro_batch=1)))
+    qlora = ("train QLoRA adapters on a 4-bit base (--qlora) with --activation-checkpointing", nodes,
+             replace(ckpt, lora=True, qlora=True))
+    if w.lora and not w.qlora:  # the same adapters on a 4-bit base: cheaper than more nodes
+        candidates.append(qlora)
     for k in (2, 4, 8, 16, 32):
         candidates.append((f"use {nodes * k} nodes (--nodes {nodes * k}) with --activation-checkpointing",
                            nodes * k, ckpt))
     if not w.lora:
         candidates.append(("train LoRA adapters (--lora) with --activation-checkpointing", nodes,
                            replace(ckpt, lora=True)))
-    if not w.qlora:
-        candidates.append(("train QLoRA adapters on a 4-bit base (--qlora) with --activation-checkpointing", nodes,
-                           replace(ckpt, lora=True, qlora=True)))
+    if not w.lora:
+        candidates.append(qlora)
     for advice, k, cand in candidates:
         rec = next((r for r in _plan(config, rungs, model, gpus_per_node, k, gpu_mem_bytes, cand).rungs
                     if r.fits and not (avoid_offload and r.offload != "none")), None)
