@@ -261,10 +261,13 @@ class SharedRuns:
 
 def check_batch(summary: dict):
     """The packed blocks a run scored after training (summary["check_batch_loss"]), as a model input batch (sdpa's
-    block mask: the attention a reloaded model runs on CPU)."""
+    block mask: the attention a reloaded model runs on CPU), tokenized as the run did: by the embedded tokenizer for
+    a preset, by the checkpoint folder's own otherwise (transformers picks its class by the folder's model type)."""
     from hfdist.data import collate, load_raw_dataset, load_tokenizer, prepare
+    from hfdist.models.presets import is_preset
 
-    tok = load_tokenizer(None, is_preset=True)
+    model = summary["config"]["model"]
+    tok = load_tokenizer(model, is_preset=is_preset(model))
     ds = prepare(load_raw_dataset(None), tok, summary["strategy"]["seq_len"])
     return collate([ds[i] for i in range(summary["check_blocks"])])
 

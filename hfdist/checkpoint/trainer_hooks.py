@@ -41,7 +41,7 @@ SCHEDULER_FILE = "scheduler.pt"
 
 
 class CheckpointingMixin:
-    """Mixed into hfdist's trainers (needs `self.rung` and `self.checkpoint_identity`).
+    """Mixed into hfdist's trainers (needs `self.rung`, `self.checkpoint_identity` and `self.qlora`).
 
     Args:
         save_async: write the model and optimizer state of DCP checkpoints in the background (DeepSpeed rungs
@@ -50,6 +50,7 @@ class CheckpointingMixin:
 
     rung: Any
     checkpoint_identity: dict[str, Any]
+    qlora: bool
 
     def __init__(self, *args, save_async: bool = True, **kwargs) -> None:
         self.save_async = save_async
@@ -60,6 +61,11 @@ class CheckpointingMixin:
     def _saves_dcp(self) -> bool:
         """Every rung but DeepSpeed (whose ZeRO partitions only DeepSpeed reads) checkpoints through DCP."""
         return not self.rung.uses_deepspeed
+
+    def _adapters_only(self) -> bool:
+        """Whether checkpoints hold the model's trainables only: QLoRA's (its 4-bit base is rebuilt identically from
+        the model's weights by every run)."""
+        return self.qlora
 
     def _canonical_name(self):
         """Maps this rank's parameter names to the full model's; None where they already are the full model's (DDP,
@@ -145,9 +151,10 @@ class CheckpointingMixin:
             self.save_model(str(folder), _internal_call=True)
             self._save_optimizer_and_scheduler(str(folder))
         elif background:
-            self._background.start(sharded_state(self.model, self.optimizer, self._canonical_name()), folder, finish)
+            state = sharded_state(self.model, self.optimizer, self._canonical_name(), self._adapters_only())
+            self._background.start(state, folder, finish)
         else:
-            save_sharded(self.model, self.optimizer, folder, self._canonical_name())
+            save_sharded(self.model, self.optimizer, folder, self._canonical_name(), self._adapters_only())
 
     def load_best_checkpoint(self) -> int | None:
         """Put the weights of the checkpoint with the best eval loss (kept from rotation) back into the model, when
@@ -171,5 +178,5 @@ class CheckpointingMixin:
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None or not self._saves_dcp():
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name())
+        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name(), self._adapters_only())
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))

@@ -32,6 +32,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GB = 1e9 bytes (default 80)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on a frozen base instead of all weights")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: LoRA adapters on a frozen 4-bit NF4 base (the rungs that take --qlora)")
     p.add_argument("--lora-r", type=int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r})")
     p.add_argument("--seq", type=int, default=d.seq, help=f"sequence length (default {d.seq})")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch,
@@ -67,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         raise HfdistError(str(exc)) from exc
     plan = plan_rungs(
         config, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_mem_bytes=int(args.gpu_mem_gb * GB),
-        seq=args.seq, micro_batch=args.micro_batch, lora=args.lora, lora_r=args.lora_r,
+        seq=args.seq, micro_batch=args.micro_batch, lora=args.lora, lora_r=args.lora_r, qlora=args.qlora,
         activation_checkpointing=args.activation_checkpointing, dtype=args.dtype,
         bytes_per_param_adam=args.bytes_per_param_adam, model=args.model, loss_chunk_size=args.loss_chunk_size or None,
         attention=args.attn_implementation,

@@ -58,12 +58,17 @@ class ConfigError(HfdistError, ValueError):
 
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """Every setting of one fine-tune; precedence CLI > config file > these defaults."""
+    """Every setting of one fine-tune; precedence CLI > config file > these defaults.
+
+    `qlora` implies `lora` (the adapters are the same; only the base they adapt is 4-bit) and, with
+    mixed_precision "auto", bf16 compute on every device (QLoRA's compute dtype); --mixed-precision no keeps fp32.
+    """
 
     config: str | None = None
     model: str | None = None
     dataset: str | None = None
     lora: bool = False
+    qlora: bool = False
     lora_r: int = 16
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -113,6 +118,12 @@ class FinetuneConfig:
     compare_id: str | None = None
     verbose: bool = False
 
+    def __post_init__(self) -> None:
+        if self.qlora:
+            object.__setattr__(self, "lora", True)
+            if self.mixed_precision == "auto":
+                object.__setattr__(self, "mixed_precision", "bf16")
+
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     """The fine-tune options (scripts/finetune.py and `hfdist finetune` share them), in accelerate's style: argument
@@ -141,7 +152,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                    help="Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).")
     g.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
                    help="bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; "
-                        "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU.")
+                        "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU (bf16 under --qlora).")
     g.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=d.fp8, choices=FP8_RECIPES, metavar="RECIPE",
                    help="Compute the decoder layers' projections in float8 (torchao; recipe tensorwise (a bare --fp8) "
                         "or rowwise); the rest in --mixed-precision, weights and gradients fp32. FSDP2 gathers the "
@@ -187,6 +198,10 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                         "another tokenizer, --seq-len or template); a folder that does not exist yet is written by "
                         "the job's own preparation, for the next run.")
     g.add_argument("--lora", action=flag, default=d.lora, help="Train LoRA adapters (peft) instead of all weights.")
+    g.add_argument("--qlora", action=flag, default=d.qlora,
+                   help="QLoRA: LoRA adapters (fp32) on a frozen 4-bit NF4 base (bitsandbytes, double quantisation), "
+                        "computing in bf16 (--mixed-precision no: fp32); on the rungs that shard it or run it whole "
+                        "(docs/qlora.md lists them; the others refuse it before launch).")
     g.add_argument("--lora-r", type=positive_int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r}).")
     g.add_argument("--lora-alpha", type=positive_int, default=d.lora_alpha,
                    help=f"LoRA alpha (default {d.lora_alpha}).")

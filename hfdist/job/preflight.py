@@ -20,7 +20,7 @@ from hfdist.job.world import Node
 from hfdist.parallel.pipeline.plan import check_pipeline
 
 __all__ = ["batch_layout", "check_deepspeed_json", "plan_check", "check_model_fits_rung", "check_context_parallel",
-           "check_nvme_offload", "check_attention", "check_dense_mask", "check_evaluation", "check_lora",
+           "check_nvme_offload", "check_qlora", "check_attention", "check_dense_mask", "check_evaluation", "check_lora",
            "check_trackers", "preflight"]
 
 
@@ -150,6 +150,7 @@ def _plan(cfg: FinetuneConfig, rung: Rung, micro: int, mem: int, attention: str,
     plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
     plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
                       gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
+                      qlora=cfg.qlora,
                       activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec,
                       loss_chunk_size=cfg.loss_chunk_size or None, attention=attention)
     return plan, next(r for r in plan.rungs if r.name == planned.name)
@@ -334,6 +335,26 @@ def check_attention(cfg: FinetuneConfig, rung: Rung) -> str:
     return resolve_attention(cfg.attn_implementation, on_gpu=torch.cuda.is_available(), cp=rung.dims.cp)
 
 
+def check_qlora(cfg: FinetuneConfig, rung: Rung, config) -> None:
+    """--qlora on a rung that trains it, with a model whose projections split into whole 4-bit blocks per row and
+    shard into whole rows, and without --compile.
+
+    Raises:
+        ConfigError / QuantizeError: naming the rung or the projection, and the fix.
+    """
+    if not cfg.qlora:
+        return
+    from hfdist.config.features import refuse_unless
+
+    refuse_unless(rung, "qlora")  # the rung table says which rungs take it, and why the others do not
+    if cfg.compile:
+        raise ConfigError("--qlora does not run with --compile: bitsandbytes' 4-bit layers re-wrap their packed "
+                          "weight on every call, which hfdist has not verified under torch.compile. Drop --compile.")
+    from hfdist.models.quantize import check_quantizable
+
+    check_quantizable(config, shard=rung.dims.dp_shard * rung.dims.cp if rung.owns_sharding else 1)
+
+
 def _check_gpu_settings(rung: Rung) -> None:
     """YAML settings hfdist does not implement on a GPU (hfdist.config.translate.refuse_on_gpu)."""
     if rung.yaml_path is None or not torch.cuda.is_available():
@@ -365,6 +386,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     if limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.seq_len} exceeds the model's max_position_embeddings {limit}. Use "
                           f"--seq-len <= {limit}.")
+    check_qlora(cfg, rung, config)
     check_model_fits_rung(config, rung)
     on_gpu = torch.cuda.is_available()
     fp8 = effective_fp8(rung, on_gpu, cfg.fp8)

@@ -88,13 +88,20 @@ def _training_arguments(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum:
     )
 
 
-def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype, attention: str | None = None):
-    """The model's structure on the meta device (free at any size), LoRA injected, attending with `attention` (a
-    resolved --attn-implementation); --seq-len is checked against it before any process (hfdist.job.preflight)."""
+def _meta_model(cfg: FinetuneConfig, tokenizer, dtype: torch.dtype, attention: str | None = None,
+                quantized: bool = False):
+    """The model's structure on the meta device (free at any size), attending with `attention` (a resolved
+    --attn-implementation), its projections 4-bit when `quantized` (the QLoRA base; the saving skeleton stays
+    full-precision: adapters are named alike), LoRA injected; --seq-len is checked against it before any process
+    (hfdist.job.preflight)."""
     from hfdist.models.build import inject_lora, meta_model
 
     model = meta_model(cfg.model, vocab_size=len(tokenizer), dtype=dtype, attn_implementation=attention)
     model.config.pad_token_id = tokenizer.pad_token_id
+    if quantized:
+        from hfdist.models.quantize import quantize_meta
+
+        quantize_meta(model)
     return inject_lora(model, *lora_settings(cfg)) if cfg.lora else model
 
 
@@ -122,6 +129,7 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
     from hfdist.metrics.memory import peak_memory_bytes, start_peak_window
     from hfdist.models.build import checkpoint_folder, inject_lora, materialize, zero3_model
     from hfdist.models.load import load_gathered, load_weights, weight_plan
+    from hfdist.models.quantize import load_quantized
 
     baseline = start_peak_window(args.device)
     start = time.perf_counter()
@@ -132,7 +140,9 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
         model = parallelize(model, rung, device=args.device, mixed_precision=mixed,
                             activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile, fp8=fp8,
                             weights=plan)
-    elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled():
+    elif rung.zero_stage == 3 and args.deepspeed_plugin.is_zero3_init_enabled() and not cfg.qlora:
+        # (QLoRA's 4-bit base is built whole, one packed tensor at a time, and partitioned by DeepSpeed's engine:
+        # zero.Init cannot create bitsandbytes' packed parameters.)
         model = zero3_model(cfg.model, len(tokenizer), _training_dtype(rung, mixed),
                             attn_implementation=model.config._attn_implementation)
         model.config.pad_token_id = tokenizer.pad_token_id
@@ -145,6 +155,7 @@ def _build_and_load(cfg: FinetuneConfig, rung: Rung, tokenizer, model, args, mix
             convert_to_float8(model, fp8)
         materialize(model, args.device)
         load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
+        load_quantized(model, plan, device=args.device)
         if cfg.compile:  # before the Trainer wraps it in DDP (the recipe's order: compile, then the data-parallel wrap)
             from hfdist.parallel.parallelize import apply_compile
 
@@ -219,7 +230,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     # Meta-device structures first (free), before TrainingArguments exist: a ZeRO-3 config in them makes
     # transformers build every model under deepspeed.zero.Init. `skeleton` stays on meta: what the save writes.
     attention = resolve_attention(cfg.attn_implementation, on_gpu=on_gpu, cp=rung.dims.cp)
-    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed), attention)
+    model = _meta_model(cfg, tokenizer, _training_dtype(rung, mixed), attention, quantized=cfg.qlora)
     skeleton = _meta_model(cfg, tokenizer, torch.float32)
     collator = collator_for(model.config, cfg.seq_len)  # the documents' boundaries, or the dense mask for sdpa/eager
     args = _training_arguments(cfg, rung, micro, grad_accum, mixed, on_gpu)
@@ -237,7 +248,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
     strategy = {"name": rung.name, "world_size": rung.num_processes, "nodes": nodes, **rung.dims.to_dict(),
-                "zero_stage": rung.zero_stage, "lora": cfg.lora, "mixed_precision": mixed, "micro_batch": micro,
+                "zero_stage": rung.zero_stage, "lora": cfg.lora, "qlora": cfg.qlora, "mixed_precision": mixed,
+                "micro_batch": micro,
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
@@ -247,8 +259,9 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
     # hide the degrees that ran.
+    adapters = "-qlora" if cfg.qlora else "-lora" if cfg.lora else ""
     sink = make_trackers(cfg.report_to if cfg.metrics else (), output_dir=cfg.output_dir, active=_is_rank0(),
-                         project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
+                         project=cfg.wandb_project, name=f"{rung.name}{adapters}",
                          group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
@@ -258,7 +271,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     trainer = trainer_class(rung)(model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval,
                                   data_collator=collator,
                                   processing_class=tokenizer, callbacks=callbacks, rung=rung, lora=cfg.lora,
-                                  checkpoint_identity=checkpoint_identity(cfg, rung), mixed_precision=mixed,
+                                  qlora=cfg.qlora, checkpoint_identity=checkpoint_identity(cfg, rung),
+                                  mixed_precision=mixed,
                                   skeleton=skeleton, loss_chunk_size=cfg.loss_chunk_size or None,
                                   compile=cfg.compile, attention=attention, fp8=fp8, save_async=cfg.save_async)
     trainer.remove_callback(ProgressCallback)

@@ -81,7 +81,8 @@ def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
     """Bytes of model states held by this rank.
 
     Returns:
-        param_bytes: the model's parameters (local shards).
+        param_bytes: the model's parameters (local shards), and the quantisation state of QLoRA's 4-bit layers
+            (kept whole on every rank beside their packed shards).
         grad_bytes: gradients currently held: the model params' `.grad` and, under DeepSpeed, the gradient
             partitions attached to its fp32 master partitions. Call it where gradients are live (just before
             the optimizer step) to see their peak.
@@ -89,9 +90,11 @@ def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
         master_bytes: parameter copies the optimizer updates that are not the model's own parameters
             (DeepSpeed's fp32 master partitions); 0 when the optimizer steps the model's params directly.
     """
+    from hfdist.models.quantize import quant_state_tensors
+
     params = list(model.parameters())
     seen_params: set[int] = set()
-    param_bytes = _storage_bytes(params, seen_params)
+    param_bytes = _storage_bytes(params, seen_params) + _storage_bytes(quant_state_tensors(model), set(seen_params))
     seen_grads: set[int] = set()
     grad_bytes = _storage_bytes((p.grad for p in params), seen_grads)
     optimizer_bytes = master_bytes = 0

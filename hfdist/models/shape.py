@@ -56,7 +56,25 @@ from dataclasses import dataclass, field
 from hfdist.errors import HfdistError
 from hfdist.models.registry import UnsupportedModelError, facts_for
 
-__all__ = ["ModelShape", "PlanModelError"]
+__all__ = ["ModelShape", "PlanModelError", "NF4_BLOCK_SIZE", "NF4_NESTED_BLOCK_SIZE", "packed_nbytes",
+           "quant_state_nbytes"]
+
+# QLoRA's 4-bit base (hfdist.models.quantize): values per absmax, and absmax values per second-level scale.
+NF4_BLOCK_SIZE = 64
+NF4_NESTED_BLOCK_SIZE = 256
+
+
+def packed_nbytes(out_features: int, in_features: int) -> int:
+    """Bytes of one weight's packed 4-bit codes (half a byte per value)."""
+    return out_features * in_features // 2
+
+
+def quant_state_nbytes(out_features: int, in_features: int) -> int:
+    """Bytes of one 4-bit weight's quantisation state as bitsandbytes keeps it under double quantisation: one uint8
+    absmax per block, one fp32 scale per 256 blocks, the two fp32 code books (16 and 256 values) and the fp32
+    offset."""
+    blocks = -(-out_features * in_features // NF4_BLOCK_SIZE)
+    return blocks + 4 * -(-blocks // NF4_NESTED_BLOCK_SIZE) + 4 * (16 + 256) + 4
 
 
 class PlanModelError(HfdistError, ValueError):
@@ -130,6 +148,21 @@ class ModelShape:
     def total_params(self) -> int:
         """Every parameter, counted once (a tied lm_head shares the embedding's)."""
         return self.embed_params + self.layers * self.layer_params + self.hidden + self.head_params
+
+    @property
+    def layer_packed_bytes(self) -> int:
+        """Bytes of one decoder layer's projection weights held in 4 bits (QLoRA's base; biases stay apart)."""
+        return sum(packed_nbytes(n_out, n_in) for n_in, n_out, _ in self.linears.values())
+
+    @property
+    def layer_quant_state_bytes(self) -> int:
+        """Bytes of the quantisation states of one decoder layer's 4-bit projections."""
+        return sum(quant_state_nbytes(n_out, n_in) for n_in, n_out, _ in self.linears.values())
+
+    @property
+    def largest_projection(self) -> int:
+        """Values of the largest decoder-layer projection weight (the one dequantised at a time under QLoRA)."""
+        return max(n_in * n_out for n_in, n_out, _ in self.linears.values())
 
     def lora_layer_params(self, r: int, targets: tuple[str, ...] | None = None) -> int:
         """LoRA parameters added to one decoder layer: r x (in + out) per targeted projection (A and B, no bias).

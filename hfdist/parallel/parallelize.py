@@ -200,10 +200,13 @@ def _materialize_and_load(modules: list[tuple[nn.Module, object]], device: torch
     """Allocate the local shards of `modules` on `device` and fill them, each rank its own."""
     from hfdist.models.build import materialize
     from hfdist.models.load import load_weights, local_tensors
+    from hfdist.models.quantize import load_quantized
 
     for module, _ in modules:
         materialize(module, device)
     load_weights(local_tensors(modules), weights)
+    for module, rename in modules:  # QLoRA's 4-bit projections: each rank quantises the rows of its shards
+        load_quantized(module, weights, rename, device)
 
 
 def _split_pipeline(model: nn.Module, rung: Rung, mesh, shard, device: torch.device, weights) -> nn.Module:

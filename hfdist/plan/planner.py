@@ -75,10 +75,18 @@ class Plan:
             states = ("bf16 mixed precision, Adam 20 B/param (DeepSpeed's accounting): 2 weight + 2 grad + 4 fp32 "
                       "grad + 4 fp32 master + 8 Adam")
         frozen = "4 B (fp32; DeepSpeed: 2 B)" if w.dtype == "bf16" else "4 B"
-        train = (f"LoRA r={w.lora_r} on {','.join(t.removesuffix('_proj') for t in w.lora_targets)}: frozen base "
-                 f"weights only, at {frozen}/param as hfdist holds them; adapters ({self.trainable_params:,} params) "
-                 "carry grads + optimizer"
-                 if w.lora else f"full fine-tune ({self.trainable_params:,} trainable params)")
+        targets = ",".join(t.removesuffix("_proj") for t in w.lora_targets)
+        if w.qlora:
+            train = (f"QLoRA r={w.lora_r} on {targets}: decoder projections in 4-bit NF4 (0.5 B/param, sharded "
+                     "like weights) + their double-quantised states (~1/64 B/param, whole on every rank), the rest "
+                     f"of the frozen base at {frozen}/param; adapters ({self.trainable_params:,} params) carry grads "
+                     "+ optimizer; one projection dequantised at a time (bf16) under buffers; rungs that do not take "
+                     "--qlora are n/a")
+        elif w.lora:
+            train = (f"LoRA r={w.lora_r} on {targets}: frozen base weights only, at {frozen}/param as hfdist holds "
+                     f"them; adapters ({self.trainable_params:,} params) carry grads + optimizer")
+        else:
+            train = f"full fine-tune ({self.trainable_params:,} trainable params)"
         ckpt = "with" if w.activation_checkpointing else "without"
         logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
                   if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
@@ -198,7 +206,7 @@ def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload
     parts = ["accelerate", "launch", "scripts/finetune.py", "--config", f"{rung.name}.yaml",
              "--num-processes", str(world), "--model", model]
     if w.lora:
-        parts += ["--lora", "--lora-r", str(w.lora_r)]
+        parts += ["--qlora" if w.qlora else "--lora", "--lora-r", str(w.lora_r)]
     # Under PP the planned micro-batch is a pipeline micro-batch; a rank's batch holds n_microbatches of them.
     per_rank = w.micro_batch * (rung.pipeline.n_microbatches if rung.pipeline is not None else 1)
     parts += ["--seq-len", str(w.seq), "--micro-batch-size", str(per_rank),
@@ -212,10 +220,23 @@ def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload
     return shlex.join(parts)
 
 
+def _check_takes_qlora(rung: Rung) -> None:
+    """Raise PlanError (one line) unless the rung table says `rung` trains QLoRA."""
+    from hfdist.config.features import refuse_unless
+    from hfdist.config.finetune import ConfigError
+
+    try:
+        refuse_unless(rung, "qlora")
+    except ConfigError as exc:
+        raise PlanError("does not take --qlora (docs/qlora.md)") from exc
+
+
 def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node: int, nodes: int,
                gpu_mem_bytes: int, w: Workload) -> RungPlan:
     offload = offload_device(rung)
     try:
+        if w.qlora:
+            _check_takes_qlora(rung)
         dims = dims_on_cluster(rung, gpus_per_node, nodes)
         if dims.tp > 1:
             from hfdist.parallel.tensor_check import validate_tp
@@ -264,20 +285,26 @@ def _find_fix(config, rungs: list[Rung], model: str, gpus_per_node: int, nodes: 
     ckpt = replace(w, activation_checkpointing=True)
     if w.micro_batch > 1:
         candidates.append(("use --micro-batch 1 with --activation-checkpointing", nodes, replace(ckpt, micro_batch=1)))
+    qlora = ("train QLoRA adapters on a 4-bit base (--qlora) with --activation-checkpointing", nodes,
+             replace(ckpt, lora=True, qlora=True))
+    if w.lora and not w.qlora:  # the same adapters on a 4-bit base: cheaper than more nodes
+        candidates.append(qlora)
     for k in (2, 4, 8, 16, 32):
         candidates.append((f"use {nodes * k} nodes (--nodes {nodes * k}) with --activation-checkpointing",
                            nodes * k, ckpt))
     if not w.lora:
         candidates.append(("train LoRA adapters (--lora) with --activation-checkpointing", nodes,
                            replace(ckpt, lora=True)))
+    if not w.lora:
+        candidates.append(qlora)
     for advice, k, cand in candidates:
         rec = next((r for r in _plan(config, rungs, model, gpus_per_node, k, gpu_mem_bytes, cand).rungs
                     if r.fits and not (avoid_offload and r.offload != "none")), None)
         if rec is not None:
             return f"{advice}: then {rec.name} fits ({rec.bytes.total / GB:.1f} GB per GPU)."
     what = "without offload" if avoid_offload else "at all"
-    return (f"no single change (activation checkpointing, micro-batch 1, up to {nodes * 32} nodes, LoRA) makes a "
-            f"rung fit {what}: use GPUs with more memory or a shorter --seq.")
+    return (f"no single change (activation checkpointing, micro-batch 1, up to {nodes * 32} nodes, LoRA, QLoRA) makes "
+            f"a rung fit {what}: use GPUs with more memory or a shorter --seq.")
 
 
 def plan_rungs(
@@ -299,6 +326,7 @@ def plan_rungs(
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
     attention: str = AUTO,
     fp8: str | None = None,
+    qlora: bool = False,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
 
@@ -320,7 +348,7 @@ def plan_rungs(
     if bad:
         raise PlanError(f"{bad} must be positive integers: describe the cluster as --nodes K x --gpus-per-node G "
                         "GPUs of --gpu-mem-gb M each.")
-    w = Workload(seq, micro_batch, lora, lora_r, tuple(lora_targets), activation_checkpointing, dtype,
+    w = Workload(seq, micro_batch, lora, lora_r, qlora, tuple(lora_targets), activation_checkpointing, dtype,
                  bytes_per_param_adam, loss_chunk_size, attention, fp8)
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]
     plan = _plan(config, loaded, model, gpus_per_node, nodes, gpu_mem_bytes, w)

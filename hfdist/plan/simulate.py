@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from hfdist.config.ladder import LadderError, Rung, StrategyKind, load_rung
 from hfdist.errors import HfdistError
 from hfdist.parallel.pipeline.plan import MULTI_STAGE_SCHEDULES
-from hfdist.plan.bytes import StateBytes, predict_state_bytes
+from hfdist.plan.state_bytes import StateBytes, predict_state_bytes
 
 __all__ = ["SimulateError", "RoleBytes", "Simulation", "simulation_rung", "simulate"]
 
@@ -223,14 +223,15 @@ def _local_bytes(t) -> int:
     return local.numel() * local.element_size()
 
 
-def _state_bytes(params: list, optimizer) -> tuple[int, int, int]:
-    """(param, grad, optimizer) bytes of this rank: local shards, their gradients, Adam's moments."""
+def _state_bytes(params: list, optimizer, extra: list = ()) -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes of this rank: local shards (and `extra` tensors it holds whole: QLoRA's
+    quantisation states), their gradients, Adam's moments."""
     import torch
 
     moments = sum(_local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
                   if k != "step" and torch.is_tensor(v))
     grads = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
-    return sum(_local_bytes(p) for p in params), grads, moments
+    return sum(_local_bytes(p) for p in [*params, *extra]), grads, moments
 
 
 def _rank_params(model) -> list:
@@ -255,7 +256,9 @@ def _meta_state_bytes(model) -> tuple[int, int, int]:
         p.grad = _local(shard.grad)
     optimizer = torch.optim.AdamW(local, lr=1e-5, foreach=False)
     optimizer.step()
-    return _state_bytes(params, optimizer)
+    from hfdist.models.quantize import quant_state_tensors
+
+    return _state_bytes(params, optimizer, quant_state_tensors(model))
 
 
 def step_attention(attention: str) -> str:
@@ -358,9 +361,25 @@ def _planned_activations(config, rung: Rung, mixed_precision: str, activation_ch
     return rung_rank_bytes(ModelShape.from_config(config), rung, rung.dims, workload).activations
 
 
+def _check_qlora_simulation(rung: Rung, step_seq: int | None) -> None:
+    """Refuse a --qlora simulation this module does not run: a rung that does not take --qlora, pipeline stages
+    (the prediction of an adapter run is per rank, not per stage) or a simulated step (bitsandbytes' 4-bit matmul on
+    fake tensors is not verified)."""
+    from hfdist.config.features import refuse_unless
+    from hfdist.config.finetune import ConfigError
+    try:
+        refuse_unless(rung, "qlora")
+    except ConfigError as exc:
+        raise SimulateError(str(exc)) from exc
+    if rung.uses_pipeline or step_seq is not None:
+        raise SimulateError(f"hfdist simulate --qlora runs the recipe without pipeline stages and without --step; "
+                            f"{rung.name} {'has pipeline stages' if rung.uses_pipeline else 'was asked for --step'}. "
+                            "Simulate fsdp_full_shard, fsdp_hybrid, fsdp_offload or fsdp_cp, without --step.")
+
+
 def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", activation_checkpointing: bool = False,
              gpus_per_node: int = 8, step_seq: int | None = None, micro_batch: int = 1,
-             attention: str = "auto") -> Simulation:
+             attention: str = "auto", qlora: bool = False, lora_r: int = 16, lora_alpha: int = 32) -> Simulation:
     """Run the parallelize recipe for every distinct rank role of `rung` (from `simulation_rung`) on a meta
     `model_spec` under a fake process group; see the module docstring.
 
@@ -373,8 +392,12 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     A role that fails verification (a bug in the recipe, not bad input) is reported in `failure`; its bytes are
     still read.
 
+    `qlora`: the model QLoRA trains (4-bit projections, hfdist.models.quantize.quantize_meta, then LoRA r=`lora_r`),
+    on the rungs that take --qlora, without pipeline stages or a simulated step; each rank also holds its 4-bit
+    layers' quantisation states whole.
+
     Raises:
-        SimulateError: a process group already exists.
+        SimulateError: a process group already exists, or --qlora where it is not simulated.
     """
     import torch
 
@@ -387,17 +410,29 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
                             "schedule across stages, which it does not drive. Leave out --step for pipeline rungs "
                             "(their state bytes are simulated all the same), or simulate fsdp_full_shard / "
                             "fsdp_hybrid / fsdp_tp.")
+    if qlora:
+        _check_qlora_simulation(rung, step_seq)
     start = time.perf_counter()
     dims = rung.dims
     template = meta_model(model_spec, attn_implementation=step_attention(attention))
+
+    def fresh_model():
+        """The role's own copy of the model (bitsandbytes' meta parameters cannot be deep-copied: built anew)."""
+        if not qlora:
+            return copy.deepcopy(template)
+        from hfdist.models.build import inject_lora
+        from hfdist.models.quantize import quantize_meta
+
+        return inject_lora(quantize_meta(meta_model(model_spec, attn_implementation=step_attention(attention))),
+                           lora_r, lora_alpha)
     roles, failure = [], ""
     for stage, stages in _distinct_stages(template.config.num_hidden_layers, dims.pp):
         rank = stage * dims.tp  # mesh coordinates (dp_replicate 0, dp_shard 0, pp stage, tp 0)
         with _fake_rank(rank, rung.num_processes, min(gpus_per_node, rung.num_processes)):
-            model = parallelize(copy.deepcopy(template), rung, device=torch.device("cpu"),
+            model = parallelize(fresh_model(), rung, device=torch.device("cpu"),
                                 mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing)
             try:
-                verify_strategy(rung, model, model, lora=False)
+                verify_strategy(rung, model, model, lora=qlora, qlora=qlora)
             except StrategyNotInEffect as exc:
                 failure = failure or f"rank {rank}: {exc}"
             step = None
@@ -409,6 +444,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
                 step = StepPeak(step_seq, micro_batch, peak["Activation"], peak["Total"],
                                 _planned_activations(template.config, rung, mixed_precision, activation_checkpointing,
                                                      step_seq, micro_batch, attention))
-        predicted = predict_state_bytes(template.config, rung, dtype=mixed_precision, stage=stage)
+        predicted = predict_state_bytes(template.config, rung, dtype=mixed_precision, qlora=qlora, lora_r=lora_r,
+                                        stage=None if qlora else stage)
         roles.append(RoleBytes(rank, stage, param, grad, optimizer, predicted, step, stages))
     return Simulation(model_spec, rung, mixed_precision, tuple(roles), time.perf_counter() - start, failure, attention)

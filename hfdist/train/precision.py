@@ -113,7 +113,11 @@ class PrecisionProbe:
                 self._hooks.append(stage.register_forward_hook(self._handed_on))
 
     def _computed(self, module, args, output) -> None:
-        self.compute_dtype = self.compute_dtype or _dtype_of(output)
+        # Under autocast a matmul computes in the autocast dtype even where the layer hands back its input's dtype
+        # (bitsandbytes' 4-bit layers cast their output back).
+        device = getattr(output, "device", torch.device("cpu")).type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        self.compute_dtype = self.compute_dtype or autocast or _dtype_of(output)
 
     def _handed_on(self, module, args, output) -> None:
         self.activation_dtype = self.activation_dtype or _dtype_of(output)
@@ -125,7 +129,10 @@ class PrecisionProbe:
 
     def record(self, rung: Rung, wrapped: nn.Module, model: nn.Module) -> dict[str, str | None]:
         """{"compute_dtype", "loss_dtype", "activation_dtype" (between pipeline stages), "reduce_dtype",
-        "param_dtype"} as dtype names (None: not on this rank)."""
+        "param_dtype" (the trainables'), "base_dtype" (QLoRA's 4-bit base: its quantisation type)} as dtype
+        names (None: not on this rank, or no 4-bit base)."""
+        from hfdist.models.quantize import four_bit_modules
+
         def name(dtype):
             return str(dtype).removeprefix("torch.") if dtype is not None else None
 
@@ -136,4 +143,5 @@ class PrecisionProbe:
         return {"compute_dtype": name(self.compute_dtype), "loss_dtype": name(self.loss_dtype),
                 "activation_dtype": name(self.activation_dtype),
                 "reduce_dtype": name(reduce_dtype(rung, wrapped, model)),
-                "param_dtype": name(param.dtype if param is not None else None)}
+                "param_dtype": name(param.dtype if param is not None else None),
+                "base_dtype": next((m.quant_state.quant_type for _, m in four_bit_modules(model)), None)}

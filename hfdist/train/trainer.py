@@ -68,6 +68,7 @@ class StrategyMixin(CheckpointingMixin):
     Args:
         rung: the strategy asked for.
         lora: whether the model carries LoRA adapters (verified too).
+        qlora: whether their base is QLoRA's 4-bit one (verified: 4-bit, sharded where the rung shards).
         checkpoint_identity: what a checkpoint records about the run, to refuse resuming another setup's.
         mixed_precision: "bf16" or "no", as the run trains (checked before the first step).
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
@@ -77,13 +78,15 @@ class StrategyMixin(CheckpointingMixin):
             None.
     """
 
-    def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
+    def __init__(self, *args, rung: Rung, lora: bool = False, qlora: bool = False,
+                 checkpoint_identity: dict | None = None,
                  mixed_precision: str = "no", skeleton: nn.Module | None = None, compile: bool = False,
                  attention: str | None = None, fp8: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.attention = attention
         self.rung = rung
         self.lora = lora
+        self.qlora = qlora
         self.checkpoint_identity = checkpoint_identity or {}
         self.mixed_precision = mixed_precision
         self.precision = PrecisionProbe()
@@ -145,7 +148,7 @@ class StrategyMixin(CheckpointingMixin):
         with cuda_peaks_kept_through_resets():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
                                                                     resume_from_checkpoint)
-        verify_strategy(self.rung, model, self.model, self.lora, self.attention)
+        verify_strategy(self.rung, model, self.model, self.lora, self.attention, self.qlora)
         if self.compile:
             verify_compiled(self.rung, self.model)
         check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model, self.fp8)
