@@ -35,7 +35,7 @@ TIMED = {
         ("on_train_begin", "on_step_begin", "on_step_end", "on_log", "on_train_end"),
     "hfdist.callbacks.throughput.ThroughputMeter": ("_count",),
     "hfdist.callbacks.memory.MemoryMeter": ("_end_of_backward", "_before_step", "_after_step"),
-    "hfdist.callbacks.wandb_logs.WandbLogsCallback": ("on_log",),
+    "hfdist.callbacks.tracker_logs.TrackerLogsCallback": ("on_log",),
     "hfdist.callbacks.progress.MetricsProgressCallback": ("on_log",),
 }
 CALLBACK_TIME_FILE = "callback_seconds.json"

@@ -7,9 +7,10 @@ and the longest sequence each fits under a per-rank cap, beside the planner's pr
 Each degree runs in processes of its own (benchmarks/cp_bench_worker.py; cp = 1 as one plain process, cp > 1 under
 torchrun with gloo), on one packed row of 8 documents, fp32, OMP_NUM_THREADS=--threads per rank. Activation memory
 is what autograd saves in a forward (hfdist.metrics.memory.saved_tensor_bytes), per rank; the planner's figure is
-hfdist.plan.bytes' activation term for the fsdp_cp rung at that cp (no activation checkpointing, fp32). On CPU the
-attention runs under sdpa with the packed rows' 4-D block mask (seq x seq bytes, whole on every cp rank), which the
-planner does not count (on GPU, flash-attention's varlen path needs no mask): the difference is shown, not hidden.
+hfdist.plan.bytes' activation term for the fsdp_cp rung at that cp (no activation checkpointing, fp32) and the same
+--attn-implementation: hfdist's document attention by default (the packed rows' boundaries, nothing S x S), or
+sdpa with the rows' 4-D block mask (seq x seq bytes and its float copy, whole on every cp rank), which the planner
+counts too (hfdist.models.attention.dense_mask_bytes).
 Tokens/s counts each token once across the cp group; the cp ranks share the machine's cores, so on 2 cores cp > 2
 cannot speed anything up -- the figure shows the exchange's cost, not a GPU's scaling.
 """
@@ -41,12 +42,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cap-mib", type=float, default=512, help="per-rank cap on saved activation bytes")
     p.add_argument("--steps", type=int, default=3, help="timed forward + backward steps after one warm-up")
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process")
+    p.add_argument("--attn-implementation", default="hfdist_documents", choices=("hfdist_documents", "sdpa"),
+                   help="the attention of every degree (default hfdist_documents, the CPU default)")
     p.add_argument("--timeout", type=int, default=1200)
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/<hardware>)")
     return p.parse_args(argv)
 
 
-def predicted_activations(preset: str, cp: int, seq: int) -> int:
+def predicted_activations(preset: str, cp: int, seq: int, attention: str) -> int:
     """The planner's per-rank activation bytes for the fsdp_cp rung at `cp` (fp32, no checkpointing)."""
     from hfdist.config.dims import ParallelDims
     from hfdist.config.ladder import load_rung
@@ -56,12 +59,13 @@ def predicted_activations(preset: str, cp: int, seq: int) -> int:
 
     shape = ModelShape.from_config(load_config(preset))
     return rung_rank_bytes(shape, load_rung("fsdp_cp"), ParallelDims(cp=cp),
-                           Workload(seq=seq, micro_batch=1, dtype="fp32")).activations
+                           Workload(seq=seq, micro_batch=1, dtype="fp32", attention=attention)).activations
 
 
 def run_degree(args: argparse.Namespace, cp: int, out: Path) -> tuple[list[dict], str]:
     worker_args = [str(out), "--preset", args.preset, "--seq", str(args.seq), "--min-seq", str(args.min_seq),
-                   "--max-seq", str(args.max_seq), "--cap-mib", str(args.cap_mib), "--steps", str(args.steps)]
+                   "--max-seq", str(args.max_seq), "--cap-mib", str(args.cap_mib), "--steps", str(args.steps),
+                   "--attn-implementation", args.attn_implementation]
     cmd = [sys.executable, str(WORKER), *worker_args] if cp == 1 else torchrun(cp, WORKER, *worker_args)
     env = worker_env(args.threads)
     proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=args.timeout)
@@ -76,11 +80,12 @@ def summarise(args: argparse.Namespace, cp: int, records: list[dict], command: s
     worst = {s: max(r["by_length"][str(s)] for r in records if str(s) in r["by_length"]) for s in lengths}
     fits = [s for s in lengths if worst[s] <= cap]
     grid = [args.min_seq * 2**k for k in range(64) if args.min_seq * 2**k <= args.max_seq]
-    predicted_fits = [s for s in grid if predicted_activations(args.preset, cp, s) <= cap]
+    predicted_fits = [s for s in grid if predicted_activations(args.preset, cp, s, args.attn_implementation) <= cap]
     return {"cp": cp, "seq": args.seq, "command": command,
             "saved_bytes_per_rank": [r["saved_bytes"] for r in records],
-            "predicted_activation_bytes": predicted_activations(args.preset, cp, args.seq),
-            "block_mask_bytes": 4 * args.seq * args.seq,  # its additive fp32 copy (1, 1, seq, seq), on every rank
+            "predicted_activation_bytes": predicted_activations(args.preset, cp, args.seq, args.attn_implementation),
+            # sdpa: the mask's additive fp32 copy (1, 1, seq, seq), on every rank
+            "block_mask_bytes": 4 * args.seq * args.seq if args.attn_implementation == "sdpa" else 0,
             "tokens_per_second": min(r["tokens_per_second"] for r in records),
             "saved_bytes_by_length": worst,
             "longest_under_cap": max(fits) if fits else None,
@@ -88,14 +93,19 @@ def summarise(args: argparse.Namespace, cp: int, records: list[dict], command: s
 
 
 def markdown(args: argparse.Namespace, rows: list[dict], load: str) -> str:
+    attention = ("sdpa with the 4-D block mask" if args.attn_implementation == "sdpa" else
+                 "hfdist's document attention (the documents' boundaries, no mask)")
+    mask = ("cp = 1 is hfdist's plain path, where sdpa converts the boolean block mask to a float copy in every "
+            "layer and saves each (layers x 4 x seq^2 bytes); under cp > 1 the Ulysses attention converts it once "
+            "per forward (4 x seq^2 bytes, whole on every rank): that mask is the part cp does not divide."
+            if args.attn_implementation == "sdpa" else
+            "Nothing S x S exists: every rank attends each document of the gathered sequence for its heads.")
     lines = [f"# Context parallelism on {args.preset}: activation memory and throughput per cp degree", "",
-             f"One packed row of 8 documents, fp32, sdpa with the 4-D block mask, OMP_NUM_THREADS={args.threads} "
+             f"One packed row of 8 documents, fp32, {attention}, OMP_NUM_THREADS={args.threads} "
              f"per rank, load before the run: {load}. Saved = bytes autograd saves in a forward on the worst rank "
              "(hfdist.metrics.memory.saved_tensor_bytes); predicted = hfdist.plan's activation term for fsdp_cp "
-             "(no mask). Tokens/s counts each token once across the cp group (median of the timed steps, the slowest "
-             "rank). cp = 1 is hfdist's plain path, where sdpa converts the boolean block mask to a float copy in "
-             "every layer and saves each (layers x 4 x seq^2 bytes); under cp > 1 the Ulysses attention converts it "
-             "once per forward (4 x seq^2 bytes, whole on every rank): that mask is the part cp does not divide.", "",
+             f"(--attn-implementation {args.attn_implementation}). Tokens/s counts each token once across the cp "
+             f"group (median of the timed steps, the slowest rank). {mask}", "",
              f"| cp | saved per rank at seq {args.seq} (MiB) | predicted (MiB) | fp32 block mask (MiB) | tokens/s | "
              f"longest seq under {args.cap_mib:g} MiB | predicted longest |",
              "|---:|---:|---:|---:|---:|---:|---:|"]

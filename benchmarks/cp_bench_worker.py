@@ -29,25 +29,27 @@ from hfdist.parallel.context import apply_cp, shard_batch
 MIB = 2**20
 
 
-def packed_row(seq: int, vocab: int, documents: int = 8) -> dict[str, torch.Tensor]:
+def packed_row(seq: int, vocab: int, attention: str, documents: int = 8) -> dict[str, torch.Tensor]:
     """One row of `seq` tokens holding `documents` documents of random lengths, labels = inputs."""
     g = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, vocab, (1, seq), generator=g)
     cuts = sorted(torch.randperm(seq - 1, generator=g)[: documents - 1].add(1).tolist())
     positions = torch.cat([torch.arange(b - a) for a, b in zip([0, *cuts], [*cuts, seq])])[None]
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions, **attention_inputs(positions, "sdpa")}
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions,
+            **attention_inputs(positions, attention)}
 
 
-def build(preset: str, max_seq: int):
+def build(preset: str, max_seq: int, attention: str):
     from transformers import AutoModelForCausalLM
 
+    from hfdist.models.document_attention import register_document_attention
     from hfdist.models.presets import load_config
 
+    register_document_attention()
     config = load_config(preset)
     config.max_position_embeddings = max_seq
-    config._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config)
+    return AutoModelForCausalLM.from_config(config, attn_implementation=attention)
 
 
 def local_inputs(row: dict[str, torch.Tensor], cp: int) -> dict[str, torch.Tensor]:
@@ -89,23 +91,24 @@ def main() -> None:
     p.add_argument("--max-seq", type=int, default=16384)
     p.add_argument("--cap-mib", type=float, default=512)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--attn-implementation", default="hfdist_documents")
     args = p.parse_args()
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     if cp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         dist.init_process_group("gloo")
-    model = build(args.preset, args.max_seq)
+    model = build(args.preset, args.max_seq, args.attn_implementation)
     if cp > 1:
         apply_cp(model, init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))["cp"])
     vocab = model.config.vocab_size
-    row = packed_row(args.seq, vocab)
+    row = packed_row(args.seq, vocab, args.attn_implementation)
     record = {"rank": dist.get_rank() if cp > 1 else 0, "cp": cp, "seq": args.seq,
               "saved_bytes": saved_bytes(model, row, cp),
               "tokens_per_second": tokens_per_second(model, row, cp, args.steps), "by_length": {}}
     seq = args.min_seq
     while seq <= args.max_seq:
-        got = saved_bytes(model, packed_row(seq, vocab), cp)
+        got = saved_bytes(model, packed_row(seq, vocab, args.attn_implementation), cp)
         record["by_length"][seq] = got
         over = torch.tensor(float(got > args.cap_mib * MIB))
         if cp > 1:

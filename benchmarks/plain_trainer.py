@@ -5,7 +5,8 @@ hfdist): the baseline of benchmarks/bench_overhead.py.
     accelerate launch --config_file ZERO2.yaml benchmarks/plain_trainer.py ... --deepspeed ds_config.json
 
 The text column of a JSON Lines file is tokenized, concatenated and cut into --seq-len blocks (the run_clm
-recipe), and the Trainer trains on them with the learning-rate schedule and clipping hfdist uses.
+recipe), and the Trainer trains on them with the learning-rate schedule and clipping hfdist uses, then saves the
+model to --output-dir.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> None:
     p.add_argument("--learning-rate", type=float, default=1e-3)
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--deepspeed", default=None)
+    p.add_argument("--seed", type=int, default=42, help="seed of the data order (default 42, the Trainer's)")
     args = p.parse_args()
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -57,10 +59,11 @@ def main() -> None:
         learning_rate=args.learning_rate, lr_scheduler_type="cosine", warmup_steps=args.warmup_steps,
         weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, save_strategy="no", report_to="none",
         dataloader_drop_last=True, ddp_find_unused_parameters=False, deepspeed=args.deepspeed,
-        use_cpu=not torch.cuda.is_available())
+        use_cpu=not torch.cuda.is_available(), seed=args.seed, data_seed=args.seed)
     trainer = Trainer(model=model, args=training, train_dataset=blocks(args.data, tokenizer, args.seq_len),
                       data_collator=default_data_collator)
     trainer.train()
+    trainer.save_model(args.output_dir)
 
 
 if __name__ == "__main__":

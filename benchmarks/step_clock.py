@@ -1,8 +1,12 @@
 """One clock for timing any Trainer-based training script, and what the benchmarks that use it share.
 
 `python step_clock.py SCRIPT ARGS...` runs SCRIPT as __main__ with ARGS, every transformers.Trainer it creates
-carrying one more callback that notes the time at the start of training and at the end of each optimizer step. Each
-rank writes them to $STEP_CLOCK_DIR/rank-<RANK>.json when training ends.
+carrying one more callback that notes the time at the start of training, at the start and the end of each optimizer
+step (from one step's end to the next one's start the Trainer logs and saves its checkpoints) and at the end of
+training (after the Trainer's last checkpoint has been written); it also counts the non-padding input tokens of every
+step (where the Trainer's training step receives its batch; padding is the tokenizer's pad id, none without a
+tokenizer) and keeps the logged losses and the process's peak resident memory. Each rank writes them to
+$STEP_CLOCK_DIR/rank-<RANK>.json when training ends.
 
 The same clock, on the same callback events, times hfdist's job and the plain Trainer script
 (benchmarks/bench_overhead.py) and eager and compiled runs (benchmarks/bench_compile.py), so nothing is measured by
@@ -65,32 +69,63 @@ def load_line(load: dict, cpu_count: int | None) -> str:
             f"before, {' / '.join(f'{v:.2f}' for v in load['after'])} after.")
 
 
+def _peak_rss_bytes() -> int:
+    """This process's peak resident memory (VmHWM): one reader for every script the clock times."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
 def _install_clock() -> None:
-    """Give every Trainer created from now on the step clock."""
+    """Give every Trainer created from now on the step clock, and count the tokens of every batch it trains on."""
     from transformers import Trainer, TrainerCallback
 
     class StepClock(TrainerCallback):
         def __init__(self) -> None:
             self.train_begin = 0.0
+            self.step_begins: list[float] = []
             self.step_ends: list[float] = []
+            self.step_tokens: list[int] = []  # this rank's non-padding input tokens per optimizer step
+            self.tokens = 0
+            self.losses: list[float] = []
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.train_begin = time.perf_counter()
 
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.step_begins.append(time.perf_counter())
+
         def on_step_end(self, args, state, control, **kwargs):
             self.step_ends.append(time.perf_counter())
+            self.step_tokens.append(self.tokens)
+            self.tokens = 0
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.losses.append(float(logs["loss"]))
 
         def on_train_end(self, args, state, control, **kwargs):
             out = Path(os.environ[CLOCK_DIR_ENV]) / f"rank-{os.environ.get('RANK', '0')}.json"
-            out.write_text(json.dumps({"train_begin": self.train_begin, "step_ends": self.step_ends}))
+            out.write_text(json.dumps({"train_begin": self.train_begin, "step_begins": self.step_begins,
+                                       "step_ends": self.step_ends,
+                                       "train_end": time.perf_counter(), "step_tokens": self.step_tokens,
+                                       "losses": self.losses, "peak_rss_bytes": _peak_rss_bytes()}))
 
-    init = Trainer.__init__
+    init, training_step = Trainer.__init__, Trainer.training_step
 
     def __init__(self, *args, **kwargs):
         init(self, *args, **kwargs)
-        self.add_callback(StepClock())
+        self._step_clock = StepClock()
+        self.add_callback(self._step_clock)
 
-    Trainer.__init__ = __init__
+    def counted_training_step(self, model, inputs, *args, **kwargs):
+        ids = inputs["input_ids"]
+        pad = getattr(self.processing_class, "pad_token_id", None)
+        self._step_clock.tokens += int(ids.numel() if pad is None else (ids != pad).sum())
+        return training_step(self, model, inputs, *args, **kwargs)
+
+    Trainer.__init__, Trainer.training_step = __init__, counted_training_step
 
 
 if __name__ == "__main__":

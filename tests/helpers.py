@@ -135,6 +135,21 @@ def finetune_all(jobs: dict[Hashable, tuple[Path, tuple[str, ...], dict]]) -> di
     return side_by_side({key: partial(finetune, out, *args, **kwargs) for key, (out, args, kwargs) in jobs.items()})
 
 
+def pid_of_rank(rank: int, marker: str) -> int | None:
+    """PID of the training process (scripts/finetune.py) with RANK=rank whose command line contains `marker`."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
+            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if marker in cmdline and "finetune.py" in cmdline and f"RANK={rank}" in environ:
+            return int(proc.name)
+    return None
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface now."""
     with socket.socket() as s:
@@ -142,12 +157,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# Runs several test modules read, each launched once per session (on first use) and checkpointed at steps 2 and 4:
+# Runs several test modules read, each launched once per session (on first use), checkpointed and evaluated on
+# held-out data (eval_args) at steps 2 and 4:
 # the ladder, pipeline, byo and fault tests compare their losses, bytes and saved models; test_resume resumes their
 # checkpoint-2 on the same layout, test_resume_reshard on another, test_checkpoint_export exports their checkpoint-4;
 # test_chunked_loss_job reads the two runs with the loss in sequence chunks (LOSS_CHUNKS).
 # name -> (finetune arguments, accelerate config file under accelerate_configs/ or None, via).
 LOSS_CHUNKS = ("--loss-chunk-size", "16")  # 4 chunks of the 64 positions (the default chunk holds all of them)
+BF16_ARGS = ("--mixed-precision", "bf16", "--no-wandb")
 SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "single": ((), None, "python"),
     "lora_single": (("--lora",), None, "python"),
@@ -157,7 +174,8 @@ SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "zero3": (("--config", "zero3.yaml"), None, "accelerate"),
     "lora_fsdp_full_shard": (("--config", "fsdp_full_shard", "--lora"), None, "accelerate"),
     # `accelerate launch --config_file` (hfdist finds the rung through the launcher) ...
-    "fsdp_hybrid": ((), "fsdp_hybrid.yaml", "accelerate"),
+    # (It also reports to MLflow and TensorBoard: test_finetune_ladder reads every rank's series back from them.)
+    "fsdp_hybrid": (("--report-to", "wandb,mlflow,tensorboard"), "fsdp_hybrid.yaml", "accelerate"),
     "pp": ((), "pp.yaml", "accelerate"),
     # ... and the README's form, which hands over to accelerate itself.
     "3d": (("--config", "3d.yaml"), None, "accelerate"),
@@ -166,8 +184,50 @@ SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     # loss's, since chunking changes no loss beyond the 1e-5 those modules allow against the unchunked single run.
     "zero2": (("--config", "zero2.yaml", *LOSS_CHUNKS), None, "accelerate"),
     "pp_Interleaved1F1B": (("--config", "pp", "--pp-schedule", "Interleaved1F1B", *LOSS_CHUNKS), None, "python"),
+    # The bf16 runs test_bf16.py checks and test_fp8.py compares its float8 runs with (BF16_SHARED).
+    **{f"bf16_{name}": ((*(("--config", name) if name != "single" else ()), *BF16_ARGS), None, "python")
+       for name in ("single", "fsdp_full_shard", "fsdp_tp", "pp", "3d")},
 }
 SHARED_SAVE_STEPS = ("--save-steps", "2")
+EVAL_ROWS = 96  # instruction/response pairs of the held-out conversations (eval_args): ~50 packed blocks of 64
+
+
+def eval_args(root: Path) -> tuple[str, ...]:
+    """Evaluation on held-out conversations no run trains on (written under `root` once: another seed than the
+    embedded data's), at steps 2 and 4 and the end: what every shared and ladder run adds, so their eval losses
+    compare (the training data, and so the losses, stay as without evaluation)."""
+    path = root / "eval.jsonl"
+    if not path.is_file():
+        from hfdist.data.default import generate_conversations
+
+        path.write_text("".join(json.dumps(c) + "\n" for c in generate_conversations(EVAL_ROWS, seed=4321)))
+    return ("--eval-dataset", str(path), "--eval-steps", "2")
+
+
+def evaluate_saved(summary: dict, model=None) -> float:
+    """A run's saved model (or `model`) evaluated in one process on the run's held-out data: its token-loss sum over
+    the held-out blocks (packed and collated as the run did) / their label tokens."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hfdist.data import collate, load_raw_dataset, load_tokenizer, prepare
+    from hfdist.data.preparation import prepare_split
+    from hfdist.models.chunked_loss import causal_lm_loss
+
+    config, tok, seq_len = summary["config"], load_tokenizer(None, is_preset=True), summary["strategy"]["seq_len"]
+    if config["eval_fraction"]:  # held out of --dataset's rows, by the seed
+        blocks = prepare_split(load_raw_dataset(config["dataset"]), tok, seq_len, eval_fraction=config["eval_fraction"],
+                               seed=config["seed"]).eval
+    else:
+        blocks = prepare(load_raw_dataset(config["eval_dataset"]), tok, seq_len)
+    model = (model or AutoModelForCausalLM.from_pretrained(summary["_dir"])).eval()
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(blocks), 8):
+            batch = collate([blocks[i] for i in range(start, min(start + 8, len(blocks)))])
+            loss_sum += float(causal_lm_loss(model, batch, num_items_in_batch=1))
+            tokens += int((batch["labels"][:, 1:] != -100).sum())
+    return loss_sum / tokens
 
 
 class SharedRuns:
@@ -186,7 +246,7 @@ class SharedRuns:
                ) -> dict[str, dict]:
         """Launch those of `names` not launched yet and a module's own jobs `also` (as finetune_all's), all side by
         side; returns the summaries of `also`, each with "_dir"."""
-        jobs = {("shared", name): (self.root / name, (*args, *SHARED_SAVE_STEPS),
+        jobs = {("shared", name): (self.root / name, (*args, *SHARED_SAVE_STEPS, *eval_args(self.root)),
                                    {"config_file": None if file is None else str(REPO / "accelerate_configs" / file),
                                     "via": via})
                 for name, (args, file, via) in ((n, SHARED_RUNS[n]) for n in dict.fromkeys(names))
@@ -201,10 +261,13 @@ class SharedRuns:
 
 def check_batch(summary: dict):
     """The packed blocks a run scored after training (summary["check_batch_loss"]), as a model input batch (sdpa's
-    block mask: the attention a reloaded model runs on CPU)."""
+    block mask: the attention a reloaded model runs on CPU), tokenized as the run did: by the embedded tokenizer for
+    a preset, by the checkpoint folder's own otherwise (transformers picks its class by the folder's model type)."""
     from hfdist.data import collate, load_raw_dataset, load_tokenizer, prepare
+    from hfdist.models.presets import is_preset
 
-    tok = load_tokenizer(None, is_preset=True)
+    model = summary["config"]["model"]
+    tok = load_tokenizer(model, is_preset=is_preset(model))
     ds = prepare(load_raw_dataset(None), tok, summary["strategy"]["seq_len"])
     return collate([ds[i] for i in range(summary["check_blocks"])])
 
@@ -243,3 +306,23 @@ def fake_world(world_size: int, rank: int = 0):
         yield
     finally:
         dist.destroy_process_group()
+
+
+def mlflow_series(uri: str) -> list[tuple[str, dict[str, list[tuple[int, float]]]]]:
+    """Every run of the store at `uri`: (run name, {metric: [(step, value)]}) each (MLflow's own client)."""
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    return [(run.info.run_name, {key: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, key)]
+                                 for key in run.data.metrics})
+            for experiment in client.search_experiments() for run in client.search_runs([experiment.experiment_id])]
+
+
+def tensorboard_series(log_dir) -> dict[str, list[tuple[int, float]]]:
+    """{tag: [(step, value)]} from the event files in `log_dir` (TensorBoard's own reader)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}

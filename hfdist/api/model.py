@@ -6,10 +6,11 @@ Steps, in this order (every rung goes through them; the rung decides what each d
                 architecture hfdist splits, tp dividing heads and sizes, cp dividing heads, enough layers for the stages
     structure   the model on the meta device (free at any size), with the tokenizer's vocabulary; the skeleton the
                 saves write is a second one in fp32
-    adapters    LoRA injected on the meta model (every rung shards or partitions the adapters with the layers); QLoRA
-                would quantise the base here, before LoRA
+    adapters    QLoRA's 4-bit base made on the meta model (its decoder projections), then LoRA injected (every rung
+                shards or partitions the adapters with the layers)
     place       mesh rungs: hfdist.parallel.parallelize (TP -> CP -> activation checkpointing -> compile -> stages ->
-                FSDP2 -> only the local shards materialised and loaded); ZeRO-3 with zero.Init: built partitioned
+                FSDP2 -> only the local shards materialised and loaded, float8 linears under fp8, each rank quantising
+                the 4-bit rows it keeps under QLoRA); ZeRO-3 with zero.Init: built partitioned
                 under DeepSpeed, loaded one gathered parameter at a time; DDP, ZeRO-1/2, one process: the whole model
                 materialised and loaded, then activation checkpointing and compile (before the Trainer wraps it)
     record      `model.hfdist_prepared`: the strategy, LoRA, the skeleton, where every parameter was placed
@@ -50,6 +51,8 @@ class PreparedModel:
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
         attention: the attention implementation the decoder layers compute with (under context parallelism, the one
             inside Ulysses' exchange): what a collator builds attention inputs for.
+        fp8: the float8 recipe of the decoder projections (torchao), or None.
+        qlora: whether the adapted projections' base is QLoRA's 4-bit one.
         placement: each parameter's (type, device, dtype, placements) as hfdist left it, to catch a Trainer that moves
             the model.
     """
@@ -61,6 +64,8 @@ class PreparedModel:
     skeleton: nn.Module = field(repr=False)
     attention: str
     placement: dict[str, tuple[str, ...]] = field(repr=False)
+    fp8: str | None = None
+    qlora: bool = False
 
 
 def placement_of(model: nn.Module) -> dict[str, tuple[str, ...]]:
@@ -150,16 +155,20 @@ def _adapters(model: nn.Module, lora, reference_adapter: bool) -> nn.Module:
 
 
 def _structure(spec: str | None, vocab_size: int | None, pad_id: int | None, dtype: torch.dtype, lora,
-               attention: str | None, trainable: bool, reference_adapter: bool = False) -> nn.Module:
-    """The model on the meta device: LoRA injected, frozen entirely when not trainable."""
+               attention: str | None, trainable: bool, reference_adapter: bool = False,
+               quantized: bool = False) -> nn.Module:
+    """The model on the meta device: its projections 4-bit when `quantized` (QLoRA's base), LoRA injected, frozen
+    entirely when not trainable."""
     from hfdist.models.build import meta_model
 
     with _no_zero3_build():
-        model = meta_model(spec, vocab_size=vocab_size, dtype=dtype)
-    if attention is not None:
-        model.config._attn_implementation = attention
+        model = meta_model(spec, vocab_size=vocab_size, dtype=dtype, attn_implementation=attention)
     if pad_id is not None:
         model.config.pad_token_id = pad_id
+    if quantized:
+        from hfdist.models.quantize import quantize_meta
+
+        quantize_meta(model)
     model = _adapters(model, lora, reference_adapter)
     if not trainable:
         model.requires_grad_(False)
@@ -167,28 +176,37 @@ def _structure(spec: str | None, vocab_size: int | None, pad_id: int | None, dty
 
 
 def _place(strategy: Strategy, spec: str | None, model: nn.Module, plan, device: torch.device, *, lora,
-           activation_checkpointing: bool, compile: bool, zero3_init: bool) -> nn.Module:
+           activation_checkpointing: bool, compile: bool, zero3_init: bool, fp8: str | None,
+           qlora: bool) -> nn.Module:
     """This rank's model for its rung, weights loaded (see the module docstring's `place`)."""
     from hfdist.models.build import materialize, zero3_model
     from hfdist.models.load import load_gathered, load_weights
+    from hfdist.models.quantize import load_quantized
     from hfdist.parallel.parallelize import apply_ac, apply_compile, parallelize
 
     rung = strategy.rung
     if rung.owns_sharding:
         return parallelize(model, rung, device=device, mixed_precision=strategy.mixed_precision,
-                           activation_checkpointing=activation_checkpointing, compile=compile, weights=plan)
-    if rung.zero_stage == 3 and zero3_init:
-        built = zero3_model(spec, model.config.vocab_size, model.dtype)
+                           activation_checkpointing=activation_checkpointing, compile=compile, fp8=fp8, weights=plan)
+    # (QLoRA's 4-bit base is built whole, one packed tensor at a time, and partitioned by DeepSpeed's engine:
+    # zero.Init cannot create bitsandbytes' packed parameters.)
+    if rung.zero_stage == 3 and zero3_init and not qlora:
+        built = zero3_model(spec, model.config.vocab_size, model.dtype,
+                            attn_implementation=model.config._attn_implementation)
         built.config.pad_token_id = model.config.pad_token_id
-        built.config._attn_implementation = model.config._attn_implementation
         built = _adapters(built, lora, REFERENCE_ADAPTER in getattr(model, "peft_config", {}))
         if not any(p.requires_grad for p in model.parameters()):
             built.requires_grad_(False)
         load_gathered(built, plan)
         model = built
     else:
+        if fp8 is not None:  # on the meta model, as the recipe converts (DeepSpeed rungs refuse --fp8)
+            from hfdist.parallel.float8 import convert_to_float8
+
+            convert_to_float8(model, fp8)
         materialize(model, device)
         load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
+        load_quantized(model, plan, device=device)
     if activation_checkpointing:
         apply_ac(model)
     if compile:  # before the Trainer wraps it in DDP (the recipe's order: compile, then the data-parallel wrap)
@@ -196,15 +214,27 @@ def _place(strategy: Strategy, spec: str | None, model: nn.Module, plan, device:
     return model
 
 
-def _checks(strategy: Strategy, config, compile: bool) -> None:
+def _checks(strategy: Strategy, config, compile: bool, fp8: str | None, qlora: bool, lora: bool) -> None:
     """The config against the rung before anything is built; each failure one paragraph naming the fix."""
+    from hfdist.config.features import refuse_unless
     from hfdist.parallel.fit import check_model_fits
 
+    rung = strategy.rung
     if compile:
         from hfdist.parallel.parallelize import check_compile
 
-        check_compile(strategy.rung)
-    check_model_fits(config, strategy.rung)
+        check_compile(rung)
+    check_model_fits(config, rung)
+    if qlora:
+        from hfdist.models.quantize import check_quantizable
+
+        refuse_unless(rung, "qlora")
+        check_quantizable(config, shard=rung.dims.dp_shard * rung.dims.cp if rung.owns_sharding else 1)
+    if fp8 is not None:
+        from hfdist.parallel.float8_check import check_fp8
+
+        check_fp8(fp8, rung, config, seq_len=None, lora=lora, compile=compile, mixed_precision=strategy.mixed_precision,
+                  on_gpu=torch.cuda.is_available())
 
 
 def _training_dtype(rung: Rung, mixed: str) -> torch.dtype:
@@ -215,8 +245,8 @@ def _training_dtype(rung: Rung, mixed: str) -> torch.dtype:
 
 def prepare_model(strategy: Strategy, model: str | None, *, tokenizer=None, lora: Any = None, seed: int = 0,
                   trainable: bool = True, activation_checkpointing: bool = False, compile: bool = False,
-                  attn_implementation: str | None = None, reference_adapter: bool = False,
-                  meta: nn.Module | None = None, zero3_init: bool | None = None) -> nn.Module:
+                  attn_implementation: str | None = None, reference_adapter: bool = False, fp8: str | None = None,
+                  qlora: bool = False, meta: nn.Module | None = None, zero3_init: bool | None = None) -> nn.Module:
     """This rank's model for `strategy`, weights loaded, ready for a trainer of hfdist.api.strategy_trainer.
 
     Args:
@@ -232,6 +262,9 @@ def prepare_model(strategy: Strategy, model: str | None, *, tokenizer=None, lora
         attn_implementation: the attention implementation (default: the model config's).
         reference_adapter: with `lora`, a frozen second adapter named "ref" beside the trained one, sharded with it:
             TRL's DPOTrainer (no ref_model) copies the trained adapter into it and scores the reference with it.
+        fp8: the decoder projections in float8 through torchao ("tensorwise" or "rowwise"; docs/fp8.md), or None.
+        qlora: with `lora`, the adapted base in 4-bit NF4 (bitsandbytes; docs/qlora.md), each rank quantising the
+            rows it keeps.
         meta: the model already built on the meta device (LoRA injected) by the caller, instead of from `model`.
         zero3_init: ZeRO-3 rungs: build partitioned under deepspeed.zero.Init (default: the YAML's zero3_init_flag,
             as accelerate passes it).
@@ -247,16 +280,19 @@ def prepare_model(strategy: Strategy, model: str | None, *, tokenizer=None, lora
     from hfdist.models.load import weight_plan
     from hfdist.models.presets import load_config
 
+    lora_config = _lora_config(lora)
+    if qlora and lora_config is None:
+        raise StrategyRefused("qlora=True trains LoRA adapters on the 4-bit base: pass lora= (a rank or a "
+                              "LoraConfig) as well.")
     config = meta.config if meta is not None else load_config(model)
-    _checks(strategy, config, compile)
+    _checks(strategy, config, compile, fp8, qlora, lora_config is not None)
     device = _device()
     vocab = len(tokenizer) if tokenizer is not None else None
     pad = tokenizer.pad_token_id if tokenizer is not None else None
-    lora_config = _lora_config(lora)
     if meta is None:
         dtype = _training_dtype(strategy.rung, strategy.mixed_precision)
         meta = _structure(model, vocab, pad, dtype, lora_config, attn_implementation, trainable,
-                          reference_adapter and lora_config is not None)
+                          reference_adapter and lora_config is not None, quantized=qlora)
     skeleton = _structure(model, meta.config.vocab_size, meta.config.pad_token_id, torch.float32, lora_config,
                           None, trainable)
     attention = meta.config._attn_implementation or "sdpa"
@@ -265,7 +301,8 @@ def prepare_model(strategy: Strategy, model: str | None, *, tokenizer=None, lora
     if zero3_init is None:
         zero3_init = os.environ.get("ACCELERATE_DEEPSPEED_ZERO3_INIT", "true").lower() == "true"
     placed = _place(strategy, model, meta, plan, device, lora=lora_config,
-                    activation_checkpointing=activation_checkpointing, compile=compile, zero3_init=zero3_init)
+                    activation_checkpointing=activation_checkpointing, compile=compile, zero3_init=zero3_init,
+                    fp8=fp8, qlora=qlora)
     placed.hfdist_prepared = PreparedModel(strategy, lora_config is not None, trainable, compile, skeleton,
-                                           attention, placement_of(placed))
+                                           attention, placement_of(placed), fp8, qlora)
     return placed

@@ -8,7 +8,8 @@ The class is the trainer's own with hfdist's mixins in front (hfdist.train): dat
 the strategy and precision verified before the first step, clipping, streamed fp32 saves and layout-free DCP
 checkpoints, per-rank metrics (DistributedMetricsCallback) by default. The loss:
 - a trainer that keeps the Trainer's own loss (no compute_loss of its own) trains on hfdist's: the causal-LM token
-  mean, chunked, vocab-parallel under TP, on each rank's chunk under CP, staged under PP (CausalLMLossMixin);
+  mean, chunked, vocab-parallel under TP, on each rank's chunk under CP, staged under PP (CausalLMLossMixin), and
+  its `evaluate()` gives the held-out set's exact token-mean loss on every rung (hfdist.train.evaluation);
 - a trainer with its own compute_loss (TRL's, yours) keeps it, on outputs made whole on every rank of a tp / cp
   group (hfdist.parallel.whole_outputs): full logits, whole sequences, as one process computes them;
 - pipeline stages run one loss only, the last stage's token cross-entropy: a trainer whose loss is that (hfdist's;
@@ -26,6 +27,7 @@ from transformers import Trainer
 from hfdist.api.model import REFERENCE_ADAPTER, placement_of, prepared_record
 from hfdist.api.strategy import Strategy, StrategyRefused, placed_by_hfdist
 from hfdist.train.context_trainer import ContextParallelMixin
+from hfdist.train.evaluation import EvaluationMixin
 from hfdist.train.pipeline_trainer import PipelineMixin
 from hfdist.train.trainer import CausalLMLossMixin, StrategyMixin
 
@@ -113,8 +115,9 @@ class StrategyAwareMixin:
                 kwargs["callbacks"] = [*callbacks, DistributedMetricsCallback()]
         strategy = record.strategy
         with _no_adapters_added(model):
-            super().__init__(*args, rung=strategy.rung, lora=record.lora, mixed_precision=strategy.mixed_precision,
-                             skeleton=record.skeleton, compile=record.compile, **kwargs)
+            super().__init__(*args, rung=strategy.rung, lora=record.lora, qlora=record.qlora,
+                             mixed_precision=strategy.mixed_precision, skeleton=record.skeleton,
+                             compile=record.compile, attention=record.attention, fp8=record.fp8, **kwargs)
         self.prepared = record
         if hasattr(self, "_tp_size"):  # TRL divides its gathered token counts by the ranks that share a batch
             self._tp_size = self.rung.dims.ranks_per_batch
@@ -223,7 +226,7 @@ def strategy_trainer(trainer_cls: T, strategy: Strategy) -> T:
         mixins.append(ContextParallelMixin)
     mixins.append(StrategyAwareMixin)
     if not own_loss:
-        mixins.append(CausalLMLossMixin)
+        mixins += [EvaluationMixin, CausalLMLossMixin]
     mixins.append(StrategyMixin)
     name = f"{trainer_cls.__name__}On{''.join(p.capitalize() for p in rung.name.split('_'))}"
     return type(name, (*mixins, trainer_cls), {"__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})

@@ -6,8 +6,10 @@
     rank_metrics.py         one collective for every rank's figures; `rank{r}/...` + min/max/mean series
     placement.py            finding the Trainer's callback list, to run ahead of the report_to integrations
     progress.py             one progress bar (loss, tokens/s, memory) and the closing per-rank table
-    wandb_sink.py           one W&B run per strategy run, never stopping training
-    wandb_logs.py           the sink fed with the Trainer's logs
+    tracker.py              what every tracker shares: rank 0 only, never stopping training
+    wandb_sink.py           one W&B run per strategy run
+    trackers.py             MLflow, TensorBoard and Trackio runs; every tracker of a run behind one interface
+    tracker_logs.py         the trackers fed with the Trainer's logs
     losses.py               the loss of every optimizer step
 
 `from hfdist.callbacks import DistributedMetricsCallback` imports transformers; the W&B sink alone does not.

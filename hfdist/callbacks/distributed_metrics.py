@@ -214,6 +214,10 @@ class DistributedMetricsCallback(TrainerCallback):
         if self._running:
             self._throughput.idle()
 
+    def on_evaluate(self, args, state, control, **kwargs):
+        if self._running:  # evaluation is the run's work, not a wait for the next step's data
+            self._throughput.idle()
+
     def on_train_end(self, args, state, control, **kwargs):
         if not self._running:
             return

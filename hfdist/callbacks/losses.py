@@ -1,4 +1,5 @@
-"""LossRecorder: the global mean loss of every optimizer step, as the Trainer logs it (logging_steps=1)."""
+"""LossRecorder: the global mean loss of every optimizer step, as the Trainer logs it (logging_steps=1), and every
+evaluation's eval loss."""
 
 from __future__ import annotations
 
@@ -8,15 +9,18 @@ __all__ = ["LossRecorder"]
 
 
 class LossRecorder(TrainerCallback):
-    """Keeps `logs["loss"]` per step: Trainer gathers it over all ranks before logging, so it is the global mean.
+    """Keeps `logs["loss"]` per step: Trainer gathers it over all ranks before logging, so it is the global mean; and
+    each evaluation's `eval_loss` with its step (`evaluations`: step -> eval metrics).
 
     A resumed run starts from the checkpoint's log history, so `steps` covers the whole run: each optimizer step
-    once, whatever was interrupted and retrained in between.
+    once, whatever was interrupted and retrained in between. `best_step` is set by the job under --load-best.
     """
 
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.steps: list[int] = []
+        self.evaluations: dict[int, dict[str, float]] = {}
+        self.best_step: int | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if args.logging_steps != 1:
@@ -25,8 +29,16 @@ class LossRecorder(TrainerCallback):
         earlier = [h for h in state.log_history if "loss" in h]  # restored from a checkpoint on resume
         self.losses = [float(h["loss"]) for h in earlier]
         self.steps = [int(h["step"]) for h in earlier]
+        self.evaluations = {int(h["step"]): _eval_metrics(h) for h in state.log_history if "eval_loss" in h}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.losses.append(float(logs["loss"]))
             self.steps.append(state.global_step)
+        if logs and "eval_loss" in logs:
+            self.evaluations[state.global_step] = _eval_metrics(logs)
+
+
+def _eval_metrics(logs) -> dict[str, float]:
+    return {"loss": float(logs["eval_loss"]), "perplexity": float(logs["eval_perplexity"]),
+            "tokens": int(logs["eval_tokens"])}

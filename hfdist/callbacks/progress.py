@@ -33,8 +33,8 @@ def format_bytes(n: float) -> str:
 class MetricsProgressCallback(ProgressCallback):
     """The Trainer's tqdm bar with the latest loss, tokens/s and peak memory in its postfix; prints no dicts.
 
-    Logs without a training loss (evaluation metrics) are still written above the bar, as the Trainer does; the
-    Trainer's closing summary dict is not (the closing table says more). With the run's figures attached (`metrics`,
+    The latest eval loss joins the postfix (`eval=`); other logs without a training loss are still written above the
+    bar, as the Trainer does; the Trainer's closing summary dict is not (the closing table says more). With the run's figures attached (`metrics`,
     a DistributedMetricsCallback), tokens/s is the global rate (summed over ranks, over tp x pp) and memory the
     largest rank's peak, and the metrics' closing table is printed once the bar is closed.
     """
@@ -42,6 +42,8 @@ class MetricsProgressCallback(ProgressCallback):
     def __init__(self, metrics: RunFigures | None = None) -> None:
         super().__init__()
         self.metrics = metrics
+        self.eval_loss: float | None = None  # the latest evaluation's, shown with every later step
+        self._last: dict[str, str] = {}  # the latest training step's postfix
 
     def adopt(self, bar: ProgressCallback) -> None:
         """Take over a ProgressCallback's state (its bar, if it already opened one)."""
@@ -55,13 +57,19 @@ class MetricsProgressCallback(ProgressCallback):
             out["tok/s"] = f"{logs['tokens_per_second/sum'] / replica:,.0f}"
         if "peak_memory_bytes/max" in logs:
             out["mem"] = format_bytes(logs["peak_memory_bytes/max"])
+        if self.eval_loss is not None:
+            out["eval"] = f"{self.eval_loss:.4f}"
         return out
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or self.training_bar is None or not logs:
             return
         if "loss" in logs:
-            self.training_bar.set_postfix(self.postfix(logs))
+            self._last = self.postfix(logs)
+            self.training_bar.set_postfix(self._last)
+        elif "eval_loss" in logs:  # the bar carries it from now on: no dict above the bar
+            self.eval_loss = logs["eval_loss"]
+            self.training_bar.set_postfix({**self._last, "eval": f"{self.eval_loss:.4f}"})
         elif "train_runtime" not in logs:
             super().on_log(args, state, control, logs=logs, **kwargs)
 

@@ -1,13 +1,12 @@
-"""WandbSink: one W&B run per strategy run, written by the logging rank only, that can never stop training.
+"""WandbSink: one W&B run per strategy run, written by the logging rank only, that can never stop training
+(hfdist.callbacks.tracker: the first failure warns once and turns W&B off).
 
-It logs what the Trainer logs (hfdist.callbacks.wandb_logs feeds it each `on_log`, the dict every report_to
+It logs what the Trainer logs (hfdist.callbacks.tracker_logs feeds it each `on_log`, the dict every report_to
 integration gets); when the Trainer already reports to W&B itself, the sink opens no second run: it leaves the
 per-step logging to the Trainer's and puts its summary values and tables into that run.
 
-W&B is a view of the run, not its record (the local JSON summary is): every W&B call is guarded, the first
-failure (no package, bad key, unreachable server, full disk) prints one warning and turns the sink off, and
-training goes on. Runs are offline unless the user is logged in or sets WANDB_MODE, so a job on a machine
-without W&B access still leaves a run folder that `wandb sync` uploads later.
+Runs are offline unless the user is logged in or sets WANDB_MODE, so a job on a machine without W&B access still
+leaves a run folder that `wandb sync` uploads later.
 """
 
 from __future__ import annotations
@@ -16,8 +15,10 @@ import netrc
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 from urllib.parse import urlsplit
+
+from hfdist.callbacks.tracker import TrackerSink
 
 __all__ = ["WandbSink", "resolve_wandb_mode", "sync_instructions"]
 
@@ -54,7 +55,7 @@ def resolve_wandb_mode(environ: Mapping[str, str] | None = None) -> str:
     return "offline"
 
 
-class WandbSink:
+class WandbSink(TrackerSink):
     """The W&B run of one strategy run. On ranks that don't log (`active=False`) every method is a no-op.
 
     The run starts at the first log/set_summary/log_table call, so a job refused before training leaves no
@@ -73,19 +74,18 @@ class WandbSink:
             the run is logged offline).
     """
 
+    label = "W&B"
+
     def __init__(self, *, output_dir: str | os.PathLike, active: bool, name: str, group: str | None = None,
                  job_type: str | None = None, config: Mapping[str, Any] | None = None, project: str | None = None,
                  tags: Sequence[str] = (), mode: str | None = None, init_timeout: float = 60.0) -> None:
-        self.active = active
+        super().__init__(active=active)
         self.mode = (mode or resolve_wandb_mode()) if active else "disabled"
-        self.error: str | None = None  # why W&B was turned off, for the local summary
         self._output_dir = Path(output_dir)
         self._init_kwargs = dict(project=project or os.environ.get("WANDB_PROJECT") or _DEFAULT_PROJECT,
                                  name=name, group=group, job_type=job_type or name, config=dict(config or {}),
                                  tags=list(tags), mode=self.mode)
         self._init_timeout = init_timeout
-        self._run: Any = None
-        self._closed = not active
         self.borrowed = False  # the run is the Trainer's own (report_to="wandb"), not one this sink opened
 
     @property
@@ -100,20 +100,12 @@ class WandbSink:
             return None
         return Path(self._run.settings.sync_dir)
 
-    def _warn_and_disable(self, what: str, exc: BaseException) -> None:
-        if self.error is None:
-            first_line = (str(exc).strip().splitlines() or [""])[0]
-            self.error = f"W&B {what} failed: {type(exc).__name__}: {first_line}"
-            print(f"hfdist: warning: {self.error}. Training goes on without W&B; the local JSON summary is the "
-                  "record.", file=sys.stderr, flush=True)
-        self._closed = True
+    @property
+    def location(self) -> str | None:
+        return str(self.run_dir) if self.run_dir is not None else None
 
-    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except Exception as exc:  # any W&B failure: warn once, keep training
-            self._warn_and_disable(what, exc)
-            return None
+    def record(self) -> dict[str, Any]:
+        return {"mode": self.mode, "run_dir": self.location, "error": self.error}
 
     def _start(self) -> Any:
         import wandb
@@ -153,16 +145,8 @@ class WandbSink:
                   "W&B is reachable.", file=sys.stderr, flush=True)
             return run
 
-    def _ensure_run(self) -> Any:
-        if self._closed:
-            return None
-        if self._run is None:
-            self._run = self._call("init", self._current_run if self.borrowed else self._start_online_or_offline)
-        return None if self._closed else self._run
-
-    def start(self) -> bool:
-        """Open the run now (e.g. before training, so W&B's start-up stays out of step times); True if it is open."""
-        return self._ensure_run() is not None
+    def _open(self) -> Any:
+        return self._current_run() if self.borrowed else self._start_online_or_offline()
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
         """Log one step's metrics (the Trainer's logs: loss, `rank{r}/...` series and their aggregates, ...)."""

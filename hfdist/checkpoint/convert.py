@@ -1,4 +1,5 @@
-"""Any training checkpoint as a Hugging Face model or LoRA adapter, read and written one tensor at a time.
+"""Any training checkpoint as a Hugging Face model or LoRA adapter (or, merged, a bf16 model: hfdist.checkpoint.merge),
+read and written one tensor at a time.
 
 A checkpoint's identity record (hfdist.checkpoint.format) names the model and LoRA settings, from which the full
 model's structure is rebuilt on the meta device (no weights); each tensor it lists is then read alone and handed to
@@ -39,8 +40,9 @@ def resolve_checkpoint(path: Path) -> Path:
     return latest
 
 
-def _skeleton(record: dict[str, Any]):
-    """The trained model's structure on the meta device (a PeftModel for a LoRA run) and its tokenizer."""
+def _skeleton(record: dict[str, Any], adapters: bool = True):
+    """The trained model's structure on the meta device (a PeftModel for a LoRA run, unless not `adapters`) and its
+    tokenizer."""
     from hfdist.data import load_tokenizer
     from hfdist.models.build import inject_lora, meta_model
     from hfdist.models.presets import is_preset
@@ -48,7 +50,7 @@ def _skeleton(record: dict[str, Any]):
     tokenizer = load_tokenizer(record["model"], is_preset=is_preset(record["model"]))
     model = meta_model(record["model"], vocab_size=len(tokenizer), dtype=torch.float32)
     model.config.pad_token_id = tokenizer.pad_token_id
-    if record.get("lora"):
+    if record.get("lora") and adapters:
         model = inject_lora(model, record["lora_r"], record["lora_alpha"])
     return model, tokenizer
 
@@ -106,9 +108,28 @@ def _saved_model_reader(checkpoint: Path, adapter: bool) -> Callable[[str], torc
     return read
 
 
-def export_checkpoint(path: Path, out: Path) -> Path:
+def _reader(checkpoint: Path, record: dict[str, Any], skeleton) -> Callable[[str], torch.Tensor]:
+    """A tensor's name in the trained model -> its fp32 values in the checkpoint, whatever wrote it: DCP shards,
+    DeepSpeed's ZeRO partitions, or (zero2_tp) the checkpoint's own fp32 model files, keyed as they are written."""
+    if record.get("format") == "deepspeed" and (record.get("dims") or {}).get("tp", 1) > 1:
+        from hfdist.checkpoint.hf_export import checkpoint_entries
+
+        adapter = bool(record.get("lora"))
+        by_key = _saved_model_reader(checkpoint, adapter)
+        key_of = {e.name: e.key for e in checkpoint_entries(skeleton, adapter_only=adapter)}
+        return lambda name: by_key(key_of[name])
+    return _zero_reader(checkpoint) if record.get("format") == "deepspeed" else _dcp_reader(checkpoint)
+
+
+def export_checkpoint(path: Path, out: Path, merge: bool = False) -> Path:
     """Write the checkpoint at `path` (a checkpoint-N folder, or an output folder: its latest) as a HF model, or a
-    LoRA adapter for a LoRA run, plus the tokenizer, into `out` (new or empty). Returns the checkpoint read."""
+    LoRA adapter for a LoRA / QLoRA run, plus the tokenizer, into `out` (new or empty). With `merge`, an adapter run
+    is written as one bf16 model, its adapter merged into its base (hfdist.checkpoint.merge). Returns the checkpoint
+    read.
+
+    Raises:
+        CheckpointError: `out` not empty, no checkpoint at `path`, or `merge` for a full fine-tune.
+    """
     from hfdist.checkpoint.hf_export import stream_hf_checkpoint
 
     checkpoint = resolve_checkpoint(path)
@@ -116,13 +137,17 @@ def export_checkpoint(path: Path, out: Path) -> Path:
         raise CheckpointError(f"{out} is not empty: the export writes a whole model there and overwrites nothing. "
                               "Pass a new or empty folder.")
     record = read_marker(checkpoint)
-    adapter = bool(record.get("lora"))
+    if merge and not record.get("lora"):
+        raise CheckpointError(f"--merge merges a LoRA or QLoRA adapter into its base, and {checkpoint} is of a full "
+                              "fine-tune: its weights are the whole model already. Drop --merge.")
     skeleton, tokenizer = _skeleton(record)
-    if record.get("format") == "deepspeed" and (record.get("dims") or {}).get("tp", 1) > 1:
-        by_key = _saved_model_reader(checkpoint, adapter)
-        stream_hf_checkpoint(out, skeleton, lambda entry: by_key(entry.key), adapter_only=adapter)
+    reader = _reader(checkpoint, record, skeleton)
+    if merge:
+        from hfdist.checkpoint.merge import MERGED_DTYPE, merged_weights
+
+        base, _ = _skeleton(record, adapters=False)
+        stream_hf_checkpoint(out, base, merged_weights(record, base, reader), dtype=MERGED_DTYPE)
     else:
-        reader = _zero_reader(checkpoint) if record.get("format") == "deepspeed" else _dcp_reader(checkpoint)
-        stream_hf_checkpoint(out, skeleton, lambda entry: reader(entry.name), adapter_only=adapter)
+        stream_hf_checkpoint(out, skeleton, lambda entry: reader(entry.name), adapter_only=bool(record.get("lora")))
     tokenizer.save_pretrained(str(out))
     return checkpoint

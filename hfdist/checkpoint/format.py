@@ -10,9 +10,10 @@ Layout of OUTPUT_DIR/checkpoint-N (the HF Trainer's names, so its resume logic a
   of one layout and world loads into any other (resharding), DDP's full tensors included;
 - hfdist_checkpoint.json, written last: what it holds, and which strategy, world and run wrote it.
 
-Atomicity: every rank writes into OUTPUT_DIR/.partial-checkpoint-N; after a barrier rank 0 writes the marker and
-renames the folder to checkpoint-N (one rename is atomic on POSIX). A crash at any moment leaves either the
-complete checkpoint or a `.partial-` folder that nothing reads, so a half-written checkpoint is never the latest.
+Atomicity: every rank writes into OUTPUT_DIR/.partial-checkpoint-N; once every rank's files are written (a barrier,
+or, for a save written in the background, DCP's closing gather: hfdist.checkpoint.background) rank 0 writes the
+marker and renames the folder to checkpoint-N (one rename is atomic on POSIX). A crash at any moment leaves either
+the complete checkpoint or a `.partial-` folder that nothing reads, so a half-written checkpoint is never the latest.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from torch import nn
 from hfdist.errors import HfdistError
 
 __all__ = ["CheckpointError", "MARKER", "SHARDED_DIR", "staging_dir", "remove_unfinished", "latest_checkpoint",
-           "write_marker",
-           "read_marker", "check_shard_files", "save_sharded", "load_sharded", "replace_staging"]
+           "write_marker", "read_marker", "check_shard_files", "sharded_state", "raise_write_error", "save_sharded",
+           "load_sharded", "replace_staging"]
 
 MARKER = "hfdist_checkpoint.json"
 SHARDED_DIR = "sharded"
@@ -111,13 +112,14 @@ def check_shard_files(checkpoint: Path) -> None:
                               "rank saved them, or delete the checkpoint to resume from the previous one.")
 
 
-def _dcp_options():
+def _dcp_options(trainable_only: bool = False):
     # Flattened: optimizer entries keyed by parameter name ("param_groups.<fqn>.lr"), not by group index. Pipeline
     # ranks hold different parameters, and index-keyed groups look like one replicated entry to DCP, which then
-    # keeps a single rank's copy (measured: the other stage came back without lr/betas).
+    # keeps a single rank's copy (measured: the other stage came back without lr/betas). Not strict when only the
+    # trainables are checkpointed: the frozen parameters keep the values the run was built with.
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(flatten_optimizer_state_dict=True)
+    return StateDictOptions(flatten_optimizer_state_dict=True, strict=not trainable_only)
 
 
 Rename = Callable[[str], str]
@@ -130,12 +132,17 @@ def _optimizer_key(key: str, rename: Rename) -> str:
     return f"{head}.{rename(fqn)}.{leaf}"
 
 
-def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rename: Rename | None) -> tuple[dict, dict]:
+def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rename: Rename | None,
+               trainable_only: bool = False) -> tuple[dict, dict]:
     """(canonical DCP state, canonical key -> this rank's key per section): model and optimizer states keyed by
-    the full model's parameter names, whatever the module tree the rank holds."""
+    the full model's parameter names, whatever the module tree the rank holds; of the model only its trainable
+    parameters when `trainable_only`."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    model_state, optim_state = get_state_dict(model, optimizer, options=_dcp_options())
+    model_state, optim_state = get_state_dict(model, optimizer, options=_dcp_options(trainable_only))
+    if trainable_only:
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_state = {k: v for k, v in model_state.items() if k in trainable}
     rename = rename or (lambda fqn: fqn)
     local_of = {"model": {rename(k): k for k in model_state},
                 "optimizer": {_optimizer_key(k, rename): k for k in optim_state}}
@@ -144,18 +151,42 @@ def _dcp_state(model: nn.Module, optimizer: torch.optim.Optimizer, rename: Renam
     return state, local_of
 
 
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer, rename: Rename | None = None,
+                  trainable_only: bool = False) -> dict:
+    """What `save_sharded` writes: {"model": ..., "optimizer": ...} of this rank's tensors (its shards, its stage's,
+    or whole), keyed by the full model's parameter names. The tensors are the live ones, not copies.
+
+    Args:
+        rename: maps this rank's parameter names to the full model's (pipeline stages); None: they are the same.
+        trainable_only: of the model, only the trainable parameters (`save_sharded`).
+    """
+    return _dcp_state(model, optimizer, rename, trainable_only)[0]
+
+
 def _root_cause(exc: BaseException) -> BaseException:
     """The first rank's own error inside DCP's CheckpointException (failures: rank -> (error, traceback))."""
     cause = next(iter(getattr(exc, "failures", {}).values()), exc)
     return cause[0] if isinstance(cause, tuple) else cause
 
 
+def raise_write_error(exc: BaseException) -> None:
+    """Raise what a failed DCP save raised: the writing rank's OSError (full disk, quota, permissions) itself when
+    that is the cause DCP gathered from the ranks, else `exc`."""
+    cause = _root_cause(exc)
+    if isinstance(cause, OSError):
+        raise cause from exc
+    raise exc
+
+
 def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
-                 rename: Rename | None = None) -> None:
-    """Every rank writes its own shards of the model and optimizer state (DCP) into checkpoint/sharded.
+                 rename: Rename | None = None, trainable_only: bool = False) -> None:
+    """Every rank writes its own shards of the model and optimizer state (DCP) into checkpoint/sharded, and returns
+    once they are written (hfdist.checkpoint.background writes them from a thread instead).
 
     Args:
         rename: maps this rank's parameter names to the full model's (pipeline stages); None: they are the same.
+        trainable_only: of the model, write only the trainable parameters (QLoRA: its 4-bit base is quantised
+            anew from the model's own weights by every run, identically, so a checkpoint holds the adapters).
 
     Raises:
         OSError: a shard could not be written (full disk, quota, permissions), as the writing rank saw it.
@@ -164,16 +195,13 @@ def save_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        dcp.save(_dcp_state(model, optimizer, rename)[0], checkpoint_id=str(checkpoint / SHARDED_DIR))
+        dcp.save(sharded_state(model, optimizer, rename, trainable_only), checkpoint_id=str(checkpoint / SHARDED_DIR))
     except CheckpointException as exc:  # a BaseException gathering every rank's failure
-        cause = _root_cause(exc)
-        if isinstance(cause, OSError):
-            raise cause from exc
-        raise
+        raise_write_error(exc)
 
 
 def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint: Path,
-                 rename: Rename | None = None) -> None:
+                 rename: Rename | None = None, trainable_only: bool = False) -> None:
     """Load what `save_sharded` wrote (on any layout and world) into this rank's model and optimizer, in place:
     DCP reads, for each tensor this rank holds (a shard, a stage's, or whole), the slices of it that the saving
     ranks wrote.
@@ -185,7 +213,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    state, local_of = _dcp_state(model, optimizer, rename)
+    state, local_of = _dcp_state(model, optimizer, rename, trainable_only)
     try:
         dcp.load(state, checkpoint_id=str(checkpoint / SHARDED_DIR))
     # DCP gathers every rank's failure into a CheckpointException (a BaseException); other errors mean the same.
@@ -197,7 +225,7 @@ def load_sharded(model: nn.Module, optimizer: torch.optim.Optimizer, checkpoint:
     set_state_dict(model, optimizer,
                    model_state_dict={local_of["model"][c]: v for c, v in state["model"].items()},
                    optim_state_dict={local_of["optimizer"][c]: v for c, v in state["optimizer"].items()},
-                   options=_dcp_options())
+                   options=_dcp_options(trainable_only))
 
 
 def replace_staging(staging: Path, final: Path) -> None:

@@ -48,16 +48,18 @@ _RELEASE_WAIT_S = 5.0  # bounds the wait for a collective's worker thread to dro
 
 @dataclass(frozen=True)
 class ExportEntry:
-    """One tensor of the written checkpoint: its key in the file, the model's name for it, its full shape."""
+    """One tensor of the written checkpoint: its key in the file, the model's name for it, its full shape, the dtype
+    it is written in."""
 
     key: str
     name: str
     shape: tuple[int, ...]
+    dtype: torch.dtype = SAVED_DTYPE
 
     @property
     def nbytes(self) -> int:
         """Bytes it takes in the file."""
-        n = SAVED_DTYPE.itemsize
+        n = self.dtype.itemsize
         for d in self.shape:
             n *= d
         return n
@@ -100,7 +102,7 @@ class SafetensorsStreamWriter:
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for e in shard:
-            header[e.key] = {"dtype": _DTYPE_NAMES[SAVED_DTYPE], "shape": list(e.shape),
+            header[e.key] = {"dtype": _DTYPE_NAMES[e.dtype], "shape": list(e.shape),
                              "data_offsets": [offset, offset + e.nbytes]}
             offset += e.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
@@ -116,7 +118,7 @@ class SafetensorsStreamWriter:
         entry = self._pending.pop(0)
         if entry.key != key or tuple(tensor.shape) != entry.shape:
             raise ValueError(f"expected {entry.key} {entry.shape}, got {key} {tuple(tensor.shape)}")
-        data = tensor.detach().to(device="cpu", dtype=SAVED_DTYPE).contiguous()
+        data = tensor.detach().to(device="cpu", dtype=entry.dtype).contiguous()
         self._file.write(data.view(torch.uint8).numpy().data)
         if not self._pending:
             self._file.close()
@@ -128,18 +130,19 @@ class SafetensorsStreamWriter:
             raise ValueError("the checkpoint is incomplete: not every tensor was written")
 
 
-def checkpoint_entries(skeleton: nn.Module, adapter_only: bool) -> list[ExportEntry]:
+def checkpoint_entries(skeleton: nn.Module, adapter_only: bool, dtype: torch.dtype = SAVED_DTYPE) -> list[ExportEntry]:
     """The tensors of the checkpoint `skeleton` (the full model's structure, e.g. on the meta device) saves, in
-    save_pretrained's order: its state dict without tied copies, or its LoRA adapter's entries (peft's names)."""
+    save_pretrained's order: its state dict without tied copies, or its LoRA adapter's entries (peft's names),
+    written in `dtype`."""
     state = skeleton.state_dict()
     names = {id(t): n for n, t in reversed(list(state.items()))}
     if adapter_only:
         from peft.utils import get_peft_model_state_dict
 
-        return [ExportEntry(key, names[id(t)], tuple(t.shape))
+        return [ExportEntry(key, names[id(t)], tuple(t.shape), dtype)
                 for key, t in get_peft_model_state_dict(skeleton, state_dict=state).items()]
     tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
-    return [ExportEntry(n, n, tuple(t.shape)) for n, t in state.items() if n not in tied]
+    return [ExportEntry(n, n, tuple(t.shape), dtype) for n, t in state.items() if n not in tied]
 
 
 def _is_zero(tensor: torch.Tensor) -> bool:
@@ -259,7 +262,8 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
 
 @torch.no_grad()
 def stream_hf_checkpoint(folder: str | Path, skeleton: nn.Module, full_tensor, *, adapter_only: bool = False,
-                         writes: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+                         writes: bool = True, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                         dtype: torch.dtype = SAVED_DTYPE) -> None:
     """Write a HF checkpoint (or LoRA adapter) of `skeleton` into `folder`, asking `full_tensor(entry)` for each
     tensor in save_pretrained's order and appending it before asking for the next: one full tensor in memory.
 
@@ -267,9 +271,11 @@ def stream_hf_checkpoint(folder: str | Path, skeleton: nn.Module, full_tensor, *
         full_tensor: ExportEntry -> the full tensor by the entry's model name (`entry.name`); may return None on a
             process that does not write (it is still called there: a collective gather may need every rank).
         writes: whether this process writes the files (rank 0 of a save).
+        dtype: the dtype the tensors are written in (and config.json records): fp32, the master weights, but for a
+            merged export (hfdist.checkpoint.convert), bf16 like the models HF ships.
     """
     folder = Path(folder)
-    entries = checkpoint_entries(skeleton, adapter_only)
+    entries = checkpoint_entries(skeleton, adapter_only, dtype)
     writer = None
     if writes:
         folder.mkdir(parents=True, exist_ok=True)
@@ -283,7 +289,7 @@ def stream_hf_checkpoint(folder: str | Path, skeleton: nn.Module, full_tensor, *
         del full
     if writer is not None:
         writer.close()
-        _write_configs(folder, skeleton, adapter_only)
+        _write_configs(folder, skeleton, adapter_only, dtype)
 
 
 def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor], rank: int,
@@ -346,7 +352,7 @@ def _comm_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _write_configs(folder: Path, skeleton: nn.Module, adapter_only: bool) -> None:
+def _write_configs(folder: Path, skeleton: nn.Module, adapter_only: bool, dtype: torch.dtype) -> None:
     """config.json + generation_config.json (the saved dtype recorded), or adapter_config.json."""
     if adapter_only:
         peft_config = copy.deepcopy(skeleton.peft_config["default"])
@@ -354,7 +360,7 @@ def _write_configs(folder: Path, skeleton: nn.Module, adapter_only: bool) -> Non
         peft_config.save_pretrained(str(folder))
         return
     config = copy.deepcopy(skeleton.config)
-    config.dtype = SAVED_DTYPE
+    config.dtype = dtype
     config.save_pretrained(str(folder))
     generation = getattr(skeleton, "generation_config", None)
     if generation is not None:

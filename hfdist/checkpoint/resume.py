@@ -14,15 +14,18 @@ from typing import Any
 
 from hfdist.config.finetune import ConfigError, FinetuneConfig
 from hfdist.config.ladder import Rung
-from hfdist.config.precision import effective_mixed_precision
+from hfdist.config.precision import effective_fp8, effective_mixed_precision
 
 __all__ = ["checkpoint_identity", "resume_point", "resume_line", "LAYOUT_KEYS", "WORKLOAD_KEYS"]
 
 LAYOUT_KEYS = ("strategy", "world_size", "dims", "pp_schedule")  # may change on resume (DCP formats only)
-WORKLOAD_KEYS = ("model", "lora", "lora_r", "lora_alpha", "global_batch_size", "seq_len")  # may not
+WORKLOAD_KEYS = ("model", "lora", "qlora", "lora_r", "lora_alpha", "lora_target_modules", "global_batch_size",
+                 "seq_len")  # may not
+_ABSENT = {"qlora": False}  # what a record written before a key existed means by its absence
 DCP_FORMAT, DEEPSPEED_FORMAT = "dcp", "deepspeed"
 _FLAGS = {"model": "--model", "global_batch_size": "--global-batch-size", "seq_len": "--seq-len", "lora": "--lora",
-          "lora_r": "--lora-r", "lora_alpha": "--lora-alpha"}
+          "qlora": "--qlora", "lora_r": "--lora-r", "lora_alpha": "--lora-alpha",
+          "lora_target_modules": "--lora-target-modules"}
 _DEEPSPEED_CONVERTER = (
     "DeepSpeed's ZeRO partitions are laid out per rank; DeepSpeed reshards them only through its universal "
     "checkpoint converter (python -m deepspeed.checkpoint.ds_to_universal --input_folder {ckpt}/global_step{step} "
@@ -42,15 +45,18 @@ def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
     on_gpu = torch.cuda.is_available()
     fmt = DEEPSPEED_FORMAT if rung.uses_deepspeed else DCP_FORMAT
     holds = ("DeepSpeed's per-rank ZeRO partitions (model + optimizer), the Trainer's model files" if rung.uses_deepspeed
-             else "model + optimizer state (DCP, keyed by the full model's parameter names, any layout loads it)")
+             else f"{'adapter (the 4-bit base is quantised anew from --model)' if cfg.qlora else 'model'} + optimizer "
+                  "state (DCP, keyed by the full model's parameter names, any layout loads it)")
     return {"strategy": rung.name, "world_size": rung.num_processes, "dims": rung.dims.to_dict(),
             "pp_schedule": rung.pipeline.schedule if rung.pipeline else None, "format": fmt,
             "holds": f"{holds}; LR scheduler; data position (trainer_state.json); RNG streams per rank",
-            "lora": cfg.lora, "lora_r": cfg.lora_r if cfg.lora else None,
+            "lora": cfg.lora, "qlora": cfg.qlora, "lora_r": cfg.lora_r if cfg.lora else None,
             "lora_alpha": cfg.lora_alpha if cfg.lora else None,
-            "model": cfg.model or DEFAULT_PRESET, "global_batch_size": cfg.global_batch_size, "seq_len": cfg.seq_len,
+            "lora_target_modules": list(cfg.lora_target_modules) if cfg.lora and cfg.lora_target_modules else None,
+            "model": cfg.model or DEFAULT_PRESET, "seed": cfg.seed, "global_batch_size": cfg.global_batch_size,
+            "seq_len": cfg.seq_len,
             "mixed_precision": effective_mixed_precision(rung, on_gpu, cfg.mixed_precision),
-            "device": "cuda" if on_gpu else "cpu"}
+            "fp8": effective_fp8(rung, on_gpu, cfg.fp8), "device": "cuda" if on_gpu else "cpu"}
 
 
 def _check_precision_and_device(checkpoint: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
@@ -61,6 +67,10 @@ def _check_precision_and_device(checkpoint: Path, saved: dict[str, Any], identit
     if saved.get("mixed_precision", "no") != identity["mixed_precision"]:
         fixes.append(f"it trained with --mixed-precision {saved.get('mixed_precision', 'no')}, this run with "
                      f"{identity['mixed_precision']}: pass --mixed-precision {saved.get('mixed_precision', 'no')}")
+    if saved.get("fp8") != identity["fp8"]:
+        asked = f"--fp8 {saved['fp8']}" if saved.get("fp8") else "no --fp8"
+        fixes.append(f"it trained with {asked}, this run with "
+                     f"{'--fp8 ' + identity['fp8'] if identity['fp8'] else 'no --fp8'}: pass {asked}")
     if saved.get("device", "cpu") != identity["device"]:
         fixes.append(f"it trained on {saved.get('device', 'cpu')}, this run is on {identity['device']}: resume on "
                      f"a {saved.get('device', 'cpu')} machine")
@@ -74,15 +84,19 @@ def _check_workload(checkpoint: Path, saved: dict[str, Any], identity: dict[str,
     """Refuse a checkpoint of another workload, naming both values of each difference and the flag that fixes it."""
     from hfdist.checkpoint.format import CheckpointError
 
+    saved = {**_ABSENT, **saved}
     diff = [k for k in WORKLOAD_KEYS if saved.get(k) != identity[k]]
     if diff:
         what = "; ".join(f"{k}: checkpoint {saved.get(k)!r}, this run {identity[k]!r}" for k in diff)
-        fix = " ".join(f"{_FLAGS[k]} {saved.get(k)}" for k in diff if k != "lora" and saved.get(k) is not None)
+        fix = " ".join(f"{_FLAGS[k]} {','.join(v) if isinstance(v := saved.get(k), list) else v}" for k in diff
+                       if k not in ("lora", "qlora") and saved.get(k) is not None)
+        switches = "".join(f" {_FLAGS[k]}" for k in ("lora", "qlora") if saved.get(k) and not identity[k])
+        settings = (fix + switches).strip() or "as it was written"
         raise CheckpointError(
             f"Checkpoint {checkpoint} was written by another workload ({what}). A resumed run continues the same "
             "optimisation: its data position and LR schedule count global batches of the same rows, and its states "
-            f"fit only the same model. Resume with the checkpoint's settings ({fix or 'as it was written'}"
-            f"{' --lora' if saved.get('lora') and not identity['lora'] else ''}), or start a new --output-dir.")
+            f"fit only the same model. Resume with the checkpoint's settings ({settings}), or start a new "
+            "--output-dir.")
 
 
 def _check_layout(checkpoint: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:

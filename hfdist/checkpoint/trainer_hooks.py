@@ -6,22 +6,31 @@ TP, PP, 3D, one process) writes its model and optimizer state with torch.distrib
 model's parameter names (pipeline stages renamed back), so any of them resumes from any other's checkpoint on any
 world (hfdist.checkpoint.format). All of it goes into a staging folder that becomes checkpoint-N by one rename, so an
 interrupted save never replaces or impersonates a complete checkpoint.
+
+With `save_async` (the default) those rungs write the model and optimizer state in the background
+(hfdist.checkpoint.background): the saving step copies it and training goes on; the small files (scheduler, RNG,
+trainer state) are written before the write starts, and the marker, rename and rotation follow once it has landed
+on every rank. A save waits for the previous one, and the end of training waits for the last one (before the
+Trainer's closing metrics, so train_runtime counts it).
 """
 
 from __future__ import annotations
 
 import shutil
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from hfdist.checkpoint.background import BackgroundSave
 from hfdist.checkpoint.format import (
     CheckpointError,
     load_sharded,
     replace_staging,
     save_sharded,
+    sharded_state,
     staging_dir,
     write_marker,
 )
@@ -32,14 +41,31 @@ SCHEDULER_FILE = "scheduler.pt"
 
 
 class CheckpointingMixin:
-    """Mixed into hfdist's trainers (needs `self.rung` and `self.checkpoint_identity`)."""
+    """Mixed into hfdist's trainers (needs `self.rung`, `self.checkpoint_identity` and `self.qlora`).
+
+    Args:
+        save_async: write the model and optimizer state of DCP checkpoints in the background (DeepSpeed rungs
+            always save synchronously).
+    """
 
     rung: Any
     checkpoint_identity: dict[str, Any]
+    qlora: bool
+
+    def __init__(self, *args, save_async: bool = True, **kwargs) -> None:
+        self.save_async = save_async
+        self._background = BackgroundSave()
+        self._in_flight: str | None = None  # the checkpoint being written in the background
+        super().__init__(*args, **kwargs)
 
     def _saves_dcp(self) -> bool:
         """Every rung but DeepSpeed (whose ZeRO partitions only DeepSpeed reads) checkpoints through DCP."""
         return not self.rung.uses_deepspeed
+
+    def _adapters_only(self) -> bool:
+        """Whether checkpoints hold the model's trainables only: QLoRA's (its 4-bit base is rebuilt identically from
+        the model's weights by every run)."""
+        return self.qlora
 
     def _canonical_name(self):
         """Maps this rank's parameter names to the full model's; None where they already are the full model's (DDP,
@@ -52,46 +78,97 @@ class CheckpointingMixin:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
+    @staticmethod
+    def _write_failed(final: Path, exc: OSError) -> CheckpointError:
+        return CheckpointError(
+            f"Could not write checkpoint {final.name} into {final.parent} ({exc.strerror or exc}). Training "
+            f"stopped; every earlier checkpoint is intact (the failed one stays in {staging_dir(final).name}, which "
+            "is never resumed from). Free space (or raise the quota) and rerun with --resume.")
+
     def _save_checkpoint(self, model, trial) -> None:
         final = Path(self._get_output_dir(trial=trial)) / f"checkpoint-{self.state.global_step}"
+        if self.state.best_global_step == self.state.global_step:  # evaluated just now, the best eval loss so far
+            self.state.best_model_checkpoint = str(final)
         staging = staging_dir(final)
         self.store_flos()
+        self._wait_for_checkpoint()  # one save in flight: its staged copy is refilled, checkpoints land in order
         if self.args.should_save and staging.exists():
             shutil.rmtree(staging)  # what a crashed save left behind
         self._barrier()
+        background = self.save_async and self._saves_dcp()
+        finish = (partial(self._finish_checkpoint, staging, final, self.state.global_step, background,
+                          self.state.best_model_checkpoint) if self.args.should_save else None)
         try:
-            self._write_checkpoint(staging)
+            self._write_checkpoint(staging, background, finish)
         except OSError as exc:
-            raise CheckpointError(
-                f"Could not write checkpoint {final.name} into {final.parent} ({exc.strerror or exc}). Training "
-                f"stopped; every earlier checkpoint is intact (the failed one stays in {staging.name}, which is "
-                "never resumed from). Free space (or raise the quota) and rerun with --resume."
-            ) from exc
+            raise self._write_failed(final, exc) from exc
+        if background:
+            self._in_flight = str(final)
+            return
         self._barrier()
-        if self.args.should_save:
-            write_marker(staging, self.checkpoint_identity, self.state.global_step)
-            replace_staging(staging, final)
-            from transformers.trainer_utils import rotate_checkpoints
-
-            rotate_checkpoints(output_dir=str(final.parent), save_total_limit=self.args.save_total_limit,
-                               use_mtime=False)
+        if finish is not None:
+            finish()
         self._barrier()
 
-    def _write_checkpoint(self, folder: Path) -> None:
-        """Every rank's part of one checkpoint: model + optimizer, scheduler, RNG, trainer state."""
+    def _finish_checkpoint(self, staging: Path, final: Path, step: int, background: bool, best: str | None) -> None:
+        """Rank 0, once every rank's files are written: the marker, the rename, the rotation of older checkpoints
+        (which sees complete checkpoints only, the newest among them this one, and keeps `best`: the checkpoint of
+        the best evaluation loss when this save began)."""
+        from transformers.trainer_utils import rotate_checkpoints
+
+        write_marker(staging, {**self.checkpoint_identity, "async_save": background}, step)
+        replace_staging(staging, final)
+        rotate_checkpoints(output_dir=str(final.parent), save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=best, use_mtime=False)
+
+    def _wait_for_checkpoint(self) -> None:
+        """Block until the checkpoint being written in the background (if any) is complete; its write error as the
+        synchronous save reports it."""
+        final, self._in_flight = self._in_flight, None
+        try:
+            self._background.wait()
+        except OSError as exc:
+            raise self._write_failed(Path(final), exc) from exc
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        self._wait_for_checkpoint()  # the last checkpoint lands before the run's closing metrics and final save
+        self._background.close()
+        return super()._finalize_training(trial, num_train_samples, start_time)
+
+    def _write_checkpoint(self, folder: Path, background: bool = False, finish=None) -> None:
+        """Every rank's part of one checkpoint: scheduler, RNG, trainer state, then model + optimizer (background:
+        written from a thread, which calls `finish` once it has landed on every rank; the small files come first,
+        so the folder is whole when `finish` renames it)."""
         folder.mkdir(parents=True, exist_ok=True)
-        if self._saves_dcp():
-            save_sharded(self.model, self.optimizer, folder, self._canonical_name())
-            if self.args.should_save:
-                torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
-        else:
-            self.save_model(str(folder), _internal_call=True)
-            self._save_optimizer_and_scheduler(str(folder))
+        if self._saves_dcp() and self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
         self._save_rng_state(str(folder))
         if self.args.should_save:
             from transformers.trainer import TRAINER_STATE_NAME
 
             self.state.save_to_json(str(folder / TRAINER_STATE_NAME))
+        if not self._saves_dcp():
+            self.save_model(str(folder), _internal_call=True)
+            self._save_optimizer_and_scheduler(str(folder))
+        elif background:
+            state = sharded_state(self.model, self.optimizer, self._canonical_name(), self._adapters_only())
+            self._background.start(state, folder, finish)
+        else:
+            save_sharded(self.model, self.optimizer, folder, self._canonical_name(), self._adapters_only())
+
+    def load_best_checkpoint(self) -> int | None:
+        """Put the weights of the checkpoint with the best eval loss (kept from rotation) back into the model, when
+        they are not the model's already; its step, or None when no checkpoint was evaluated. Collective."""
+        best = self.state.best_model_checkpoint
+        if best is None:
+            return None
+        step = int(Path(best).name.rsplit("-", 1)[1])
+        if step != self.state.global_step:
+            if self._saves_dcp():  # with its optimizer state, which nothing uses after training
+                load_sharded(self.model, self.optimizer, Path(best), self._canonical_name())
+            else:
+                self._load_best_model()  # the Trainer's DeepSpeed load
+        return step
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None) -> None:
         if self._saves_dcp():
@@ -101,5 +178,5 @@ class CheckpointingMixin:
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None or not self._saves_dcp():
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name())
+        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name(), self._adapters_only())
         self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))

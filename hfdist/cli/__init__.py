@@ -1,6 +1,7 @@
 """The `hfdist` command: a small argparse dispatcher, one sub-command (verb) per module of this package.
 
     hfdist finetune --config fsdp_hybrid.yaml
+    hfdist prepare job.yaml
     hfdist configs
     hfdist plan --model llama-3.1-70b --gpus-per-node 8 --nodes 4 --gpu-mem-gb 80
     hfdist compare --configs ddp fsdp_full_shard zero3
@@ -24,7 +25,7 @@ from hfdist.errors import HfdistError
 
 __all__ = ["main", "build_parser", "VERB_MODULES"]
 
-VERB_MODULES = ("finetune", "configs", "plan", "compare", "simulate", "checkpoint")
+VERB_MODULES = ("finetune", "prepare", "configs", "plan", "compare", "simulate", "checkpoint")
 
 
 def _verbs():
@@ -33,7 +34,9 @@ def _verbs():
 
 def build_parser() -> argparse.ArgumentParser:
     """The `hfdist` parser with one sub-parser per verb module."""
-    parser = argparse.ArgumentParser(prog="hfdist", usage="hfdist <command> [<args>]",
+    from hfdist.config.job_file import CommandParser
+
+    parser = CommandParser(prog="hfdist", usage="hfdist <command> [<args>]",
                                      description="Pick, launch and compare parallelism strategies for Hugging Face "
                                                  "fine-tunes.")
     sub = parser.add_subparsers(dest="verb", required=True, metavar="<command>", title="commands")

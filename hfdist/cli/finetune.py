@@ -19,14 +19,21 @@ MODULE_ENTRY = ["-m", "hfdist.cli", "finetune"]
 
 
 def run_finetune(argv: list[str], entry: list[str]) -> int:
-    """Parse the fine-tune options in `argv` and run the job; `entry` is what a hand-over starts in each rank."""
-    from hfdist.config.finetune import parse_args
+    """Parse the fine-tune options in `argv` (and the job file they name) and run the job, or print the resolved
+    job (--print-job); `entry` is what a hand-over starts in each rank."""
+    from hfdist.config.finetune import job_text, parse_command
     from hfdist.errors import run_with_clear_errors
 
-    cfg = parse_args(argv, prog="hfdist finetune" if entry == MODULE_ENTRY else None)
-    from hfdist.job.run import finetune
+    def job() -> int:
+        cfg, print_only = parse_command(argv, prog="hfdist finetune" if entry == MODULE_ENTRY else None)
+        if print_only:
+            print(job_text(cfg), end="")
+            return 0
+        from hfdist.job.run import finetune
 
-    return run_with_clear_errors(lambda: finetune(cfg, entry, argv))
+        return finetune(cfg, entry, argv)
+
+    return run_with_clear_errors(job)
 
 
 def exit_after_run(code: int) -> None:

@@ -22,7 +22,8 @@ what FSDP2 and DDP hold in total; 20 = DeepSpeed's own accounting (adds a 4-byte
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    from hfdist.config.finetune import non_negative_int
+    from hfdist.config.arg_types import non_negative_int
+    from hfdist.config.finetune import FP8_RECIPES
     from hfdist.plan import ADAM_BYTES_CHOICES, DTYPES, Workload
 
     d = Workload()
@@ -31,6 +32,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpu-mem-gb", type=float, default=80.0, help="memory of one GPU in GB = 1e9 bytes (default 80)")
     p.add_argument("--lora", action="store_true", help="train LoRA adapters on a frozen base instead of all weights")
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: LoRA adapters on a frozen 4-bit NF4 base (the rungs that take --qlora)")
     p.add_argument("--lora-r", type=int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r})")
     p.add_argument("--seq", type=int, default=d.seq, help=f"sequence length (default {d.seq})")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch,
@@ -40,11 +43,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss-chunk-size", type=non_negative_int, default=d.loss_chunk_size, metavar="N",
                    help=f"sequence positions per chunk of the chunked loss, as `hfdist finetune --loss-chunk-size` "
                         f"(default {d.loss_chunk_size}): one chunk's logits are counted; 0: the whole sequence's")
+    p.add_argument("--attn-implementation", default=d.attention, metavar="NAME",
+                   help=f"attention as `hfdist finetune --attn-implementation` (default {d.attention}: a "
+                        "document-isolating kernel, nothing S x S); sdpa / eager add their dense S x S mask and its "
+                        "per-layer copies")
     p.add_argument("--dpo", action="store_true",
                    help="preference training (DPO, hfdist.api / examples/dpo_trl.py): count the frozen reference "
                         "model, sharded like the policy (none with --lora: the base with its adapters off); "
                         "--micro-batch counts sequences, 2 per pair (chosen + rejected)")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
+    p.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=d.fp8, choices=FP8_RECIPES, metavar="RECIPE",
+                   help="decoder projections in float8, as `hfdist finetune --fp8` (tensorwise, the default, or "
+                        "rowwise): FSDP2 gathers them at 1 byte per element (tensorwise); rungs that refuse --fp8 "
+                        "are left out")
     p.add_argument("--bytes-per-param-adam", type=int, choices=ADAM_BYTES_CHOICES, default=d.bytes_per_param_adam,
                    help="mixed-precision Adam accounting: 16 (default; FSDP2/DDP totals, ZeRO paper) or 20 "
                         "(DeepSpeed's estimators)")
@@ -62,9 +73,11 @@ def run(args: argparse.Namespace) -> int:
         raise HfdistError(str(exc)) from exc
     plan = plan_rungs(
         config, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_mem_bytes=int(args.gpu_mem_gb * GB),
-        seq=args.seq, micro_batch=args.micro_batch, lora=args.lora, lora_r=args.lora_r,
+        seq=args.seq, micro_batch=args.micro_batch, lora=args.lora, lora_r=args.lora_r, qlora=args.qlora,
         activation_checkpointing=args.activation_checkpointing, dtype=args.dtype,
         bytes_per_param_adam=args.bytes_per_param_adam, model=args.model, loss_chunk_size=args.loss_chunk_size or None,
+        attention=args.attn_implementation,
+        fp8=args.fp8,
         reference_model=args.dpo,
     )
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())

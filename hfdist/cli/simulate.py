@@ -41,6 +41,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "activation peak against the planner's (non-pipeline rungs; minutes for the largest models)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length of the simulated step (default 2048)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank in the simulated step (default 1)")
+    p.add_argument("--attn-implementation", default="auto", metavar="NAME",
+                   help="attention of the simulated step, as `hfdist finetune --attn-implementation` (default auto: "
+                        "nothing S x S); sdpa / eager hold their dense S x S mask and its per-layer copies")
+    p.add_argument("--qlora", action="store_true",
+                   help="simulate QLoRA's model: 4-bit NF4 projections (0.5 B/param + quantisation states whole on "
+                        "every rank) and LoRA adapters (rungs that take --qlora, no pipeline stages, no --step)")
+    p.add_argument("--lora-r", type=int, default=16, help="LoRA rank under --qlora (default 16)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
 
 
@@ -53,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
                            gpus_per_node=args.gpus_per_node, model_config=load_config(args.model))
     sim = simulate(args.model, rung, mixed_precision=args.mixed_precision,
                    activation_checkpointing=args.activation_checkpointing, gpus_per_node=args.gpus_per_node,
-                   step_seq=args.seq if args.step else None, micro_batch=args.micro_batch)
+                   step_seq=args.seq if args.step else None, micro_batch=args.micro_batch,
+                   attention=args.attn_implementation, qlora=args.qlora, lora_r=args.lora_r)
     print(json.dumps(sim.to_json(), indent=2) if args.json else sim.table())
     return 0 if sim.verified else 1
 

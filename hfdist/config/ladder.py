@@ -20,7 +20,7 @@ import yaml
 from hfdist.config.dims import DimsError, ParallelDims
 from hfdist.config.finetune import ConfigError
 from hfdist.config.rungs import RUNG_INFO, RungInfo
-from hfdist.config.translate import read_fsdp_config, refuse_unimplemented
+from hfdist.config.translate import read_fp8, read_fsdp_config, refuse_unimplemented
 from hfdist.errors import HfdistError
 
 __all__ = [
@@ -96,6 +96,7 @@ class Rung:
     num_processes: int
     dims: ParallelDims
     mixed_precision: str = "no"
+    fp8: str | None = None  # the YAML's `mixed_precision: fp8` as hfdist's --fp8 recipe (hfdist.config.translate)
     yaml_path: Path | None = None
     ds_config_path: Path | None = None
     zero_stage: int = 0
@@ -349,12 +350,13 @@ def load_rung(name_or_path: str) -> Rung:
     _refuse_cp_outside_fsdp(cfg, path)
     name = path.stem
     num_processes = int(cfg.get("num_processes", 1))  # accelerate counts all machines' processes
-    mixed = str(cfg.get("mixed_precision", "no"))
+    mixed, fp8, fp8_note = read_fp8(cfg, path)
     dtype = str(cfg["distributed_type"]).upper()
-    common = dict(name=name, num_processes=num_processes, yaml_path=path, info=RUNG_INFO.get(name))
+    common = dict(name=name, num_processes=num_processes, yaml_path=path, info=RUNG_INFO.get(name), fp8=fp8)
     try:
         if dtype in ("MULTI_GPU", "MULTI_CPU", "NO"):
-            rung = Rung(kind=StrategyKind.DDP, dims=ParallelDims(dp_replicate=num_processes), mixed_precision=mixed, **common)
+            rung = Rung(kind=StrategyKind.DDP, dims=ParallelDims(dp_replicate=num_processes), mixed_precision=mixed,
+                        notes=(fp8_note,) if fp8_note else (), **common)
         elif dtype == "FSDP":
             pc = cfg.get("parallelism_config") or {}
             replicate = int(pc.get("parallelism_config_dp_replicate_size", 1))
@@ -373,7 +375,7 @@ def load_rung(name_or_path: str) -> Rung:
                 schedule=str(pc.get("parallelism_config_pp_schedule", PipelineSettings.schedule)),
                 n_microbatches=int(pc.get("parallelism_config_pp_microbatches", PipelineSettings.n_microbatches)),
             ) if pp > 1 else None
-            notes = (fsdp.note,) if fsdp.note else ()
+            notes = tuple(n for n in (fsdp.note, fp8_note) if n)
             if fsdp.ddp and cp > 1:
                 raise LadderError(f"{path} sets parallelism_config_cp_size: {cp} with NO_SHARD (DDP); hfdist's context "
                                   "parallelism runs on its FSDP2 mesh. Use a sharding strategy (FULL_SHARD), or "
@@ -389,7 +391,7 @@ def load_rung(name_or_path: str) -> Rung:
                         mixed_precision=mixed, **common)
         elif dtype == "DEEPSPEED":
             rung = deepspeed_rung(name, _deepspeed_json_path(cfg, path), num_processes, yaml_path=path,
-                                  info=RUNG_INFO.get(name))
+                                  info=RUNG_INFO.get(name), fp8=fp8)
         else:
             raise LadderError(f"{path} has distributed_type {dtype}, which hfdist does not run. Use MULTI_GPU (DDP), "
                               "FSDP or DEEPSPEED.")

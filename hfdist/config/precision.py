@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from hfdist.config.ladder import Rung
 
-__all__ = ["CpuTranslation", "effective_mixed_precision", "cpu_translation", "settle_mixed_precision"]
+__all__ = ["CpuTranslation", "effective_mixed_precision", "effective_fp8", "cpu_translation", "settle_mixed_precision"]
 
 
 @dataclass(frozen=True)
@@ -36,13 +36,22 @@ def effective_mixed_precision(rung: Rung, on_gpu: bool, asked: str = "auto") -> 
     return rung.mixed_precision if on_gpu else "no"
 
 
-def cpu_translation(rung: Rung, on_gpu: bool, asked: str = "auto") -> CpuTranslation | None:
+def effective_fp8(rung: Rung, on_gpu: bool, asked: str | None = None) -> str | None:
+    """The float8 recipe a run trains with (None: no FP8): --fp8 as given, on any device; else the YAML's
+    `mixed_precision: fp8` (Rung.fp8) on a GPU. A CPU leaves the YAML's FP8 off, as it does the YAML's bf16."""
+    return asked or (rung.fp8 if on_gpu else None)
+
+
+def cpu_translation(rung: Rung, on_gpu: bool, asked: str = "auto", fp8: str | None = None) -> CpuTranslation | None:
     """What a rung's GPU-only settings become on CPU, or None on a GPU machine. bf16 asked for on CPU stays bf16
-    (CPU autocast, FSDP2's policy, DeepSpeed's bf16 all run there); "auto" trains the CPU in fp32."""
+    (CPU autocast, FSDP2's policy, DeepSpeed's bf16 all run there); "auto" trains the CPU in fp32. The YAML's FP8
+    is off on CPU unless --fp8 (`fp8`) asks for it (torchao's float8 matmuls run on a CPU too, slowly)."""
     if on_gpu:
         return None
     mixed = effective_mixed_precision(rung, on_gpu, asked)
     notes = ["backend nccl -> gloo"]
+    if rung.fp8 is not None and fp8 is None:
+        notes.append(f"fp8 ({rung.fp8}) -> off (--fp8 keeps float8 matmuls)")
     if asked == "auto" and rung.mixed_precision != mixed:
         notes.append(f"mixed_precision {rung.mixed_precision} -> fp32 (--mixed-precision bf16 keeps bf16)")
     if rung.fsdp is not None and rung.fsdp.offload_params:

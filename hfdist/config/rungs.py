@@ -55,6 +55,22 @@ class RungInfo:
 _COMPILE_PP = "pipeline stages run their layers through torch.distributed.pipelining's schedule, not built for it"
 _COMPILE_DS = "DeepSpeed's engine puts its own hooks on the layers (ZeRO-3 gathers parameters in them)"
 _COMPILE_CP = "context parallelism swaps the attention function for an all-to-all one the compiler would trace"
+_COMPILE_OFFLOAD = ("FSDP2's CPU offload copies every layer's shards to the device around its forward and backward; "
+                    "not built or tested under --compile")
+# Why the rungs that refuse --fp8 do (hfdist.parallel.float8).
+_FP8_DS = "DeepSpeed's engine casts and partitions the model itself, around torchao's float8 linears"
+_FP8_CP = "context parallelism splits every sequence's tokens over cp ranks, so each rank's float8 scales see a part"
+_FP8_OFFLOAD = ("FSDP2's CPU offload keeps the weights in host memory, between which and torchao's float8 all-gather "
+                "hfdist has built and tested nothing; the rung is for QLoRA")
+# Why the rungs that refuse --qlora do (docs/qlora.md).
+_QLORA_TP = ("tensor parallelism splits every projection into DTensor shards and runs its matmul on them, while "
+             "bitsandbytes' 4-bit matmul takes a plain packed weight, and splitting a projection's input dimension "
+             "would cut through the packed codes of every row")
+_QLORA_ZERO12 = ("ZeRO-1/2 shard optimizer state and gradients, which under QLoRA are the adapters' (a few MB); the "
+                 "4-bit base stays whole on every rank exactly as on ddp, so the rung adds nothing over ddp (zero3 "
+                 "shards the base)")
+_QLORA_OFFLOAD = ("DeepSpeed's offload would have to move the 4-bit base's packed partitions to the host and back "
+                  "with their quantisation state, which stays on the device; not built")
 
 # Table order: the decision table's rows (docs/ladder.md): 1 DDP, 2 FSDP FULL_SHARD / ZeRO-2, 3 HYBRID / ZeRO-3,
 # 4 PP or TP (pipeline stages first, then tensor parallelism), 5 3D, 6 ZeRO-3 + offload; ZeRO-1 sits between rows
@@ -63,54 +79,72 @@ _COMPILE_CP = "context parallelism swaps the attention function for an all-to-al
 RUNG_INFO: dict[str, RungInfo] = {
     "single": RungInfo(0, "one process: the reference every rung's losses are compared with", "nothing",
                        "debugging, or the model, grads and Adam state fit one device and one device is enough",
-                       plan_order=0, compile=True, e2e="reference", tested_with=frozenset({"lora", "bf16"})),
+                       plan_order=0, compile=True, fp8=True, qlora=True, e2e="reference",
+                       tested_with=frozenset({"bf16", "fp8", "lora", "qlora"})),
     "ddp": RungInfo(1, "LoRA fine-tune <= 7B; the model fits on one device", "nothing (full replica per rank)",
                     "the model, grads and Adam state fit one device; fastest", "--lora",
-                    plan_order=10, compile=True, tested_with=frozenset({"lora", "bf16", "compile"})),
+                    plan_order=10, fp8=True, compile=True, qlora=True,
+                    tested_with=frozenset({"bf16", "compile", "fp8", "lora", "qlora"})),
     "zero1": RungInfo(1, "model + grads fit one device, Adam state does not", "optimizer state",
                       "a small step past DDP: frees 12 of 16 bytes/param of Adam state",
-                      plan_order=20, compile=_COMPILE_DS),
+                      plan_order=20, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_ZERO12),
     "fsdp_full_shard": RungInfo(2, "full fine-tune 7B-13B on one node", "params + grads + optimizer state",
                                 "the model states do not fit one device; one node",
-                                plan_order=40, compile=True, tested_with=frozenset({"lora", "bf16", "compile"})),
+                                plan_order=40, fp8=True, compile=True, qlora=True,
+                                tested_with=frozenset({"bf16", "compile", "fp8", "lora", "qlora"})),
     "zero2": RungInfo(2, "full fine-tune 7B-13B on one node", "grads + optimizer state",
                       "weights fit one device but grads + Adam state do not",
-                      plan_order=30, compile=_COMPILE_DS, tested_with=frozenset({"lora"})),
+                      plan_order=30, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_ZERO12,
+                      tested_with=frozenset({"lora"})),
     "fsdp_hybrid": RungInfo(3, "full fine-tune 30B-70B on several nodes", "params + grads + optimizer state "
                             "inside a node; replicated across nodes", "multi-node, slow inter-node fabric",
-                            plan_order=60, compile=True),
+                            plan_order=60, fp8=True, compile=True, qlora=True,
+                            tested_with=frozenset({"fp8", "qlora"})),
     "zero3": RungInfo(3, "full fine-tune 30B-70B", "params + grads + optimizer state",
                       "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem",
-                      plan_order=50, compile=_COMPILE_DS, tested_with=frozenset({"lora", "bf16"})),
+                      plan_order=50, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=True,
+                      tested_with=frozenset({"bf16", "lora", "qlora"})),
     "pp": RungInfo(4, "beyond ~30B: the model's depth spread over GPUs or nodes",
                    "decoder layers over pp ranks (pipeline stages, 1F1B schedule)",
                    "stages fit one device each; only point-to-point activations cross links, so pp spans nodes",
-                   plan_order=70, compile=_COMPILE_PP, e2e="pipeline", tested_with=frozenset({"lora", "bf16"})),
+                   plan_order=70, fp8=True, compile=_COMPILE_PP, qlora=True, e2e="pipeline",
+                   tested_with=frozenset({"bf16", "fp8", "lora", "qlora"})),
     "fsdp_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs", "params + grads + optimizer state "
                         "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
                         "sharding alone is not enough or its all-gathers dominate; tp inside a node",
-                        plan_order=80, compile=True, tested_with=frozenset({"lora", "bf16", "compile"})),
+                        plan_order=80, fp8=True, compile=True, qlora=_QLORA_TP,
+                        tested_with=frozenset({"bf16", "compile", "fp8", "lora"})),
     "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
                          "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
                          "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19",
-                         plan_order=90, compile=_COMPILE_DS, tested_with=frozenset({"bf16"})),
+                         plan_order=90, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_TP,
+                         tested_with=frozenset({"bf16"})),
     "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
                    "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
                    "the model needs tp inside a node and pp across nodes to fit; dp for the rest",
-                   plan_order=100, compile=_COMPILE_PP, e2e="pipeline", tested_with=frozenset({"bf16"})),
+                   plan_order=100, fp8=True, compile=_COMPILE_PP, qlora=_QLORA_TP, e2e="pipeline",
+                   tested_with=frozenset({"bf16", "fp8"})),
     "fsdp_cp": RungInfo(4, "long-context fine-tune (32K-128K tokens): activations exceed a device",
                         "every sequence's tokens over cp (Ulysses attention) x params + grads + optimizer state "
                         "over dp_shard x cp (FSDP2)", "activations do not fit even with checkpointing; cp inside "
                         "a node", "--seq-len 32768",
-                        plan_order=110, compile=_COMPILE_CP, e2e="context_parallel",
-                        tested_with=frozenset({"lora"})),
+                        plan_order=110, compile=_COMPILE_CP, fp8=_FP8_CP, qlora=True, e2e="context_parallel",
+                        tested_with=frozenset({"lora", "qlora"})),
+    "fsdp_offload": RungInfo(6, "the model exceeds the GPUs' memory even sharded, e.g. QLoRA of 70B on 2 x 24 GB",
+                             "params + grads + optimizer state sharded over ranks and kept in CPU RAM (FSDP2 CPU "
+                             "offload); each layer's shards copied to the GPU as it runs",
+                             "not even a shard fits a GPU; the FSDP2 way to offload, and the one that trains QLoRA",
+                             "--qlora",
+                             plan_order=125, compile=_COMPILE_OFFLOAD, fp8=_FP8_OFFLOAD, qlora=True,
+                             tested_with=frozenset({"qlora"})),
     "zero3_offload_cpu": RungInfo(6, "single-node fine-tune, model exceeds the GPUs' memory",
                                   "params + grads + optimizer state, offloaded to CPU RAM",
                                   "not enough GPU memory at any sharding; slow but feasible",
-                                  plan_order=120, compile=_COMPILE_DS),
+                                  plan_order=120, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_OFFLOAD),
     "zero3_offload_nvme": RungInfo(6, "single node, model exceeds GPU and CPU memory",
                                    "params + optimizer state offloaded to NVMe", "last resort: even CPU RAM is short",
-                                   "--nvme-path /local_nvme", plan_order=130, compile=_COMPILE_DS),
+                                   "--nvme-path /local_nvme", plan_order=130, fp8=_FP8_DS, compile=_COMPILE_DS,
+                                   qlora=_QLORA_OFFLOAD),
 }
 
 

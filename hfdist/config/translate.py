@@ -5,8 +5,10 @@
   SHARD_GRAD_OP -> no reshard after forward, HYBRID_SHARD -> HSDP over the node, NO_SHARD -> DDP); FSDP1-only
   switches FSDP2 has no use for are dropped, and the run says so in one line.
 - Keys hfdist does not implement are refused by name before any process starts (DeepSpeed's sequence parallelism,
-  fp8, torch.compile through dynamo_config, size-based wrapping, ...): a run that silently ignored them would not
-  be the run the config describes.
+  torch.compile through dynamo_config, size-based wrapping, FP8 through TransformerEngine or MS-AMP, ...): a run that
+  silently ignored them would not be the run the config describes.
+- `mixed_precision: fp8` with torchao (accelerate's `fp8_config.backend: AO`, or no fp8_config) runs as hfdist's own
+  `--fp8 tensorwise` over bf16 (hfdist.parallel.float8), and the run says so in one line.
 - A DeepSpeed JSON's explicit precision (`bf16.enabled: true`, as axolotl's and accelerate's templates ship) is made
   to agree with the precision the run trains in; transformers would otherwise stop every rank with a mismatch error
   after the process group formed.
@@ -21,7 +23,7 @@ from typing import Any
 
 from hfdist.errors import HfdistError
 
-__all__ = ["TranslationError", "FsdpConfig", "read_fsdp_config", "refuse_unimplemented", "refuse_on_gpu",
+__all__ = ["TranslationError", "FsdpConfig", "read_fsdp_config", "read_fp8", "refuse_unimplemented", "refuse_on_gpu",
            "deepspeed_config_for_run"]
 
 # accelerate's FSDP_SHARDING_STRATEGY order: a YAML may give the strategy by name or by its 1-based index.
@@ -139,6 +141,44 @@ def read_fsdp_config(fsdp: dict[str, Any] | None, path: Path) -> FsdpConfig:
                       hybrid=strategy.startswith("HYBRID"), note=note, **common)
 
 
+# accelerate's fp8_config keys for torchao (`accelerate config`, backend AO); hfdist's rule decides both instead.
+_AO_KEYS = ("backend", "enable_fsdp_float8_all_gather", "pad_inner_dim")
+
+
+def read_fp8(cfg: dict[str, Any], path: Path) -> tuple[str, str | None, str | None]:
+    """A YAML's mixed precision as hfdist runs it: (mixed_precision, fp8 recipe or None, the one line a translated
+    fp8 config prints or None). `mixed_precision: fp8` through torchao becomes hfdist's --fp8 tensorwise over bf16.
+
+    Raises:
+        TranslationError: an FP8 backend other than torchao, fp8_config keys hfdist does not read, or fp8_config
+            without mixed_precision: fp8; the message names the key and the fix.
+    """
+    mixed = str(cfg.get("mixed_precision", "no"))
+    fp8_config = cfg.get("fp8_config") or {}
+    if mixed.lower() != "fp8":
+        if fp8_config:
+            raise TranslationError(f"{path} sets fp8_config but mixed_precision: {mixed}, so no FP8 would run (accelerate "
+                                   "reads fp8_config only under mixed_precision: fp8). Set mixed_precision: fp8 to "
+                                   "train in float8, or remove fp8_config.")
+        return mixed, None, None
+    backend = str(fp8_config.get("backend", "AO")).upper()
+    if backend != "AO":
+        what = {"TE": "TransformerEngine", "MSAMP": "MS-AMP"}.get(backend, backend)
+        raise TranslationError(f"{path} sets mixed_precision: fp8 with fp8_config.backend: {backend} ({what}), which "
+                               "hfdist does not implement: its FP8 is torchao's float8 training (hfdist finetune --fp8). "
+                               "Set fp8_config.backend: AO (or remove fp8_config), or mixed_precision: bf16.")
+    unknown = sorted(set(fp8_config) - set(_AO_KEYS))
+    if unknown:
+        raise TranslationError(f"{path}: fp8_config has {', '.join(unknown)}, which hfdist does not read for torchao "
+                               f"FP8 (it reads {', '.join(_AO_KEYS)}). Remove these keys.")
+    note = (f"hfdist: {path.name} asks for mixed_precision: fp8 (torchao): runs as --fp8 tensorwise over bf16 (the "
+            "decoder layers' projections in float8, gathered in float8 where FSDP2 shards them)")
+    decided = [k for k in _AO_KEYS[1:] if k in fp8_config]
+    if decided:
+        note += f"; fp8_config's {', '.join(decided)} follow hfdist's rule (docs/fp8.md)"
+    return "bf16", "tensorwise", note
+
+
 def refuse_unimplemented(cfg: dict[str, Any], path: Path) -> None:
     """Refuse, by name, the accelerate YAML keys hfdist does not implement (whatever the device).
 
@@ -152,10 +192,6 @@ def refuse_unimplemented(cfg: dict[str, Any], path: Path) -> None:
                                f"hfdist does not implement. Set {key}: 1 (or remove it) and use "
                                "parallelism_config_cp_size on an FSDP config instead (hfdist's context parallelism, "
                                "also Ulysses: the fsdp_cp rung).")
-    if str(cfg.get("mixed_precision", "no")).lower() == "fp8" or cfg.get("fp8_config"):
-        key = "mixed_precision: fp8" if str(cfg.get("mixed_precision")).lower() == "fp8" else "fp8_config"
-        raise TranslationError(f"{path} sets {key}; hfdist does not implement fp8 training. Use mixed_precision: "
-                               "bf16 and remove fp8_config.")
     backend = str((cfg.get("dynamo_config") or {}).get("dynamo_backend", "NO")).upper()
     if backend != "NO":
         raise TranslationError(f"{path} sets dynamo_config.dynamo_backend: {backend}; hfdist does not compile the "

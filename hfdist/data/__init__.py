@@ -10,8 +10,11 @@ Modules, one job each:
     chat.py      chat templates (the tokenizer's, or hfdist's default) and the assistant spans in a rendering
     encode.py    samples -> tokenized, labelled documents; long ones split, truncated or refused
     packing.py   best-fit-decreasing placement of documents into fixed-length blocks with position ids
-    collation.py packed rows -> model kwargs (4-D mask for sdpa/eager, varlen arguments for flash-attention)
-    preparation.py  the pipeline above as `prepare` (parallel, cached) and its one-line report
+    packed_file.py  documents -> a packed Arrow file, a window of blocks at a time (bounded memory)
+    collation.py packed rows -> model kwargs (document boundaries for hfdist_documents / flash varlen, a 4-D mask
+                 only for the explicit sdpa / eager choice)
+    preparation.py  the pipeline above as `prepare` (parallel, cached), held-out splits, the one-line report
+    prepared.py  the prepared-data folder `hfdist prepare` writes and the job reads, checked against its settings
     load.py      a model's tokenizer; a dataset from the embedded default, a file/folder or the hub
     default.py   the embedded default: synthetic conversations and the tokenizer trained on them
 """

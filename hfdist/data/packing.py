@@ -16,20 +16,27 @@ import numpy as np
 
 from hfdist.models.registry import IGNORE_INDEX
 
-__all__ = ["best_fit_decreasing", "pack_arrays", "padding_per_row"]
+__all__ = ["assign_blocks", "best_fit_decreasing", "pack_arrays", "padding_per_row"]
 
 
-def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
-    """Document indices per block: each document, longest first (ties in index order), goes into the block whose
-    free space it fills best, or a new block. Deterministic. Every length must be in [1, capacity]."""
+def assign_blocks(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best-fit-decreasing placement: each document, longest first (ties in index order), goes into the block whose
+    free space it fills best, or a new block. Deterministic. Every length must be in [1, capacity].
+
+    Returns:
+        (block of each document, the documents in placement order): block b holds, in order, the documents of
+        `order` whose block is b. Numpy arrays, a few bytes per document, for datasets of any size.
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     if len(lengths) and (lengths.min() < 1 or lengths.max() > capacity):
         raise ValueError(f"document lengths must lie in [1, {capacity}], got [{lengths.min()}, {lengths.max()}]")
     # Open blocks by free space: has_free[c] says some block has exactly c tokens free, by_free[c] lists them.
     has_free = np.zeros(capacity + 1, dtype=bool)
     by_free: list[list[int]] = [[] for _ in range(capacity + 1)]
-    blocks: list[list[int]] = []
-    for doc in np.argsort(-lengths, kind="stable"):
+    placed = np.argsort(-lengths, kind="stable")
+    block_of = np.empty(len(lengths), dtype=np.int64)
+    blocks = 0
+    for doc in placed:
         need = int(lengths[doc])
         fits = has_free[need:]
         if fits.any():
@@ -37,14 +44,23 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
             block = by_free[free].pop()
             has_free[free] = bool(by_free[free])
         else:
-            free, block = capacity, len(blocks)
-            blocks.append([])
-        blocks[block].append(int(doc))
+            free, block = capacity, blocks
+            blocks += 1
+        block_of[doc] = block
         left = free - need
         if left:
             by_free[left].append(block)
             has_free[left] = True
-    return blocks
+    # Grouped by block, each block's documents in the order they were placed.
+    order = placed[np.argsort(block_of[placed], kind="stable")]
+    return block_of, order
+
+
+def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> list[list[int]]:
+    """Document indices per block, in placement order (`assign_blocks` as lists)."""
+    block_of, order = assign_blocks(lengths, capacity)
+    ends = np.cumsum(np.bincount(block_of, minlength=int(block_of.max()) + 1)) if len(order) else np.zeros(0, int)
+    return [part.tolist() for part in np.split(order, ends[:-1])] if len(order) else []
 
 
 def pack_arrays(values_ids: np.ndarray, values_labels: np.ndarray, offsets: np.ndarray, blocks: list[list[int]],

@@ -2,19 +2,23 @@
 
     rows --(formats: detect, read, validate)--> samples --(chat: template, assistant spans)--> segments
          --(encode: tokenize, label, split long; parallel and cached by datasets)--> documents
-         --(packing: best-fit-decreasing)--> blocks of seq_len: input_ids, labels, position_ids
+         --(held out: whole rows, drawn by the seed)--> training / evaluation documents
+         --(packing: best-fit-decreasing, a window of blocks at a time)--> blocks of seq_len: input_ids, labels,
+           position_ids
 
 Tokenization is a `datasets.map` (cached in the dataset's cache folder, keyed by the data, tokenizer, template,
 seq_len and policy; a second run with the same inputs reads the cache). Packing runs in numpy over the documents'
-Arrow buffers and is cached beside them the same way, so every rank of a run (rank 0 first) and every later run
-memory-maps one file.
+Arrow buffers (hfdist.data.packed_file) and is cached beside them the same way, so every rank of a run (rank 0
+first) and every later run memory-maps one file.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,18 +27,19 @@ from hfdist.data.chat import DEFAULT_TEMPLATE_NOTE, ensure_chat_template
 from hfdist.data.encode import LONG_DOCUMENT_POLICIES, Note, encode_rows
 from hfdist.data.errors import DataError
 from hfdist.data.formats import detect_format
-from hfdist.data.packing import best_fit_decreasing, pack_arrays, padding_per_row
-from hfdist.models.registry import IGNORE_INDEX
+from hfdist.data.packed_file import PackedStats, write_packed
 
-__all__ = ["DataReport", "prepare", "prepare_with_report", "check_enough_blocks"]
+__all__ = ["DataReport", "Split", "prepare", "prepare_with_report", "prepare_split", "held_out_rows",
+           "check_enough_blocks", "PACKING_VERSION"]
 
-_PACKING_VERSION = "bfd-1"  # part of the packed cache file's name: bump when the packed layout changes
+PACKING_VERSION = "bfd-2"  # part of every packed file's key: bump when the packed layout changes
 _PARALLEL_FROM_ROWS = 20_000  # smaller datasets tokenize faster in one process than worker start-up takes
+_DOCUMENT = (Note.WHOLE, Note.PIECE, Note.TRUNCATED)
 
 
 @dataclass(frozen=True)
 class DataReport:
-    """What `prepare` made of a dataset."""
+    """What `prepare` made of a dataset (or of one side of a held-out split)."""
 
     format: str
     rows: int
@@ -55,14 +60,24 @@ class DataReport:
         """Share of the blocks' tokens that are padding."""
         return self.padding_tokens / max(self.blocks * self.seq_len, 1)
 
-    def line(self) -> str:
-        """One line for the run's log."""
-        text = (f"hfdist: data: {self.rows} {self.format} rows -> {self.documents} documents ({self.split_rows} rows "
-                f"split, {self.truncated} answers truncated, {self.empty_rows} empty rows skipped, "
+    def line(self, what: str = "data") -> str:
+        """One line for the run's log (`what`: "data", "eval data", ...)."""
+        text = (f"hfdist: {what}: {self.rows} {self.format} rows -> {self.documents} documents ({self.split_rows} "
+                f"rows split, {self.truncated} answers truncated, {self.empty_rows} empty rows skipped, "
                 f"{self.dropped_rows} dropped) -> {self.blocks} blocks of {self.seq_len} tokens, "
                 f"{100 * self.padding_fraction:.1f}% padding, {self.label_tokens} label tokens "
                 f"({self.seconds:.1f} s)")
         return text + (f"\nhfdist: {DEFAULT_TEMPLATE_NOTE}" if self.default_template else "")
+
+
+@dataclass(frozen=True)
+class Split:
+    """Training and held-out evaluation blocks from one dataset (`prepare_split`)."""
+
+    train: object  # datasets.Dataset
+    train_report: DataReport
+    eval: object
+    eval_report: DataReport
 
 
 def _default_num_proc(rows: int) -> int | None:
@@ -71,66 +86,60 @@ def _default_num_proc(rows: int) -> int | None:
     return max(1, min(len(os.sched_getaffinity(0)), 16))
 
 
-def _documents(dataset, tokenizer, seq_len: int, long_documents: str, num_proc: int | None):
-    fmt = detect_format(list(dataset.column_names))
-    return fmt.name, dataset.map(
-        encode_rows, batched=True, batch_size=256, with_indices=True, remove_columns=dataset.column_names,
-        num_proc=num_proc if num_proc is not None else _default_num_proc(len(dataset)),
-        fn_kwargs={"format_name": fmt.name, "tokenizer": tokenizer, "seq_len": seq_len,
-                   "long_documents": long_documents},
-        desc=f"hfdist: tokenize {fmt.name} rows for {seq_len}-token blocks")
+@dataclass
+class _Documents:
+    """A dataset tokenized into documents (a datasets.Dataset with input_ids, labels, row, note)."""
 
+    format: str
+    docs: object
+    rows: int
+    pad_id: int
+    default_template: bool
+    started: float
 
-def _flat(column) -> tuple[np.ndarray, np.ndarray]:
-    """A list<int> Arrow column as (values, offsets) numpy arrays, without a Python list in between."""
-    import pyarrow as pa
+    def packed(self, keep: np.ndarray, seq_len: int, side: tuple, desc: str):
+        """The documents `keep` selects (a mask over documents), packed and cached: (Dataset, PackedStats)."""
+        import datasets
+        from datasets.fingerprint import Hasher
+        from datasets.table import InMemoryTable
 
-    array = column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
-    offsets = array.offsets.to_numpy().astype(np.int64)
-    values = array.values.to_numpy(zero_copy_only=False)
-    return values[offsets[0]:offsets[-1]], offsets - offsets[0]
-
-
-def _matrix(packed, key: str, seq_len: int) -> np.ndarray:
-    """A packed column as an (n_blocks, seq_len) numpy array read from Arrow (memory-mapped when cached)."""
-    return packed.data.column(key).combine_chunks().flatten().to_numpy().reshape(-1, seq_len)
-
-
-def _pack(docs, seq_len: int, pad_id: int):
-    """The packed Dataset, cached next to the documents' cache file when they have one."""
-    import datasets
-    import pyarrow as pa
-    from datasets.arrow_writer import ArrowWriter
-    from datasets.fingerprint import Hasher
-
-    cache = None
-    if docs.cache_files:
+        documents = np.flatnonzero(keep & np.isin(self.notes, _DOCUMENT))
+        if not self.docs.cache_files:  # documents held in memory (a dataset built in Python): packed in memory too
+            with tempfile.TemporaryDirectory(prefix="hfdist-packed-") as folder:
+                stats = write_packed(self.docs.data, documents, seq_len, self.pad_id, Path(folder) / "p.arrow", desc)
+                return datasets.Dataset(InMemoryTable.from_file(str(Path(folder) / "p.arrow"))), stats
         # The documents' fingerprint is what datasets itself keys their cache by (data, function, tokenizer).
-        key = Hasher.hash((docs._fingerprint, seq_len, pad_id, _PACKING_VERSION))
-        cache = Path(docs.cache_files[0]["filename"]).parent / f"hfdist-packed-{key}.arrow"
-        if cache.is_file():
-            return datasets.Dataset.from_file(str(cache))
-    ids, offsets = _flat(docs.data.column("input_ids"))
-    labels, _ = _flat(docs.data.column("labels"))
-    lengths = np.diff(offsets)
-    real = np.flatnonzero(lengths > 0)
-    blocks = [[int(real[d]) for d in block] for block in best_fit_decreasing(lengths[real], seq_len)]
-    packed = pack_arrays(ids, labels, offsets, blocks, seq_len, pad_id)
-    table = pa.table({k: pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(-1)), seq_len)
-                      for k, v in packed.items()})
-    if cache is None:
-        return datasets.Dataset(table)
-    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-    with ArrowWriter(path=str(tmp)) as writer:
-        writer.write_table(table)
-        writer.finalize()
-    os.replace(tmp, cache)  # atomic: ranks and runs that read the cache never see half a file
-    return datasets.Dataset.from_file(str(cache))
+        key = Hasher.hash((self.docs._fingerprint, seq_len, self.pad_id, PACKING_VERSION, side))
+        folder = Path(self.docs.cache_files[0]["filename"]).parent
+        path, stats_path = folder / f"hfdist-packed-{key}.arrow", folder / f"hfdist-packed-{key}.json"
+        if path.is_file() and stats_path.is_file():
+            return datasets.Dataset.from_file(str(path)), PackedStats(**json.loads(stats_path.read_text()))
+        stats = write_packed(self.docs.data, documents, seq_len, self.pad_id, path, desc)
+        stats_path.write_text(json.dumps(asdict(stats)))
+        return datasets.Dataset.from_file(str(path)), stats
+
+    @property
+    def notes(self) -> np.ndarray:
+        return self.docs.data.column("note").to_numpy()
+
+    @property
+    def source_rows(self) -> np.ndarray:
+        return self.docs.data.column("row").to_numpy()
+
+    def report(self, keep: np.ndarray, rows: int, stats: PackedStats, seq_len: int) -> DataReport:
+        """What became of the rows whose documents `keep` selects."""
+        notes, source = self.notes[keep], self.source_rows[keep]
+        return DataReport(
+            format=self.format, rows=rows, documents=int(np.isin(notes, _DOCUMENT).sum()),
+            split_rows=len(np.unique(source[notes == Note.PIECE])), truncated=int((notes == Note.TRUNCATED).sum()),
+            empty_rows=int((notes == Note.EMPTY).sum()), dropped_rows=int((notes == Note.DROPPED).sum()),
+            blocks=stats.blocks, seq_len=seq_len, padding_tokens=stats.padding_tokens,
+            label_tokens=stats.label_tokens, default_template=self.default_template,
+            seconds=time.perf_counter() - self.started)
 
 
-def prepare_with_report(dataset, tokenizer, seq_len: int, *, long_documents: str = "split",
-                        num_proc: int | None = None):
-    """`prepare`, and a DataReport of what it did. See `prepare`."""
+def _tokenized(dataset, tokenizer, seq_len: int, long_documents: str, num_proc: int | None) -> _Documents:
+    """Every row of `dataset` as documents (tokenized, labelled, long ones split), refused when none is left."""
     import datasets
 
     started = time.perf_counter()
@@ -143,26 +152,65 @@ def prepare_with_report(dataset, tokenizer, seq_len: int, *, long_documents: str
     defaulted = ensure_chat_template(tokenizer)
     # Padding is masked from loss and attention, so its id only has to be a valid one.
     pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-    format_name, docs = _documents(dataset, tokenizer, seq_len, long_documents, num_proc)
-    notes = docs.data.column("note").to_numpy()
-    rows = docs.data.column("row").to_numpy()
-    documents = int(np.isin(notes, (Note.WHOLE, Note.PIECE, Note.TRUNCATED)).sum())
-    if documents == 0:
+    fmt = detect_format(list(dataset.column_names))
+    docs = dataset.map(
+        encode_rows, batched=True, batch_size=256, with_indices=True, remove_columns=dataset.column_names,
+        num_proc=num_proc if num_proc is not None else _default_num_proc(len(dataset)),
+        fn_kwargs={"format_name": fmt.name, "tokenizer": tokenizer, "seq_len": seq_len,
+                   "long_documents": long_documents},
+        desc=f"hfdist: tokenize {fmt.name} rows for {seq_len}-token blocks")
+    out = _Documents(fmt.name, docs, len(dataset), pad_id, defaulted, started)
+    notes = out.notes
+    if not np.isin(notes, _DOCUMENT).any():
         raise DataError(
-            f"Nothing to train on: of the dataset's {len(dataset)} {format_name} rows, {int((notes == Note.EMPTY).sum())} "
+            f"Nothing to train on: of the dataset's {len(dataset)} {fmt.name} rows, {int((notes == Note.EMPTY).sum())} "
             f"have empty fields and {int((notes == Note.DROPPED).sum())} have no answer token within --seq-len "
             f"{seq_len} (a prompt that fills the block). Fill the empty fields, raise --seq-len, or pass another "
             "dataset.")
-    packed = _pack(docs, seq_len, pad_id)
-    report = DataReport(
-        format=format_name, rows=len(dataset), documents=documents,
-        split_rows=len(np.unique(rows[notes == Note.PIECE])), truncated=int((notes == Note.TRUNCATED).sum()),
-        empty_rows=int((notes == Note.EMPTY).sum()), dropped_rows=int((notes == Note.DROPPED).sum()),
-        blocks=len(packed), seq_len=seq_len,
-        padding_tokens=int(padding_per_row(_matrix(packed, "position_ids", seq_len)).sum()),
-        label_tokens=int((_matrix(packed, "labels", seq_len) != IGNORE_INDEX).sum()),
-        default_template=defaulted, seconds=time.perf_counter() - started)
-    return packed, report
+    return out
+
+
+def prepare_with_report(dataset, tokenizer, seq_len: int, *, long_documents: str = "split",
+                        num_proc: int | None = None):
+    """`prepare`, and a DataReport of what it did. See `prepare`."""
+    documents = _tokenized(dataset, tokenizer, seq_len, long_documents, num_proc)
+    every = np.ones(len(documents.notes), dtype=bool)
+    packed, stats = documents.packed(every, seq_len, ("all",), f"hfdist: pack {seq_len}-token blocks")
+    return packed, documents.report(every, documents.rows, stats, seq_len)
+
+
+def held_out_rows(rows: int, fraction: float, seed: int) -> np.ndarray:
+    """Which of `rows` rows are held out for evaluation: round(fraction x rows) of them (at least one), drawn by
+    `seed` (the same rows on every rank and in every run with the same seed)."""
+    chosen = np.random.default_rng(seed).permutation(rows)[:max(1, round(fraction * rows))]
+    held = np.zeros(rows, dtype=bool)
+    held[chosen] = True
+    return held
+
+
+def prepare_split(dataset, tokenizer, seq_len: int, *, eval_fraction: float, seed: int,
+                  long_documents: str = "split", num_proc: int | None = None) -> Split:
+    """`prepare`, with `eval_fraction` of the rows held out for evaluation before packing: whole rows (so a
+    conversation split into several documents stays on one side), drawn by `seed` (`held_out_rows`); each side
+    packed on its own.
+
+    Raises:
+        DataError: as `prepare`, or a held-out side without a document (too small a fraction of too few rows).
+    """
+    documents = _tokenized(dataset, tokenizer, seq_len, long_documents, num_proc)
+    held_rows = held_out_rows(documents.rows, eval_fraction, seed)
+    held = held_rows[documents.source_rows]
+    out = {}
+    for side, keep, rows in (("train", ~held, int((~held_rows).sum())), ("eval", held, int(held_rows.sum()))):
+        packed, stats = documents.packed(keep, seq_len, (side, eval_fraction, seed),
+                                         f"hfdist: pack the {side} side's {seq_len}-token blocks")
+        if stats.blocks == 0:
+            raise DataError(f"--eval-fraction {eval_fraction:g} of the dataset's {documents.rows} rows leaves no "
+                            f"document on the {side} side. Pick a fraction that leaves rows on both sides, or "
+                            "pass --eval-dataset.")
+        out[side] = (packed, documents.report(keep, rows, stats, seq_len))
+    return Split(train=out["train"][0], train_report=out["train"][1], eval=out["eval"][0],
+                 eval_report=out["eval"][1])
 
 
 def prepare(dataset, tokenizer, seq_len: int, *, long_documents: str = "split", num_proc: int | None = None):

@@ -34,7 +34,8 @@ __all__ = ["LaunchError", "accelerate_command", "single_gpu_env", "ensure_world"
 HANDED_OVER_ENV = "HFDIST_HANDED_OVER"
 # accelerate's FSDP switches: hfdist applies FSDP2 itself (launch.py docstring, parallel/fsdp.py), so these are read
 # for checking and then removed, or the Trainer's accelerator would try to wrap the model a second time on GPU.
-_ACCELERATE_FSDP_ENV_PREFIXES = ("FSDP_", "PARALLELISM_CONFIG_")
+# The same for its FP8 settings (a YAML's `mixed_precision: fp8`): hfdist converts the model itself.
+_ACCELERATE_FSDP_ENV_PREFIXES = ("FSDP_", "PARALLELISM_CONFIG_", "ACCELERATE_FP8_")
 _ACCELERATE_FSDP_ENV = ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_PARALLELISM_CONFIG")
 
 
@@ -56,8 +57,10 @@ def accelerate_command(rung: Rung, entry: Sequence[str], script_args: list[str],
     cmd = [sys.executable, "-m", "hfdist.job.quiet_launch", "--config_file", str(rung.yaml_path),
            "--num_processes", str(rung.num_processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
     translation = cpu_translation(rung, on_gpu)
-    if translation is not None and not rung.uses_deepspeed:  # DeepSpeed takes precision from its JSON only
-        cmd += ["--mixed_precision", translation.mixed_precision]
+    # DeepSpeed takes precision from its JSON only. A YAML's fp8 is hfdist's to apply (hfdist.parallel.float8):
+    # accelerate is told the precision of the rest, or it would convert the model with its own FP8 recipe.
+    if not rung.uses_deepspeed and (translation is not None or rung.fp8 is not None):
+        cmd += ["--mixed_precision", translation.mixed_precision if translation else rung.mixed_precision]
     if rung.ds_config_path is not None:
         # Absolute, so the YAML's relative path works from any working directory.
         cmd += ["--deepspeed_config_file", str(rung.ds_config_path)]

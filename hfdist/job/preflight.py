@@ -7,18 +7,22 @@ paragraph naming the fix.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
 
 from hfdist.config.dims import batch_layout
 from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
-from hfdist.config.precision import effective_mixed_precision
+from hfdist.config.precision import effective_fp8, effective_mixed_precision
+from hfdist.job.world import Node
 from hfdist.parallel.fit import check_model_fits
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["check_deepspeed_json", "plan_check", "check_nvme_offload", "preflight"]
+__all__ = ["check_deepspeed_json", "plan_check", "check_nvme_offload", "check_qlora", "check_attention",
+           "check_dense_mask", "check_evaluation", "check_lora", "check_trackers", "preflight"]
 
 
 def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum: int) -> None:
@@ -34,17 +38,76 @@ def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum
     implied = {"train_micro_batch_size_per_gpu": (micro, "--micro-batch-size"),
                "gradient_accumulation_steps": (grad_accum, "--global-batch-size / --micro-batch-size"),
                "train_batch_size": (cfg.global_batch_size, "--global-batch-size"),
-               "gradient_clipping": (1.0, "hfdist's max grad norm")}
-    optimizer_lr = ((ds.get("optimizer") or {}).get("params") or {}).get("lr")
-    if optimizer_lr is not None:
-        implied["optimizer.params.lr"] = (cfg.learning_rate, "--learning-rate")
-    values = {**{k: ds.get(k, "auto") for k in implied}, "optimizer.params.lr": optimizer_lr}
+               "gradient_clipping": (cfg.max_grad_norm, "--max-grad-norm")}
+    params = (ds.get("optimizer") or {}).get("params") or {}
+    for key, want, flag in (("lr", cfg.learning_rate, "--learning-rate"),
+                            ("weight_decay", cfg.weight_decay, "--weight-decay")):
+        if params.get(key) is not None:
+            implied[f"optimizer.params.{key}"] = (want, flag)
+    values = {**{k: ds.get(k, "auto") for k in implied},
+              **{f"optimizer.params.{k}": params.get(k) for k in ("lr", "weight_decay")}}
     clashes = [f"{key} is {values[key]} but {flag} makes it {want}" for key, (want, flag) in implied.items()
                if values[key] not in ("auto", None) and float(values[key]) != float(want)]
     if clashes:
         raise ConfigError(f"{rung.ds_config_path} contradicts the command line: {'; '.join(clashes)}. Set these "
                           "keys to \"auto\" (the Trainer fills them from the command line, as the shipped JSONs "
                           "do), or pass flags that match the JSON.")
+
+
+def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
+    """--lora-target-modules must name decoder projections of the model; LoRA dropout cannot run under tensor
+    parallelism (each rank would drop other entries of the same replicated input: not the one-process computation).
+
+    Raises:
+        ConfigError: naming the modules the model has, or the rung's tp degree, and the fix.
+    """
+    if not cfg.lora:
+        return
+    from hfdist.models.registry import LORA_TARGETS, facts_for, is_supported
+
+    known = facts_for(config).lora_targets if is_supported(config) else LORA_TARGETS
+    unknown = [m for m in cfg.lora_target_modules or () if m not in known]
+    if unknown:
+        raise ConfigError(f"--lora-target-modules names {', '.join(unknown)}, which {'are' if len(unknown) > 1 else 'is'} "
+                          f"not a decoder projection of this model; LoRA can adapt {', '.join(known)}. Pick from "
+                          "these (comma-separated), or leave the flag out to adapt all of them.")
+    if cfg.lora_dropout > 0 and rung.dims.tp > 1:
+        raise ConfigError(f"--lora-dropout {cfg.lora_dropout:g} on {rung.name}, which splits the projections over "
+                          f"tp={rung.dims.tp} ranks: each rank would drop other entries of the same input, which is "
+                          "not the one-process computation. Use --lora-dropout 0 on tensor-parallel rungs, or a rung "
+                          "without tp (fsdp_full_shard, zero3).")
+
+
+def check_evaluation(cfg: FinetuneConfig) -> None:
+    """Evaluation settings need held-out data, and --load-best needs checkpoints to choose from.
+
+    Raises:
+        ConfigError: naming the flag and what it needs.
+    """
+    held_out = cfg.eval_fraction or cfg.eval_dataset
+    for flag, asked in (("--eval-steps", cfg.eval_steps), ("--load-best", cfg.load_best)):
+        if asked and not held_out:
+            raise ConfigError(f"{flag} evaluates on held-out data, and the job has none. Pass --eval-fraction F "
+                              "(hold out that share of --dataset's rows) or --eval-dataset PATH.")
+    if cfg.load_best and cfg.save_steps == 0:
+        raise ConfigError("--load-best saves the best checkpoint as the model, and --save-steps 0 writes no "
+                          "checkpoint to choose from. Pass --save-steps N (each checkpoint is evaluated).")
+
+
+def check_trackers(cfg: FinetuneConfig) -> None:
+    """Every tracker --report-to names must have its package installed (they are optional dependencies).
+
+    Raises:
+        ConfigError: naming the trackers, their packages and the install command.
+    """
+    from hfdist.callbacks.trackers import TRACKER_PACKAGES, missing_trackers
+
+    missing = missing_trackers(cfg.report_to) if cfg.metrics else []
+    if missing:
+        packages = " ".join(TRACKER_PACKAGES[m][1] for m in missing)
+        raise ConfigError(f"--report-to {','.join(missing)}: {'these trackers need packages that are' if len(missing) > 1 else 'this tracker needs a package that is'} "
+                          f"not installed ({packages}). Install them with pip install 'hfdist[trackers]' (or pip "
+                          f"install {packages}), or leave {','.join(missing)} out of --report-to.")
 
 
 def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
@@ -56,15 +119,9 @@ def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
     return None
 
 
-def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
-    """Refuse a rung the memory planner predicts cannot fit, showing the ladder and the rung that would.
-
-    Raises:
-        ConfigError: the rung's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
-    """
-    mem = _device_memory_bytes(cfg)
-    if mem is None or cfg.skip_plan_check:
-        return
+def _plan(cfg: FinetuneConfig, rung: Rung, micro: int, mem: int, attention: str, with_others: bool):
+    """The memory plan of `rung` (and of every other rung) for this job, or None for an architecture the planner
+    does not count (others run unplanned on the data-parallel rungs)."""
     from hfdist.config.ladder import known_rung_names
     from hfdist.models.presets import DEFAULT_PRESET, load_config
     from hfdist.models.registry import is_supported
@@ -73,20 +130,34 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     spec = cfg.model or DEFAULT_PRESET
     config = load_config(spec)
     if not is_supported(config):
-        return  # the planner counts registered architectures; others run unplanned on the data-parallel rungs
+        return None
     planned = rung if rung.kind is not StrategyKind.SINGLE else load_rung("ddp").with_num_processes(1)
-    others = [load_rung(n) for n in known_rung_names() if n != planned.name]
+    others = [load_rung(n) for n in known_rung_names() if n != planned.name] if with_others else []
     on_gpu = torch.cuda.is_available()
     dtype = "bf16" if effective_mixed_precision(rung, on_gpu, cfg.mixed_precision) == "bf16" else "fp32"
     # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
     plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
     plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
                       gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
+                      qlora=cfg.qlora,
                       activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec,
-                      loss_chunk_size=cfg.loss_chunk_size or None)
-    mine = next(r for r in plan.rungs if r.name == planned.name)
-    if mine.fits:
+                      loss_chunk_size=cfg.loss_chunk_size or None, attention=attention)
+    return plan, next(r for r in plan.rungs if r.name == planned.name)
+
+
+def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str = "auto") -> None:
+    """Refuse a rung the memory planner predicts cannot fit, showing the ladder and the rung that would.
+
+    Raises:
+        ConfigError: the rung's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
+    """
+    mem = _device_memory_bytes(cfg)
+    if mem is None or cfg.skip_plan_check:
         return
+    planned = _plan(cfg, rung, micro, mem, attention, with_others=True)
+    if planned is None or planned[1].fits:
+        return
+    plan, mine = planned
     rec = plan.recommended
     advice = (f"The simplest rung that fits is {rec.name}: {rec.command}" if rec is not None
               else f"No rung fits: {plan.hint}")
@@ -98,13 +169,49 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     )
 
 
+def check_dense_mask(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str) -> None:
+    """The explicit sdpa / eager choice holds a dense (B, 1, S, S) document mask and its per-layer copies on every
+    rank (hfdist.models.attention.dense_mask_bytes): refuse it where those alone exceed a rank's memory (the GPU's,
+    --gpu-mem-gb, or on CPU the host's RAM shared by the rung's processes), naming the fix.
+
+    Raises:
+        ConfigError: the mask bytes do not fit (--skip-plan-check overrides).
+    """
+    from hfdist.models.attention import AUTO, uses_dense_mask
+
+    if not uses_dense_mask(attention) or cfg.skip_plan_check:
+        return
+    mem = _device_memory_bytes(cfg) or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rung.num_processes
+    dense, free = (_plan(cfg, rung, micro, mem, a, with_others=False) for a in (attention, AUTO))
+    if dense is None or dense[1].bytes is None:
+        return
+    mask = dense[1].bytes.activations - free[1].bytes.activations
+    if mask > mem:
+        raise ConfigError(
+            f"--attn-implementation {attention} attends through a dense document mask of --seq-len {cfg.seq_len} x "
+            f"{cfg.seq_len} per sequence, which with its per-layer copies needs {mask / 1e9:.1f} GB per rank on "
+            f"{rung.name}, more than the {mem / 1e9:.1f} GB a rank has here. Use --attn-implementation auto (packed "
+            "documents kept apart by their boundaries, nothing S x S), or a shorter --seq-len; --skip-plan-check "
+            "runs anyway.")
+
+
 def _check_output_dir(cfg: FinetuneConfig) -> None:
+    import os
+
     from hfdist.console import log_dir
 
     out = Path(cfg.output_dir)
-    # hfdist's own library logs (OUTPUT_DIR/logs) do not count: a run that crashed before writing anything else
-    # leaves only them, and they are appended to.
-    held = [p for p in out.iterdir() if p != log_dir(out)] if out.is_dir() else []
+    existing = next(p for p in (out, *out.parents) if p.exists() or p == Path(p.anchor))
+    if not existing.is_dir():
+        what = "is a file" if existing == out else f"lies inside {existing}, which is a file"
+        raise ConfigError(f"--output-dir {out} {what}, not a folder. Nothing was changed. Pass a folder path (a new "
+                          "one, or an existing run's with --resume / --overwrite).")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"--output-dir {out} cannot be written: {existing} is not writable by this user. Nothing "
+                          "was changed. Pass a folder where you can write.")
+    # hfdist's own library logs (OUTPUT_DIR/logs) and the job file do not count: a run that crashed before writing
+    # anything else leaves only them, and they are appended to / rewritten.
+    held = [p for p in out.iterdir() if p not in (log_dir(out), out / JOB_FILE_NAME)] if out.is_dir() else []
     if held and not (cfg.overwrite or cfg.resume):
         raise ConfigError(f"--output-dir {out} already holds files (a previous run?). Nothing was changed. Pass "
                           "--resume to continue that run from its latest checkpoint, a new --output-dir, or "
@@ -157,6 +264,37 @@ def check_nvme_offload(rung: Rung) -> None:
                           "offload to CPU memory instead (--config zero3_offload_cpu).")
 
 
+def check_attention(cfg: FinetuneConfig, rung: Rung) -> str:
+    """The attention implementation the run will use (hfdist.models.attention.resolve_attention).
+
+    Raises:
+        AttentionChoiceError: one that cannot keep packed documents apart or cannot run on this machine.
+    """
+    from hfdist.models.attention import resolve_attention
+
+    return resolve_attention(cfg.attn_implementation, on_gpu=torch.cuda.is_available(), cp=rung.dims.cp)
+
+
+def check_qlora(cfg: FinetuneConfig, rung: Rung, config) -> None:
+    """--qlora on a rung that trains it, with a model whose projections split into whole 4-bit blocks per row and
+    shard into whole rows, and without --compile.
+
+    Raises:
+        ConfigError / QuantizeError: naming the rung or the projection, and the fix.
+    """
+    if not cfg.qlora:
+        return
+    from hfdist.config.features import refuse_unless
+
+    refuse_unless(rung, "qlora")  # the rung table says which rungs take it, and why the others do not
+    if cfg.compile:
+        raise ConfigError("--qlora does not run with --compile: bitsandbytes' 4-bit layers re-wrap their packed "
+                          "weight on every call, which hfdist has not verified under torch.compile. Drop --compile.")
+    from hfdist.models.quantize import check_quantizable
+
+    check_quantizable(config, shard=rung.dims.dp_shard * rung.dims.cp if rung.owns_sharding else 1)
+
+
 def _check_gpu_settings(rung: Rung) -> None:
     """YAML settings hfdist does not implement on a GPU (hfdist.config.translate.refuse_on_gpu)."""
     if rung.yaml_path is None or not torch.cuda.is_available():
@@ -174,7 +312,10 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     from hfdist.models.presets import load_config
 
     _check_output_dir(cfg)
+    check_evaluation(cfg)
+    check_trackers(cfg)
     _check_gpu_settings(rung)
+    attention = check_attention(cfg, rung)
     if cfg.compile:
         from hfdist.parallel.parallelize import check_compile
 
@@ -182,9 +323,23 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
     config = load_config(cfg.model)
     _check_seq_len(config, cfg.seq_len)
+    check_qlora(cfg, rung, config)
     check_model_fits(config, rung, cfg.seq_len)
+    on_gpu = torch.cuda.is_available()
+    fp8 = effective_fp8(rung, on_gpu, cfg.fp8)
+    if fp8 is not None:
+        from hfdist.parallel.float8_check import check_fp8
+
+        check_fp8(fp8, rung, config, seq_len=cfg.seq_len, lora=cfg.lora, compile=cfg.compile,
+                  mixed_precision=effective_mixed_precision(rung, on_gpu, cfg.mixed_precision), on_gpu=on_gpu)
+    check_lora(cfg, rung, config)
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     check_nvme_offload(rung)
-    check_checkpoint_weights(cfg.model)
-    plan_check(cfg, rung, micro)
+    check_checkpoint_weights(cfg.model, config)
+    check_dense_mask(cfg, rung, micro, attention)
+    plan_check(cfg, rung, micro, attention)
+    if not Node.detect().launched:  # this process starts the ranks (or is the only one): data before any rank
+        from hfdist.job.data import prepare_before_launch
+
+        prepare_before_launch(cfg)

@@ -20,19 +20,19 @@ import torch
 from hfdist import console
 from hfdist.checkpoint.resume import checkpoint_identity, resume_line, resume_point
 from hfdist.config.dims import batch_layout
-from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.finetune import FinetuneConfig, evaluation_arguments, lora_settings, optimisation_arguments
 from hfdist.config.ladder import Rung, StrategyKind
-from hfdist.config.precision import cpu_translation, settle_mixed_precision
+from hfdist.config.precision import cpu_translation, effective_fp8, settle_mixed_precision
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import preflight
-from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_summary
+from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_job_file, write_summary
 from hfdist.job.world import resolve_rung
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.api import Strategy
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
-    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.callbacks.trackers import Trackers
     from hfdist.train.trainer import StrategyMixin
     from hfdist.train.watchdog import CollectiveWatch
 
@@ -51,24 +51,27 @@ def _training_arguments(cfg: FinetuneConfig, strategy: Strategy):
     note = strategy.deepspeed_config()[1]
     if note and _is_rank0():
         print(note, flush=True)
+    micro = strategy.batch_layout(cfg.global_batch_size, cfg.micro_batch_size)[0]
+    on_gpu = torch.cuda.is_available()
     return strategy.training_arguments(
         TrainingArguments, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
-        output_dir=cfg.output_dir, max_steps=cfg.max_steps if cfg.num_epochs is None else -1,
-        num_train_epochs=cfg.num_epochs or 1.0, learning_rate=cfg.learning_rate, lr_scheduler_type="cosine",
-        warmup_steps=cfg.warmup_steps if cfg.num_epochs else min(cfg.warmup_steps, cfg.max_steps // 10),
-        weight_decay=0.0, max_grad_norm=1.0,
-        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1, eval_strategy="no",
+        output_dir=cfg.output_dir, **optimisation_arguments(cfg), **evaluation_arguments(cfg, micro),
+        seed=cfg.seed, data_seed=cfg.seed, logging_steps=1,
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit, report_to="none",
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
+        # On GPU two worker processes collate the next batches while the device computes (pinned, for an
+        # asynchronous copy); on CPU they would take cores from the ranks, and collation is O(tokens) anyway.
+        dataloader_num_workers=2 if on_gpu else 0, dataloader_persistent_workers=on_gpu, dataloader_pin_memory=on_gpu,
         log_level="warning", log_level_replica="error", disable_tqdm=False,
         ddp_timeout=cfg.collective_timeout,  # reaches the GPU world's group; hfdist.train.watchdog sets it on all
     )
 
 
-def _build_model(cfg: FinetuneConfig, strategy: Strategy, tokenizer, args):
+def _build_model(cfg: FinetuneConfig, strategy: Strategy, tokenizer, args, attention: str, fp8: str | None):
     """This rank's model (hfdist.api.prepare_model: sharded as it is built on the mesh rungs, partitioned under
-    ZeRO-3, whole on DDP / ZeRO-1/2 / single) and what loading it cost this rank."""
+    ZeRO-3, whole on DDP / ZeRO-1/2 / single), attending with `attention` (a resolved --attn-implementation), its
+    decoder projections in float8 under `fp8`, and what loading it cost this rank."""
     import time
 
     from hfdist.api import prepare_model
@@ -80,27 +83,28 @@ def _build_model(cfg: FinetuneConfig, strategy: Strategy, tokenizer, args):
         start = time.perf_counter()
         zero3_init = args.deepspeed_plugin.is_zero3_init_enabled() if args.deepspeed_plugin is not None else None
         model = prepare_model(strategy, cfg.model, tokenizer=tokenizer, seed=cfg.seed,
-                              lora=lora_config(cfg.lora_r, cfg.lora_alpha) if cfg.lora else None,
+                              lora=lora_config(*lora_settings(cfg)) if cfg.lora else None, qlora=cfg.qlora,
                               activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                              zero3_init=zero3_init)
+                              attn_implementation=attention, fp8=fp8, zero3_init=zero3_init)
         cost = {"baseline_memory_bytes": baseline, "load_peak_memory_bytes": peak_memory_bytes(args.device),
                 "load_seconds": time.perf_counter() - start}
     return model, cost
 
 
 def _prepare_data(cfg: FinetuneConfig, tokenizer, args):
-    """Packed rows on every rank (rank 0 tokenizes and packs first, the others read its cache), refused when they
-    cannot fill one global batch."""
-    from hfdist.data import load_raw_dataset, prepare_with_report
-    from hfdist.data.preparation import check_enough_blocks
+    """Packed blocks on every rank (hfdist.job.data: rank 0 prepares first, the others read its cache or folder)."""
+    import time
 
+    from hfdist.job.data import job_data, report_lines
+    from hfdist.job.world import Node
+
+    started = time.perf_counter()
     with args.main_process_first(desc="dataset"):
-        dataset, report = prepare_with_report(load_raw_dataset(cfg.dataset), tokenizer, cfg.seq_len,
-                                              long_documents=cfg.long_documents)
-    if _is_rank0():
-        print(report.line(), flush=True)
-    check_enough_blocks(len(dataset), cfg.global_batch_size, cfg.seq_len)
-    return dataset
+        prepared = job_data(cfg, tokenizer, write=_is_rank0())
+    # The process that started this world printed them already, when it prepared the data (hfdist.job.preflight).
+    if _is_rank0() and Node.detect().launched and not os.environ.get(HANDED_OVER_ENV):
+        print("\n".join(report_lines(cfg, prepared, time.perf_counter() - started)), flush=True)
+    return prepared
 
 
 @dataclass
@@ -112,7 +116,7 @@ class Run:
     strategy: dict[str, Any]
     losses: LossRecorder
     metrics: DistributedMetricsCallback
-    sink: WandbSink
+    sink: Trackers
     flops_per_token: float
     load: dict[str, float]
 
@@ -121,7 +125,8 @@ class Run:
         return RunRecord(strategy=self.strategy, losses=self.losses.losses, loss_steps=self.losses.steps,
                          check_blocks=check_blocks(self.trainer.rung, len(self.dataset)),
                          flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
-                         closing_table=self.metrics.closing_table)
+                         closing_table=self.metrics.closing_table, evaluations=self.losses.evaluations,
+                         best_step=self.losses.best_step)
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
@@ -133,51 +138,67 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.progress import MetricsProgressCallback
-    from hfdist.callbacks.wandb_logs import WandbLogsCallback
-    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.callbacks.tracker_logs import TrackerLogsCallback
+    from hfdist.callbacks.trackers import make_trackers
     from hfdist.data import collator_for, load_tokenizer
     from hfdist.metrics.flops import model_flops_per_token
+    from hfdist.models.attention import resolve_attention
     from hfdist.models.presets import is_preset
+    from hfdist.train.evaluation import EvaluationSchedule
     from hfdist.train.watchdog import StepWatchCallback
 
     on_gpu = torch.cuda.is_available()
     mixed = settle_mixed_precision(rung, on_gpu, cfg.mixed_precision)
     chosen = Strategy(rung, mixed, nvme_path=cfg.nvme_path)
-    translation = cpu_translation(rung, on_gpu, cfg.mixed_precision)
+    fp8 = effective_fp8(rung, on_gpu, cfg.fp8)
+    translation = cpu_translation(rung, on_gpu, cfg.mixed_precision, cfg.fp8)
     if translation is not None and rung.kind is not StrategyKind.SINGLE and _is_rank0():
         print(translation.line(rung), flush=True)
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
+    attention = resolve_attention(cfg.attn_implementation, on_gpu=on_gpu, cp=rung.dims.cp)
     args = _training_arguments(cfg, chosen)
     watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
     with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
-        dataset = _prepare_data(cfg, tokenizer, args)
-    model, load = _build_model(cfg, chosen, tokenizer, args)
+        prepared = _prepare_data(cfg, tokenizer, args)
+    dataset = prepared.train
+    model, load = _build_model(cfg, chosen, tokenizer, args, attention, fp8)
+    if fp8 is not None and _is_rank0():
+        from hfdist.parallel.float8_check import check_fp8
+
+        print(check_fp8(fp8, rung, model.hfdist_prepared.skeleton.config, seq_len=cfg.seq_len, lora=cfg.lora,
+                        compile=cfg.compile, mixed_precision=mixed, on_gpu=on_gpu), flush=True)
     watch.cover_groups()  # the mesh's groups
     # The attention implementation the model computes with decides the mask (or boundaries) the batches carry.
-    collator = collator_for(model.hfdist_prepared.skeleton.config, cfg.seq_len)
+    record = model.hfdist_prepared
+    collator = collator_for(record.skeleton.config, cfg.seq_len, record.attention)
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
     strategy = {"name": rung.name, "world_size": rung.num_processes, "nodes": nodes, **rung.dims.to_dict(),
-                "zero_stage": rung.zero_stage, "lora": cfg.lora, "mixed_precision": mixed, "micro_batch": micro,
+                "zero_stage": rung.zero_stage, "lora": cfg.lora, "qlora": cfg.qlora, "mixed_precision": mixed,
+                "micro_batch": micro,
                 "grad_accum": grad_accum, "global_batch": cfg.global_batch_size, "seq_len": cfg.seq_len,
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
-                "compile": cfg.compile, "device": "cuda" if on_gpu else "cpu"}
+                "compile": cfg.compile, "fp8": fp8, "attn_implementation": attention,
+                "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
     # hide the degrees that ran.
-    sink = WandbSink(output_dir=cfg.output_dir, active=cfg.wandb and cfg.metrics and _is_rank0(),
-                     project=cfg.wandb_project, name=f"{rung.name}{'-lora' if cfg.lora else ''}",
-                     group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
+    adapters = "-qlora" if cfg.qlora else "-lora" if cfg.lora else ""
+    sink = make_trackers(cfg.report_to if cfg.metrics else (), output_dir=cfg.output_dir, active=_is_rank0(),
+                         project=cfg.wandb_project, name=f"{rung.name}{adapters}",
+                         group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
     flops_per_token = model_flops_per_token(model, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
-    callbacks = ([losses, metrics, WandbLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
+    callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
+    if prepared.eval is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint
+        callbacks.append(EvaluationSchedule(at_saves=cfg.load_best))
     # The job's callbacks replace the API's default metrics callback (print_table=False: the summary closes the run).
     trainer = strategy_trainer(Trainer, chosen)(
-        model=model, args=args, train_dataset=dataset, data_collator=collator, processing_class=tokenizer,
-        callbacks=callbacks, metrics=False, checkpoint_identity=checkpoint_identity(cfg, rung),
-        loss_chunk_size=cfg.loss_chunk_size or None)
+        model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval, data_collator=collator,
+        processing_class=tokenizer, callbacks=callbacks, metrics=False, checkpoint_identity=checkpoint_identity(cfg, rung),
+        loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async)
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
@@ -203,16 +224,21 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     if handed_over is not None:
         return handed_over
     console.start(console.log_path(cfg.output_dir, f"rank-{os.environ.get('RANK', '0')}"), cfg.verbose)
+    if _is_rank0():
+        write_job_file(cfg)
 
     watch = _arm_watch(cfg)
     run = _set_up(cfg, rung, micro, grad_accum, watch)
-    with watch.alone("starting W&B", "WANDB"):  # rank 0's W&B start-up (seconds) stays out of the measured loop
+    with watch.alone("starting the trackers", "TRACKERS"):  # rank 0's tracker start-up stays out of the measured loop
         run.sink.start()
     resume_from = resume_point(cfg, rung)
     if resume_from is not None and _is_rank0():
         print(resume_line(resume_from, cfg, rung), flush=True)
     with watch.watching():  # a collective timeout: every surviving rank reports who never joined, and leaves
         train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        if cfg.load_best:
+            watch.where("loading the best checkpoint")
+            run.losses.best_step = run.trainer.load_best_checkpoint()
         watch.where("scoring the check batch")
         check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
                                                          run.trainer.data_collator))
@@ -222,7 +248,8 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
 
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
-                                                  "precision": precision, **_compile_record(cfg, rung, run)})
+                                                  "precision": precision, **_compile_record(cfg, rung, run),
+                                                  **_fp8_record(run)})
     with watch.alone("writing the summary", "SUMMARY"):  # and finishing W&B's run (an upload, online)
         if _is_rank0():
             write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
@@ -237,6 +264,15 @@ def _compile_record(cfg: FinetuneConfig, rung: Rung, run: Run) -> dict[str, Any]
     from hfdist.parallel.parallelize import compile_record
 
     return {"compile": compile_record(run.trainer.model, rung.fsdp.layer_cls_to_wrap if rung.fsdp else None)}
+
+
+def _fp8_record(run: Run) -> dict[str, Any]:
+    """Under --fp8, what this rank computed in float8 ({} otherwise; hfdist.parallel.float8.float8_record)."""
+    if run.strategy["fp8"] is None:
+        return {}
+    from hfdist.parallel.float8 import float8_record
+
+    return {"fp8": float8_record(run.trainer.model)}
 
 
 def _arm_watch(cfg: FinetuneConfig) -> CollectiveWatch:

@@ -1,23 +1,24 @@
-"""The run's record: hfdist_summary.json (strategy, losses, per-rank measurements) written by rank 0, and the
-W&B run closed with the peaks."""
+"""The run's record: hfdist_summary.json (strategy, losses, per-rank measurements) written by rank 0, the trackers'
+runs closed with the peaks, and the resolved job file (hfdist_job.yaml)."""
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.finetune import FinetuneConfig, job_text
+from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung
 
 if TYPE_CHECKING:
-    from hfdist.callbacks.wandb_sink import WandbSink
+    from hfdist.callbacks.trackers import Trackers
     from hfdist.metrics.peaks import PeakFlops
 
 __all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "RunRecord", "check_blocks", "first_blocks", "with_rank_records",
-           "write_summary"]
+           "write_summary", "write_job_file"]
 
 SUMMARY_NAME = "hfdist_summary.json"
 CHECK_BLOCKS = 4  # packed blocks every rank scores after training; the saved model must reproduce that loss
@@ -34,8 +35,10 @@ class RunRecord:
     check_blocks: int
     flops_per_token: float
     peak_flops: PeakFlops | None
-    sink: WandbSink  # finished here, once the peaks are set
+    sink: Trackers  # finished here, once the peaks are set
     closing_table: Callable[[Mapping[str, str]], str]  # every rank's figures, then `outputs`
+    evaluations: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval loss, perplexity, tokens
+    best_step: int | None = None  # under --load-best: the checkpoint saved as the model
 
 
 def check_blocks(rung: Rung, available: int) -> int:
@@ -69,6 +72,35 @@ def _write_json_atomically(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _evaluation(run: RunRecord) -> dict[str, Any] | None:
+    """The summary's eval record: every evaluation by step, the last, and the checkpoint kept under --load-best."""
+    if not run.evaluations:
+        return None
+    steps = sorted(run.evaluations)
+    return {"steps": steps, "losses": [run.evaluations[s]["loss"] for s in steps],
+            "perplexities": [run.evaluations[s]["perplexity"] for s in steps],
+            "tokens": run.evaluations[steps[-1]]["tokens"], "loss": run.evaluations[steps[-1]]["loss"],
+            "perplexity": run.evaluations[steps[-1]]["perplexity"], "best_step": run.best_step,
+            "best_loss": run.evaluations[run.best_step]["loss"] if run.best_step in run.evaluations else None}
+
+
+def _evaluation_line(record: dict[str, Any]) -> str:
+    text = (f"hfdist: eval loss {record['loss']:.4f} (perplexity {record['perplexity']:.2f}) over "
+            f"{record['tokens']} held-out tokens at step {record['steps'][-1]}")
+    if record["best_step"] is not None:
+        text += f"; the saved model is step {record['best_step']}'s (eval loss {record['best_loss']:.4f}, the best)"
+    return text
+
+
+def write_job_file(cfg: FinetuneConfig) -> Path:
+    """Rank 0, as the run starts: the resolved job (every setting) as OUTPUT_DIR/hfdist_job.yaml, so
+    `hfdist finetune OUTPUT_DIR/hfdist_job.yaml --output-dir NEW` runs it again."""
+    path = Path(cfg.output_dir) / JOB_FILE_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(job_text(cfg))
+    return path
+
+
 def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | None, check_loss: float,
                    ranks: list[dict], resume_from: Path | None) -> None:
     """Rank 0: close the W&B run with the peaks, write OUTPUT_DIR/hfdist_summary.json and print the closing table."""
@@ -84,22 +116,24 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "flops_per_token": run.flops_per_token,
         "peak_flops": {"flops": run.peak_flops.flops, "source": run.peak_flops.source} if run.peak_flops else None,
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
+        "eval": _evaluation(run),
     }
     run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
                           for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
                                     "load_peak_memory_bytes")
                           if any(k in r for r in ranks)})
-    run_dir = run.sink.run_dir  # gone once the run is finished
-    run.sink.finish()
-    summary["wandb"] = {"mode": run.sink.mode, "run_dir": str(run_dir) if run_dir else None,
-                        "error": run.sink.error}
+    where = {sink.label: sink.location for sink in run.sink.sinks.values() if sink.location}
+    records = run.sink.finish()
+    summary["wandb"] = records.pop("wandb", {"mode": "disabled", "run_dir": None, "error": None})
+    summary["trackers"] = records
     _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
     losses = run.losses
     print(f"hfdist: {run.strategy['name']} done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
           f"steps", flush=True)
+    if summary["eval"] is not None:
+        print(_evaluation_line(summary["eval"]), flush=True)
     outputs = {"model": cfg.output_dir, "summary": str(Path(cfg.output_dir) / SUMMARY_NAME)}
-    if run_dir:
-        outputs["W&B run"] = str(run_dir)
+    outputs.update({f"{label} run": location for label, location in where.items()})
     print(run.closing_table(outputs), flush=True)
 
 

@@ -43,12 +43,17 @@ def held_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
     total = 0
     for t in tensors:
         if t is None:
             continue
         held = held_tensor(t)
         if held.numel() == 0:
+            continue
+        if is_traceable_wrapper_subclass(held):  # no storage of its own (torchao's float8 weights): its inner ones
+            total += _storage_bytes((getattr(held, name) for name in held.__tensor_flatten__()[0]), seen)
             continue
         storage = held.untyped_storage()
         key = storage.data_ptr()
@@ -76,7 +81,8 @@ def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
     """Bytes of model states held by this rank.
 
     Returns:
-        param_bytes: the model's parameters (local shards).
+        param_bytes: the model's parameters (local shards), and the quantisation state of QLoRA's 4-bit layers
+            (kept whole on every rank beside their packed shards).
         grad_bytes: gradients currently held: the model params' `.grad` and, under DeepSpeed, the gradient
             partitions attached to its fp32 master partitions. Call it where gradients are live (just before
             the optimizer step) to see their peak.
@@ -84,9 +90,11 @@ def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
         master_bytes: parameter copies the optimizer updates that are not the model's own parameters
             (DeepSpeed's fp32 master partitions); 0 when the optimizer steps the model's params directly.
     """
+    from hfdist.models.quantize import quant_state_tensors
+
     params = list(model.parameters())
     seen_params: set[int] = set()
-    param_bytes = _storage_bytes(params, seen_params)
+    param_bytes = _storage_bytes(params, seen_params) + _storage_bytes(quant_state_tensors(model), set(seen_params))
     seen_grads: set[int] = set()
     grad_bytes = _storage_bytes((p.grad for p in params), seen_grads)
     optimizer_bytes = master_bytes = 0
@@ -274,13 +282,16 @@ class LiveTensorBytes(TorchDispatchMode):
     (an output whose storage is none of the op's inputs', so views and in-place ops add nothing) until it is freed.
     Tensors that exist before the mode is entered are not counted: parameters, gradients that backward accumulates
     in place, buffers allocated earlier. Tensor subclasses that wrap others (DTensor, functional collectives'
-    AsyncCollectiveTensor) own no memory: the plain tensors their ops create are what is counted.
+    AsyncCollectiveTensor) own no memory: the plain tensors their ops create are what is counted. `largest` is the
+    biggest single storage an op created (bytes), and `largest_op` that op: what shows an S x S tensor.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.largest = 0
+        self.largest_op = ""
         self._tracked: weakref.WeakSet = weakref.WeakSet()
 
     def _free(self, nbytes: int) -> None:
@@ -300,4 +311,6 @@ class LiveTensorBytes(TorchDispatchMode):
             weakref.finalize(storage, self._free, nbytes)
             self.live += nbytes
             self.peak = max(self.peak, self.live)
+            if nbytes > self.largest:
+                self.largest, self.largest_op = nbytes, str(func)
         return out

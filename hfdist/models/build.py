@@ -22,28 +22,51 @@ __all__ = ["meta_model", "check_checkpoint_weights", "checkpoint_folder", "lora_
            "build_model", "zero3_model"]
 
 
-def meta_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+def _implementation(attn_implementation: str | None) -> dict:
+    """from_config's attention argument; hfdist's document attention is registered with transformers first."""
+    if attn_implementation is None:
+        return {}
+    from hfdist.models.attention import DOCUMENT_ATTENTION
+
+    if attn_implementation == DOCUMENT_ATTENTION:
+        from hfdist.models.document_attention import register_document_attention
+
+        register_document_attention()
+    return {"attn_implementation": attn_implementation}
+
+
+def meta_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
+               attn_implementation: str | None = None) -> nn.Module:
     """The model of `spec` (preset, local folder, HF id) with its parameters on the meta device and its buffers on
-    the CPU: free to build at any size, and the structure every later step (LoRA, TP, stages, FSDP) works on."""
+    the CPU: free to build at any size, and the structure every later step (LoRA, TP, stages, FSDP) works on.
+    `attn_implementation`: a resolved hfdist.models.attention choice (None: transformers' default, sdpa)."""
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
     config = load_config(spec, vocab_size)
     with init_empty_weights(include_buffers=False):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **_implementation(attn_implementation))
     model.tie_weights()  # post_init skips the tie while the parameters are being created on meta
     return model
 
 
-def check_checkpoint_weights(spec: str | None) -> None:
-    """A local checkpoint folder must hold its weights as safetensors (what every rank reads its slices from).
+def check_checkpoint_weights(spec: str | None, config=None) -> None:
+    """A local checkpoint folder must hold its weights as safetensors (what every rank reads its slices from): with
+    the model's `config`, whole files holding every weight at its shape (hfdist.models.checkpoint_check).
 
     Raises:
-        ModelSpecError: a folder without *.safetensors, naming what it has and the one-time conversion.
+        ModelSpecError: a folder without *.safetensors, naming what it has and the one-time conversion; a file cut
+            short, a broken index, a missing weight or one of another shape.
     """
     from hfdist.models.presets import ModelSpecError
 
-    if spec is None or spec in PRESETS or not Path(spec).is_dir() or any(Path(spec).glob("*.safetensors")):
+    if spec is None or spec in PRESETS or not Path(spec).is_dir():
+        return
+    if any(Path(spec).glob("*.safetensors")):
+        if config is not None:
+            from hfdist.models.checkpoint_check import check_checkpoint_files
+
+            check_checkpoint_files(Path(spec), config)
         return
     found = sorted(p.name for p in Path(spec).iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".h5"))
     raise ModelSpecError(
@@ -67,22 +90,24 @@ def checkpoint_folder(spec: str | None) -> Path | None:
     return Path(snapshot_download(spec, allow_patterns=["*.safetensors", "*.json"]))
 
 
-def lora_config(r: int, alpha: int):
-    """hfdist's peft LoraConfig: rank `r` adapters on every decoder-layer projection
-    (hfdist.models.registry.LORA_TARGETS), no dropout (tensor parallelism needs none)."""
+def lora_config(r: int, alpha: int, dropout: float = 0.0, targets: tuple[str, ...] | None = None):
+    """hfdist's peft LoraConfig: rank `r` adapters on the decoder-layer projections `targets` names (default: every
+    one, hfdist.models.registry.LORA_TARGETS), `dropout` on their input (tensor-parallel rungs refuse any)."""
     from peft import LoraConfig
 
     from hfdist.models.registry import LORA_TARGETS
 
-    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, task_type="CAUSAL_LM", target_modules=list(LORA_TARGETS))
+    return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, task_type="CAUSAL_LM",
+                      target_modules=list(targets or LORA_TARGETS))
 
 
-def inject_lora(model: nn.Module, r: int, alpha: int) -> nn.Module:
-    """`lora_config(r, alpha)`'s adapters injected; on a meta model they are created on meta too and get their values
-    with the other weights."""
+def inject_lora(model: nn.Module, r: int, alpha: int, dropout: float = 0.0,
+                targets: tuple[str, ...] | None = None) -> nn.Module:
+    """`lora_config(r, alpha, dropout, targets)`'s adapters injected; on a meta model they are created on meta too and
+    get their values with the other weights."""
     from peft import get_peft_model
 
-    return get_peft_model(model, lora_config(r, alpha))
+    return get_peft_model(model, lora_config(r, alpha, dropout, targets))
 
 
 def materialize(module: nn.Module, device: torch.device) -> None:
@@ -105,21 +130,23 @@ def materialize(module: nn.Module, device: torch.device) -> None:
 
 
 def build_model(spec: str | None, vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype | None = None,
-                device: torch.device | str = "cpu") -> nn.Module:
+                device: torch.device | str = "cpu", attn_implementation: str | None = None) -> nn.Module:
     """The whole model with its weights in this process (fp32 unless `dtype`): a checkpoint's, or a preset's seeded
     init, the same values every distributed layout starts from. Torch's global generator is seeded with `seed` too,
-    so what a caller draws next (peft's own adapter init, say) is the same in every process."""
+    so what a caller draws next (peft's own adapter init, say) is the same in every process. `attn_implementation`:
+    as for `meta_model`."""
     from hfdist.models.load import load_weights, weight_plan
 
     torch.manual_seed(seed)
-    model = meta_model(spec, vocab_size, dtype or torch.float32)
+    model = meta_model(spec, vocab_size, dtype or torch.float32, attn_implementation)
     plan = weight_plan(model, checkpoint_folder(spec), seed)
     materialize(model, torch.device(device))
     load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
     return model
 
 
-def zero3_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dtype = torch.float32) -> nn.Module:
+def zero3_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
+                attn_implementation: str | None = None) -> nn.Module:
     """The model built under `deepspeed.zero.Init`: each parameter partitioned over the ranks as it is created.
 
     Needs the ZeRO-3 config in force (TrainingArguments with the DeepSpeed JSON, alive). The contexts are the ones
@@ -140,6 +167,6 @@ def zero3_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dt
     config = load_config(spec, vocab_size)
     with no_init_weights(), prevent_arange_dtype_change(), \
             deepspeed.zero.Init(config_dict_or_path=deepspeed_config()), set_zero3_state():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **_implementation(attn_implementation))
     model.tie_weights()
     return model

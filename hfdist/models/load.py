@@ -30,7 +30,7 @@ from torch.futures import Future
 from hfdist.models.init import InitRule, SeededInitReader, init_rule, initial_values
 
 __all__ = ["TensorSource", "WeightPlan", "weight_plan", "hf_key", "local_tensors", "load_weights", "load_gathered",
-           "SafetensorsSliceReader"]
+           "SafetensorsSliceReader", "checkpoint_files", "read_rows"]
 
 _PEFT_PREFIX = "base_model.model."
 _INDEX = "model.safetensors.index.json"
@@ -44,11 +44,16 @@ def hf_key(name: str) -> str:
 
 @dataclass(frozen=True)
 class TensorSource:
-    """Where one tensor's values come from: checkpoint key `key` (rule None), or the seeded init of `key`."""
+    """Where one tensor's values come from: checkpoint key `key` (rule None), or the seeded init of `key`.
+
+    `packed`: the model holds it as a 4-bit packed weight (QLoRA's base), whose rows hfdist.models.quantize reads
+    and quantises; `load_weights` leaves it alone.
+    """
 
     key: str
     shape: tuple[int, ...]
     rule: InitRule | None = None
+    packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,15 @@ def _checkpoint_keys(folder: Path) -> dict[str, Path]:
     return keys
 
 
+def _source_shape(module: nn.Module, local: str, p: torch.Tensor) -> tuple[tuple[int, ...], bool]:
+    """(the shape a parameter has in the checkpoint, whether the model packs it): a Linear weight held in another
+    shape than (out_features, in_features) is a 4-bit packed one (hfdist.models.quantize)."""
+    if isinstance(module, nn.Linear) and local == "weight":
+        full = (module.out_features, module.in_features)
+        return full, tuple(p.shape) != full
+    return tuple(p.shape), False
+
+
 def weight_plan(model: nn.Module, checkpoint: Path | None, seed: int) -> WeightPlan:
     """Decide where each tensor of `model` (full, typically on the meta device, LoRA already injected) gets its
     values. Tied parameters share their first name's source (a tied lm_head loads the embedding).
@@ -104,14 +118,15 @@ def weight_plan(model: nn.Module, checkpoint: Path | None, seed: int) -> WeightP
             name = f"{path}.{local}" if path else local
             first, rule = first_seen.setdefault(id(p), (name, init_rule(path, module, local, std)))
             key = hf_key(first)
+            shape, packed = _source_shape(module, local, p)
             if key in available and "lora_" not in key:
-                tensors[name] = TensorSource(key, tuple(p.shape))
+                tensors[name] = TensorSource(key, shape, packed=packed)
             elif checkpoint is not None and "lora_" not in key:
                 missing.append(key)
             elif rule is None:
                 unknown.append(name)
             else:
-                tensors[name] = TensorSource(key, tuple(p.shape), rule)
+                tensors[name] = TensorSource(key, shape, rule, packed)
         for local, b in module.named_buffers(recurse=False):
             name = f"{path}.{local}" if path else local
             if local not in module._non_persistent_buffers_set and hf_key(name) in available:
@@ -185,8 +200,9 @@ def load_weights(tensors: Mapping[str, torch.Tensor], plan: WeightPlan) -> None:
     seeded: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         source = plan.tensors.get(name)
-        if source is None:
-            continue  # buffers without a checkpoint entry keep the values they were built with
+        if source is None or source.packed:
+            continue  # buffers without a checkpoint entry keep the values they were built with; 4-bit weights
+            # are quantised from their rows by hfdist.models.quantize
         target = seeded if source.rule is not None else from_checkpoint
         # Tied parameters are one object on a rank (TP and FSDP keep the tie): the same key twice is that object.
         assert target.get(source.key, tensor) is tensor, f"{name}: two distinct tensors load {source.key}"
@@ -199,6 +215,11 @@ def load_weights(tensors: Mapping[str, torch.Tensor], plan: WeightPlan) -> None:
             dcp.load(seeded, storage_reader=SeededInitReader(plan.seeded, plan.seed), no_dist=True)
 
 
+def checkpoint_files(plan: WeightPlan) -> dict[str, Path]:
+    """Tensor key -> safetensors file of `plan`'s checkpoint ({} for a preset)."""
+    return _checkpoint_keys(plan.checkpoint) if plan.checkpoint is not None else {}
+
+
 def _full_tensor(source: TensorSource, plan: WeightPlan, files: dict[str, Path]) -> torch.Tensor:
     """One tensor's full values: read from the checkpoint (the file opened for this tensor only) or generated."""
     if source.rule is not None:
@@ -207,6 +228,18 @@ def _full_tensor(source: TensorSource, plan: WeightPlan, files: dict[str, Path])
 
     with safe_open(str(files[source.key]), framework="pt") as f:
         return f.get_tensor(source.key)
+
+
+def read_rows(source: TensorSource, plan: WeightPlan, files: dict[str, Path], rows: slice = slice(None)
+              ) -> torch.Tensor:
+    """Rows `rows` of one tensor, in the dtype it is stored in: a slice read from the checkpoint (the file opened for
+    this tensor only, only those rows read), or of the seeded init (generated whole, one tensor at a time)."""
+    if source.rule is not None:
+        return initial_values(source.key, source.shape, source.rule, plan.seed)[rows]
+    from safetensors import safe_open
+
+    with safe_open(str(files[source.key]), framework="pt") as f:
+        return f.get_slice(source.key)[rows]
 
 
 @torch.no_grad()
@@ -220,7 +253,7 @@ def load_gathered(model: nn.Module, plan: WeightPlan) -> None:
     import torch.distributed as dist
 
     rank0 = dist.get_rank() == 0
-    files = _checkpoint_keys(plan.checkpoint) if plan.checkpoint is not None else {}
+    files = checkpoint_files(plan)
     for name, p in model.named_parameters():
         source = plan.tensors[name]
         if hasattr(p, "ds_id"):

@@ -39,7 +39,8 @@ PRESETS: dict[str, Preset] = {
     "llama-tiny": Preset("llama", _TINY),
     # An odd layer count (pipeline stages of unequal size) with GQA: layouts that hide nothing (resume tests).
     "llama-tiny-odd": Preset("llama", {**_TINY, "num_hidden_layers": 5}),
-    "mistral-tiny": Preset("mistral", {**_TINY, "sliding_window": None}),
+    # Mistral's sliding window, shorter than many packed documents at the tests' --seq-len 64: every layer slides.
+    "mistral-tiny": Preset("mistral", {**_TINY, "sliding_window": 32}),
     "qwen2-tiny": Preset("qwen2", {**_TINY, "use_sliding_window": False}),
     # Qwen3 sets head_dim apart from hidden / heads; 32 here (hidden 64 / 4 heads would give 16).
     "qwen3-tiny": Preset("qwen3", {**_TINY, "head_dim": 32, "use_sliding_window": False}),
@@ -110,6 +111,11 @@ def load_config(spec: str | None, vocab_size: int | None = None):
     try:
         return AutoConfig.from_pretrained(spec)
     except (OSError, ValueError) as exc:
+        if path.exists():
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            raise ModelSpecError(f"--model {spec}: its config.json is not a model config transformers can read "
+                                 f"({type(exc).__name__}: {first}). Replace it with the config.json the model was "
+                                 "saved with (save_pretrained writes it).") from exc
         raise ModelSpecError(
             f"Cannot load model '{spec}': not a preset ({', '.join(PRESETS)}), not a local checkpoint folder, and the "
             f"Hub did not answer ({type(exc).__name__}). Use a preset, or download the model once and pass its "

@@ -5,8 +5,9 @@ Nothing here builds a model, so a 405B config is planned in microseconds; tests 
 LoRA model. Projection shapes and biases come from the registry, so Mistral, Qwen2 (q/k/v biases) and Qwen3
 (per-head q/k norms, head_dim apart from hidden / heads) are counted by the same code.
 
-Activation bytes per decoder layer (HF transformers 5 `LlamaDecoderLayer`, SDPA / flash attention, so no S x S
-score matrix; no dropout). Counted tensor by tensor from what autograd saves for backward, per token, with e the
+Activation bytes per decoder layer (HF transformers 5 `LlamaDecoderLayer`, attention without an S x S tensor:
+flash varlen, flex or hfdist's document attention, hfdist's default; no dropout). The explicit sdpa / eager choices
+add their dense document mask and its per-layer copies, counted apart (hfdist.models.attention.dense_mask_bytes). Counted tensor by tensor from what autograd saves for backward, per token, with e the
 activation element size (2 for bf16, 4 for fp32):
 
     input_layernorm, post_attention_layernorm (each): the input upcast to fp32 (4 H), the fp32 rsqrt (4) and
@@ -55,7 +56,25 @@ from dataclasses import dataclass, field
 from hfdist.errors import HfdistError
 from hfdist.models.registry import UnsupportedModelError, facts_for
 
-__all__ = ["ModelShape", "PlanModelError"]
+__all__ = ["ModelShape", "PlanModelError", "NF4_BLOCK_SIZE", "NF4_NESTED_BLOCK_SIZE", "packed_nbytes",
+           "quant_state_nbytes"]
+
+# QLoRA's 4-bit base (hfdist.models.quantize): values per absmax, and absmax values per second-level scale.
+NF4_BLOCK_SIZE = 64
+NF4_NESTED_BLOCK_SIZE = 256
+
+
+def packed_nbytes(out_features: int, in_features: int) -> int:
+    """Bytes of one weight's packed 4-bit codes (half a byte per value)."""
+    return out_features * in_features // 2
+
+
+def quant_state_nbytes(out_features: int, in_features: int) -> int:
+    """Bytes of one 4-bit weight's quantisation state as bitsandbytes keeps it under double quantisation: one uint8
+    absmax per block, one fp32 scale per 256 blocks, the two fp32 code books (16 and 256 values) and the fp32
+    offset."""
+    blocks = -(-out_features * in_features // NF4_BLOCK_SIZE)
+    return blocks + 4 * -(-blocks // NF4_NESTED_BLOCK_SIZE) + 4 * (16 + 256) + 4
 
 
 class PlanModelError(HfdistError, ValueError):
@@ -129,6 +148,21 @@ class ModelShape:
     def total_params(self) -> int:
         """Every parameter, counted once (a tied lm_head shares the embedding's)."""
         return self.embed_params + self.layers * self.layer_params + self.hidden + self.head_params
+
+    @property
+    def layer_packed_bytes(self) -> int:
+        """Bytes of one decoder layer's projection weights held in 4 bits (QLoRA's base; biases stay apart)."""
+        return sum(packed_nbytes(n_out, n_in) for n_in, n_out, _ in self.linears.values())
+
+    @property
+    def layer_quant_state_bytes(self) -> int:
+        """Bytes of the quantisation states of one decoder layer's 4-bit projections."""
+        return sum(quant_state_nbytes(n_out, n_in) for n_in, n_out, _ in self.linears.values())
+
+    @property
+    def largest_projection(self) -> int:
+        """Values of the largest decoder-layer projection weight (the one dequantised at a time under QLoRA)."""
+        return max(n_in * n_out for n_in, n_out, _ in self.linears.values())
 
     def lora_layer_params(self, r: int, targets: tuple[str, ...] | None = None) -> int:
         """LoRA parameters added to one decoder layer: r x (in + out) per targeted projection (A and B, no bias).

@@ -7,13 +7,15 @@ so the HF model itself runs unchanged around it:
     rank c holds tokens [c*S/cp, (c+1)*S/cp) of every row: embedding, RoPE (from its own position ids), MLPs, norms,
     lm_head and loss all run on those tokens only.
     in each attention layer:  q, k, v (B, heads, S/cp, D)  --all-to-all-->  (B, heads/cp, S, D)
-                              the model's own attention (sdpa / eager / flash varlen) over the full sequence, with
-                              the full block-causal mask the collator built from the packed rows' position ids
+                              the run's attention over the full sequence, each packed document on its own: by
+                              the whole rows' document boundaries (cu_seq_lens, O(documents), built by the
+                              collator before the rows were cut) under hfdist_documents / flash varlen, or by the
+                              dense (B, 1, S, S) mask under the explicit sdpa / eager choice
                               (B, S, heads/cp, D)  --all-to-all-->  (B, S/cp, heads, D)
 
 Why Ulysses rather than ring attention: each rank computes ordinary attention over the whole sequence for a
-slice of the heads, so it is the same arithmetic as one process (exact to rounding), the document mask applies
-unchanged (a ring would have to cut the block-causal mask into per-step blocks and merge partial softmaxes), every
+slice of the heads, so it is the same arithmetic as one process (exact to rounding), the documents' boundaries apply
+unchanged (a ring would have to cut every document into per-step blocks and merge partial softmaxes), every
 rank does equal work without zig-zag reordering (each one attends the full sequence), and it costs two all-to-alls
 of q/k/v/out per layer whose volume shrinks with cp. Its limit is the head count: heads must divide by cp (x tp).
 Grouped-query attention with fewer kv heads than cp is handled by repeating each kv head just enough times
@@ -46,8 +48,8 @@ _SHARDED_KEYS = ("input_ids", "position_ids")
 def shard_batch(batch: dict[str, Any], rank: int, cp: int) -> dict[str, Any]:
     """This cp rank's part of a collated batch: labels shifted on the whole row first (as HF's causal-LM loss
     would), then input_ids, position_ids and the shifted labels cut into cp contiguous chunks along the sequence.
-    The attention inputs (the 4-D block-causal mask, or flash varlen boundaries) stay whole: attention runs over the
-    full sequence after the all-to-all. The model gets the chunk as `labels` and `shift_labels` (HF's loss then
+    The attention inputs (the documents' varlen boundaries; the 4-D mask only under the explicit sdpa / eager
+    choice) stay whole: attention runs over the full sequence after the all-to-all. The model gets the chunk as `labels` and `shift_labels` (HF's loss then
     uses it as given, not shifting again) and no KV cache."""
     seq = batch["input_ids"].shape[1]
     if seq % cp:
@@ -174,14 +176,16 @@ def cp_group_of(model: nn.Module):
 def apply_cp(model: nn.Module, cp_mesh, tp: int = 1) -> None:
     """Make every attention layer of `model` attend over a sequence sharded across `cp_mesh` (Ulysses).
 
-    The model's attention implementation (sdpa, eager or flash-attention) still computes the attention, on the
-    full sequence and a slice of the heads; its name moves to `config._attn_implementation` = CP_ATTENTION.
+    The model's attention implementation (hfdist_documents, flash varlen, sdpa or eager) still computes the
+    attention, on the full sequence and a slice of the heads; its name moves to `config._attn_implementation` =
+    CP_ATTENTION.
 
     Args:
         tp: the tensor-parallel degree applied before (each rank's attention then holds heads / tp).
 
     Raises:
-        ContextParallelError: heads not divisible by the cp degree, or no attention layer found.
+        ContextParallelError: heads not divisible by the cp degree, no attention layer found, or flex attention
+            (its BlockMask is built per chunk by the model, never for the gathered sequence).
     """
     from transformers import AttentionInterface
 
@@ -192,6 +196,9 @@ def apply_cp(model: nn.Module, cp_mesh, tp: int = 1) -> None:
     base = config._attn_implementation or "sdpa"
     if base == CP_ATTENTION:
         raise ContextParallelError("apply_cp was applied twice to one model.")
+    if base == "flex_attention":
+        raise ContextParallelError("Context parallelism cannot keep packed documents apart under flex_attention: "
+                                   "the gathered sequence gets no BlockMask. Use --attn-implementation auto.")
     AttentionInterface.register(CP_ATTENTION, ulysses_attention)
     layers = [m for name, m in base_model.named_modules() if name.endswith("self_attn")]
     if not layers:

@@ -5,6 +5,7 @@ arrives on the meta device (hfdist.models.build.meta_model, LoRA already injecte
 before the last two steps, and then only this rank's shards:
 
     mesh = dims.build_mesh(device)          the DeviceMesh: dp_replicate x dp_shard x cp x pp x tp
+    convert_to_float8(model, recipe)        float8 linears in the decoder layers (--fp8; hfdist.parallel.float8)
     apply_tp(model, mesh["tp"])             Megatron TP + sequence parallel + vocab-parallel loss (tp > 1)
     apply_cp(model, mesh["cp"])             attention over sequences sharded across cp ranks (Ulysses, cp > 1)
     apply_ac(model)                         activation checkpointing per decoder layer (asked for or in the YAML)
@@ -15,9 +16,11 @@ before the last two steps, and then only this rank's shards:
     materialize(module, device)             only the local shards, allocated on the rank's device
     load_weights(local tensors, plan)       each rank reads just its slices of the checkpoint (or seeded init)
 
-TP goes first because FSDP2 shards the TP-split DTensors further over dp (2-D parameters); activation
-checkpointing is set on the decoder layers before the split, where they are still reachable from the model; FSDP
-comes after the split because it must see the final module tree (stages) to pick its units.
+The float8 conversion comes first, on the meta model: TP's local linears, the pipeline split and FSDP2 (whose
+float8 all-gather needs the converted weights' tensor subclass) all see the float8 linears. TP goes before FSDP2
+because FSDP2 shards the TP-split DTensors further over dp (2-D parameters); activation checkpointing is set on
+the decoder layers before the split, where they are still reachable from the model; FSDP comes after the split
+because it must see the final module tree (stages) to pick its units.
 
 Compilation (torchtitan's order: after TP and activation checkpointing, before FSDP): each decoder layer is compiled
 as it will run, with its TP plan's input/output redistributions and its checkpointed forward (HF checkpoints inside
@@ -46,7 +49,7 @@ from hfdist.config.features import refuse_unless
 from hfdist.config.ladder import Rung
 
 __all__ = ["parallelize", "reshard_after_forward", "apply_ac", "apply_compile", "check_compile", "compile_record",
-           "verify_compiled", "uses_fsdp"]
+           "verify_compiled", "uses_fsdp", "fsdp_shard_ranks"]
 
 
 def apply_ac(model: nn.Module) -> None:
@@ -121,6 +124,11 @@ def uses_fsdp(rung: Rung, mixed_precision: str) -> bool:
     return rung.uses_fsdp or (rung.owns_sharding and mixed_precision == "bf16")
 
 
+def fsdp_shard_ranks(rung: Rung, mixed_precision: str) -> int:
+    """The ranks FSDP2 shards each parameter over in the recipe (dp_shard x cp); 1 where it applies no FSDP2."""
+    return rung.dims.dp_shard * rung.dims.cp if rung.owns_sharding and uses_fsdp(rung, mixed_precision) else 1
+
+
 def reshard_after_forward(rung: Rung) -> bool:
     """Whether FSDP2 frees a decoder layer's gathered parameters after its forward: the YAML's setting, except on
     pipeline stages, which keep them. A schedule runs every micro-batch's forward and backward through a stage within
@@ -133,13 +141,15 @@ def reshard_after_forward(rung: Rung) -> bool:
 
 
 def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_precision: str,
-                activation_checkpointing: bool, compile: bool = False, weights=None) -> nn.Module:
+                activation_checkpointing: bool, compile: bool = False, fp8: str | None = None,
+                weights=None) -> nn.Module:
     """Apply `rung`'s parallelism to `model` (on the meta device, LoRA already injected) on this rank; see the
     module docstring.
 
     Args:
         device: the rank's device (its type is the mesh's).
         compile: torch.compile each decoder layer (check_compile must have accepted the rung).
+        fp8: a float8 recipe of hfdist.parallel.float8 (its decoder projections compute in float8), or None.
         weights: a hfdist.models.load.WeightPlan made from the full model: the local shards are materialised on
             `device` and filled from it. None: the model stays on the meta device.
 
@@ -151,6 +161,12 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
     assert rung.owns_sharding and rung.fsdp is not None
     dims = rung.dims
     mesh = dims.build_mesh(device.type)
+    if fp8 is not None:
+        from hfdist.parallel.float8 import convert_to_float8
+        from hfdist.parallel.float8_check import gathers_in_float8
+
+        convert_to_float8(model, fp8, tp=dims.tp,
+                          all_gather=gathers_in_float8(fp8, fsdp_shard_ranks(rung, mixed_precision)))
     if rung.uses_tp:
         from hfdist.parallel.tensor import apply_tp
 
@@ -184,10 +200,13 @@ def _materialize_and_load(modules: list[tuple[nn.Module, object]], device: torch
     """Allocate the local shards of `modules` on `device` and fill them, each rank its own."""
     from hfdist.models.build import materialize
     from hfdist.models.load import load_weights, local_tensors
+    from hfdist.models.quantize import load_quantized
 
     for module, _ in modules:
         materialize(module, device)
     load_weights(local_tensors(modules), weights)
+    for module, rename in modules:  # QLoRA's 4-bit projections: each rank quantises the rows of its shards
+        load_quantized(module, weights, rename, device)
 
 
 def _split_pipeline(model: nn.Module, rung: Rung, mesh, shard, device: torch.device, weights) -> nn.Module:

@@ -243,7 +243,7 @@ def apply_tp(
 
 def tp_causal_lm_loss(
     model: nn.Module, batch: Mapping[str, torch.Tensor], num_items_in_batch: int | torch.Tensor | None = None,
-    chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
+    chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, fused: bool = True,
 ) -> torch.Tensor:
     """Causal-LM loss of a tensor-parallel model: sum of token cross-entropies / `num_items_in_batch`.
 
@@ -264,15 +264,18 @@ def tp_causal_lm_loss(
             global count and data-parallel gradients are averaged (FSDP2's default), scale the loss by the
             data-parallel degree before backward, as HF Trainer does.
         chunk_size: sequence positions per lm_head + cross-entropy chunk; None: the whole sequence at once.
+        fused: the fused vocab-parallel loss (hfdist.models.fused_loss: its own two all-reduces per chunk, no
+            `loss_parallel()` needed); False: lm_head's vocab-sharded logits per chunk under `loss_parallel()`, the
+            path taken wherever the fused loss does not apply (an adapter on lm_head).
 
     Returns:
         A plain scalar tensor, identical on every tp rank.
 
     Raises:
-        TPError: vocab-sharded logits outside `loss_parallel()`.
+        TPError: vocab-sharded logits outside `loss_parallel()` (fused=False, or a head the fused loss refuses).
     """
     try:
-        return causal_lm_loss(model, batch, num_items_in_batch, chunk_size)
+        return causal_lm_loss(model, batch, num_items_in_batch, chunk_size, fused)
     except VocabShardedLogitsError as exc:
         raise TPError(str(exc)) from exc
 
@@ -289,8 +292,10 @@ def gather_full_state_dict(model: nn.Module, trainable_only: bool = False) -> di
     return get_model_state_dict(model, options=options)
 
 
-def count_tp_collectives(model: nn.Module, batch: Mapping[str, torch.Tensor]) -> dict[str, dict[str, dict[str, int]]]:
-    """Collectives issued by one forward + backward of `tp_causal_lm_loss`, per module, via CommDebugMode.
+def count_tp_collectives(model: nn.Module, batch: Mapping[str, torch.Tensor],
+                         fused: bool = True) -> dict[str, dict[str, dict[str, int]]]:
+    """Collectives issued by one forward + backward of `tp_causal_lm_loss(fused=fused)`, per module, via
+    CommDebugMode (which names the fused loss's own process-group all-reduces `allreduce_`, DTensor's `all_reduce`).
 
     Returns {module fqn: {"forward": {collective: count}, "backward": {...}}}; fqns are those of CommDebugMode
     ("Global" for the whole step, then e.g. "LlamaForCausalLM.model.layers.0"). Runs under loss_parallel(), so it
@@ -305,7 +310,7 @@ def count_tp_collectives(model: nn.Module, batch: Mapping[str, torch.Tensor]) ->
         # cannot fire on them, which is irrelevant to counting.
         warnings.filterwarnings("ignore", message=".*backward hook", category=UserWarning)
         with comm_mode, loss_parallel():
-            tp_causal_lm_loss(model, batch).backward()
+            tp_causal_lm_loss(model, batch, fused=fused).backward()
     return {
         fqn: {phase: {str(op).split(".")[-1]: n for op, n in ops.items()} for phase, ops in counts.items()}
         for fqn, counts in comm_mode.comm_module_counts.items()

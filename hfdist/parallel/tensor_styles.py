@@ -45,6 +45,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hfdist.parallel.float8 import is_float8_linear
+from hfdist.parallel.float8_tp import local_float8_forward
+
 __all__ = ["SequenceSpec", "LocalResidual", "GatherSequence", "PartialGradReducer", "LocalNorm", "LocalLinear",
            "ReduceOutput"]
 
@@ -319,6 +322,8 @@ class LocalLinear(ParallelStyle):
         if has_bias and reduce_to is not None:
             _watch_partial(module, {"bias": _bias_grad(reduce_to)}, self.reducer)
         forward = module.forward
+        if is_float8_linear(module):  # --fp8: the float8 matmul with every scale taken over the whole tensor
+            forward = local_float8_forward(module, device_mesh, self.split)
 
         def local_forward(x: torch.Tensor) -> torch.Tensor:
             out = _call_with_local_params(module, forward, grads, x)

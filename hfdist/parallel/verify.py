@@ -151,13 +151,66 @@ def _check_lora(rung: Rung, model: nn.Module) -> None:
         _fail(rung, f"--lora was asked but non-LoRA parameters train too, e.g. {stray[:3]}")
 
 
-def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool) -> None:
+def _check_attention(rung: Rung, model: nn.Module, attention: str) -> None:
+    """The attention implementation every layer reads is the one the run resolved (under cp: the one the Ulysses
+    exchange calls on the gathered sequence)."""
+    from hfdist.parallel.context import CP_ATTENTION
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    in_effect = {base.config._attn_implementation}
+    if in_effect == {CP_ATTENTION}:
+        in_effect = {m.hfdist_cp[2] for m in base.modules() if getattr(m, "hfdist_cp", None) is not None}
+    if in_effect != {attention}:
+        _fail(rung, f"the model attends with {', '.join(sorted(map(str, in_effect)))}, not the "
+                    f"--attn-implementation resolved for this run ({attention}), so packed documents would not be "
+                    "kept apart as the batch describes them")
+
+
+def _packed_numel(weight: torch.Tensor) -> tuple[int, int]:
+    """(numel of the whole packed weight, numel this rank holds): a ZeRO-3 partition, a DTensor's local shard, or
+    the plain tensor."""
+    if hasattr(weight, "ds_tensor"):
+        return weight.ds_numel, weight.ds_tensor.numel()
+    local = getattr(weight, "_local_tensor", weight)
+    return weight.numel(), local.numel()
+
+
+def _check_qlora(rung: Rung, model: nn.Module) -> None:
+    """QLoRA: every LoRA-adapted projection's base is a 4-bit NF4 layer with its double-quantised state, holding
+    one quarter of its values' count in packed bf16, split over the ranks where the rung shards weights."""
+    from hfdist.models.quantize import BLOCK_SIZE, QUANT_TYPE, STORAGE_DTYPE, is_4bit
+
+    adapted = [m for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    bases = [m.base_layer for m in adapted]
+    plain = [type(b).__name__ for b in bases if not is_4bit(b)]
+    if not bases or plain:
+        _fail(rung, f"--qlora was asked but {len(plain)} of {len(bases)} adapted projections have a "
+                    f"full-precision base ({', '.join(sorted(set(plain))) or 'no adapted projection at all'})")
+    sharded = rung.owns_sharding and rung.dims.dp_shard * rung.dims.cp > 1 or rung.uses_deepspeed and \
+        rung.zero_stage >= 3 and rung.num_processes > 1
+    for base in bases:
+        state, weight = getattr(base, "quant_state", None), base.weight
+        whole, held = _packed_numel(weight)
+        if (state is None or state.quant_type != QUANT_TYPE or not state.nested or state.blocksize != BLOCK_SIZE
+                or weight.dtype != STORAGE_DTYPE or 4 * whole != base.out_features * base.in_features):
+            _fail(rung, f"a 4-bit base of {base.out_features} x {base.in_features} holds {whole} {weight.dtype} "
+                        f"values with quantisation state {getattr(state, 'quant_type', None)} "
+                        f"(double-quantised: {getattr(state, 'nested', None)}); expected {QUANT_TYPE}, "
+                        "double-quantised, packed 4 values per bf16")
+        if sharded and held >= whole:
+            _fail(rung, f"a 4-bit base weight ({whole} packed values) is held whole on this rank, not sharded")
+
+
+def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool, attention: str | None = None,
+                    qlora: bool = False) -> None:
     """Raise StrategyNotInEffect unless `rung` is really applied.
 
     Args:
         wrapped: what the Trainer trains (DDP / DeepSpeedEngine / the FSDP2 model itself).
         model: the underlying model (Trainer.model).
         lora: whether LoRA adapters were asked for.
+        attention: the attention implementation the run resolved (hfdist.models.attention); None: not checked.
+        qlora: whether their base must be QLoRA's 4-bit one.
     """
     world = _world_size()
     if world != rung.num_processes:
@@ -174,3 +227,7 @@ def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool
         _check_deepspeed(rung, wrapped)
     if lora:
         _check_lora(rung, model)
+    if attention is not None:
+        _check_attention(rung, model, attention)
+    if qlora:
+        _check_qlora(rung, model)

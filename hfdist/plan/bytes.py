@@ -1,6 +1,6 @@
 """Per-rank bytes of one rung for one model, cluster layout and workload: the memory planner's arithmetic.
 
-hfdist.plan.planner walks the ladder with it; `predict_state_bytes` gives what a run should measure.
+hfdist.plan.planner walks the ladder with it; hfdist.plan.state_bytes says what a run should measure.
 
 Model-state accounting (bytes per trainable parameter), switchable with `bytes_per_param_adam`:
 
@@ -35,7 +35,9 @@ Activations: hfdist.models.shape's per-layer formula (for DDP and the single pro
 runs them in bf16 as autocast over fp32 weights, so the residual stream stays fp32; the mesh rungs, a pipeline with
 one data-parallel rank included, compute in bf16 through FSDP2's policy); data parallelism does not split them; a
 1F1B pipeline stage s holds pp - s micro-batches in flight (at least pp micro-batches assumed), so the first stage
-holds a whole model's worth of layer activations for one micro-batch.
+holds a whole model's worth of layer activations for one micro-batch. Attention as the default (`auto`: flash varlen,
+flex or hfdist's document attention) holds nothing S x S; the explicit sdpa / eager choices add their dense mask and
+its per-layer copies (hfdist.models.attention.dense_mask_bytes), on every tp and cp rank whole.
 
 Buffers: 1 GiB of CUDA context + cuBLAS/NCCL workspace on every rung; DDP's gradient buckets (a second copy
 of the trainable grads: gradient_as_bucket_view is off by default); DeepSpeed's reduce buckets
@@ -46,6 +48,11 @@ prefetched) and one layer's unsharded grads (a pipeline stage: all its units, fo
 one data-parallel rank has FSDP2, and so gathered copies, only under bf16); ZeRO-3 gathers module by module
 (largest module's params + grads, DeepSpeed's own 4 x largest-layer term, plus the prefetch bucket). Allocator
 fragmentation is not modelled.
+
+FP8 (--fp8, torchao's float8 linears in the decoder projections): the model states are unchanged (fp32 masters,
+gradients and Adam state), and so are the activations (torchao's float8 linear saves its input in the training
+precision, as a plain linear does); where FSDP2 gathers the weights in float8 (tensorwise, sharded weights) the
+gathered copies of the float8 projections take 1 byte per element instead of the training precision's 2 or 4.
 
 "Fits" means total <= the GPU memory given (1 GB = 1e9 bytes, so an "80 GB" H100 with 85.1e9 bytes is planned
 conservatively).
@@ -60,14 +67,15 @@ from hfdist.config.dims import ParallelDims
 from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.errors import HfdistError
+from hfdist.models.attention import AUTO, CHOICES, dense_mask_bytes, is_hub_kernel
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
+from hfdist.parallel.float8_check import gathers_in_float8
 
 __all__ = [
     "PlanError",
     "Workload",
     "RankBytes",
-    "StateBytes",
     "ADAM_BYTES_CHOICES",
     "DTYPES",
     "GB",
@@ -75,7 +83,7 @@ __all__ = [
     "offload_device",
     "dims_on_cluster",
     "rung_rank_bytes",
-    "predict_state_bytes",
+    "stage_layers",
 ]
 
 GB = 10**9
@@ -96,16 +104,24 @@ class Workload:
     micro_batch: int = 1
     lora: bool = False
     lora_r: int = 16
+    qlora: bool = False  # LoRA on a 4-bit base (implies lora)
     lora_targets: tuple[str, ...] = LORA_TARGETS
     activation_checkpointing: bool = False
     dtype: str = "bf16"
     bytes_per_param_adam: int = 16
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE  # sequence positions per loss chunk; None: unchunked
+    attention: str = AUTO  # --attn-implementation: sdpa / eager add a dense mask (hfdist.models.attention)
+    fp8: str | None = None  # --fp8's recipe (hfdist.parallel.float8): FSDP2 gathers float8 weights (tensorwise)
     # Preference training (DPO): a frozen reference copy of the model beside the policy, sharded like it; none under
     # LoRA, where the base with its adapters turned off is the reference.
     reference_model: bool = False
 
     def __post_init__(self) -> None:
+        if self.attention not in CHOICES and not is_hub_kernel(self.attention):
+            raise PlanError(f"attention must be one of {', '.join(CHOICES)} or a kernels-hub id, got "
+                            f"{self.attention!r}.")
+        if self.qlora:
+            object.__setattr__(self, "lora", True)
         if self.dtype not in DTYPES:
             raise PlanError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         if self.bytes_per_param_adam not in ADAM_BYTES_CHOICES:
@@ -128,6 +144,13 @@ class RankBytes:
     activations: int
     buffers: int
     offloaded: int = 0
+    offloaded_weights: int = 0  # the part of `offloaded` that is the rank's parameters
+
+    @property
+    def params(self) -> int:
+        """The rank's parameter bytes wherever they are (on the GPU, or offloaded): what `hfdist simulate` and a run
+        measure as param_bytes."""
+        return self.weights + self.offloaded_weights
 
     @property
     def total(self) -> int:
@@ -141,8 +164,8 @@ class RankBytes:
 
     def to_json(self) -> dict[str, int]:
         """The `per_rank_bytes` object of the JSON output."""
-        keys = ("weights", "grads", "master", "optimizer", "activations", "buffers", "offloaded")
-        return {**{k: getattr(self, k) for k in keys}, "total": self.total}
+        keys = ("weights", "grads", "master", "optimizer", "activations", "buffers", "offloaded", "offloaded_weights")
+        return {**{k: getattr(self, k) for k in keys}, "params": self.params, "total": self.total}
 
 
 def offload_device(rung: Rung) -> str:
@@ -206,7 +229,7 @@ def _ds_reduce_bucket_bytes(rung: Rung, shape: ModelShape, grad_bytes: int) -> i
     return int(elems * grad_bytes * (2 if double else 1))
 
 
-def _stage_layers(shape: ModelShape, pp: int) -> list[int]:
+def stage_layers(shape: ModelShape, pp: int) -> list[int]:
     if pp == 1:
         return [shape.layers]
     from hfdist.parallel.pipeline.plan import split_stages
@@ -215,7 +238,7 @@ def _stage_layers(shape: ModelShape, pp: int) -> list[int]:
 
 
 def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, stage: int,
-                 layers: int) -> RankBytes:
+                 layers: int, float8_params: float) -> RankBytes:
     pp, tp = dims.pp, dims.tp
     first, last = stage == 0, stage == pp - 1
     layer = shape.layer_linear_params / tp + 2 * shape.hidden
@@ -236,10 +259,15 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
 
     # A LoRA run's frozen base is held in fp32 but under DeepSpeed's bf16, which casts the whole model; so is a
     # DPO reference model (hfdist.api.prepare_model(trainable=False): the policy's layout, no grads or optimizer).
+    # QLoRA holds the decoder projections' weights in 4 bits instead (sharded like any weight) and their
+    # quantisation states whole on every rank.
     frozen_weight = pb.weight if rung.uses_deepspeed else 4
     if w.reference_model and not w.lora:
         frozen += params
-    weights = (trainable * pb.weight + frozen * frozen_weight) / (n if weights_sharded else 1)
+    packed = layers * shape.layer_packed_bytes / tp if w.qlora else 0
+    quant_states = layers * shape.layer_quant_state_bytes / tp if w.qlora else 0
+    frozen_bytes = (frozen - (layers * shape.layer_matmul_params / tp if w.qlora else 0)) * frozen_weight + packed
+    weights = (trainable * pb.weight + frozen_bytes) / (n if weights_sharded else 1)
     if weights_sharded:  # grads reduce-scattered per layer: only the accumulation-dtype shard persists
         grads = trainable * (pb.grad_fp32 or pb.grad) / n
     elif grads_sharded:
@@ -249,7 +277,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     master = trainable * pb.master / shard_opt
     optimizer = trainable * pb.optimizer / shard_opt
 
-    offloaded = 0.0
+    offloaded = offloaded_weights = 0.0
     fsdp_offload = fsdp and rung.fsdp is not None and rung.fsdp.offload_params
     if fsdp_offload or rung.offload_optimizer != "none":
         # Optimizer offload streams each reduced grad partition to the CPU; ZeRO-1 still builds full grads here.
@@ -259,7 +287,8 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
         grads -= moved_grads
     if fsdp_offload or rung.offload_param != "none":
         offloaded += weights
-        weights = 0.0
+        offloaded_weights, weights = weights, 0.0
+    weights += quant_states  # bitsandbytes dequantises on the device: the states stay there
 
     # Activations: stage s of a 1F1B pipeline holds pp - s micro-batches in flight. A cp rank holds 1/cp of every
     # sequence's tokens; its attention saves the full sequence for heads / cp (Ulysses), the same bytes.
@@ -271,121 +300,78 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     residual_elem = 4 if autocast else elem  # autocast keeps the residual stream between layers in fp32
     kept = shape.checkpointed_layer_bytes(tokens, residual_elem, tp) if w.activation_checkpointing else full_layer
     activations = (pp - stage) * layers * kept + (full_layer if w.activation_checkpointing else 0)
+    activations += _dense_mask_bytes(shape, dims, w, stage, layers, elem)
     if last:
         # hfdist's loss holds one chunk of every sequence's fp32 logits at a time (hfdist.models.chunked_loss).
         rows = w.seq // dims.cp
         logit_tokens = w.micro_batch * min(w.loss_chunk_size or rows, rows)
         activations += shape.head_activation_bytes(tokens, elem, tp, logit_tokens)
 
+    # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
+    layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp
+                    if w.qlora else None)
     buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, embed + head,
-                                                trainable / max(params, 1))
+                                                trainable / max(params, 1), float8_params, layer_stored)
+    if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
+        buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)
     if rung.kind is StrategyKind.DDP and dims.dp_replicate > 1:
         buffers += trainable * pb.grad  # the reducer's flat buckets: a second copy of the grads
     if rung.uses_deepspeed:
         buffers += _ds_reduce_bucket_bytes(rung, shape, pb.grad)
-    return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded)))
+    return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded,
+                                        offloaded_weights)))
+
+
+def _dense_mask_bytes(shape: ModelShape, dims: ParallelDims, w: Workload, stage: int, layers: int, elem: int) -> int:
+    """What the explicit sdpa / eager choice adds (hfdist.models.attention.dense_mask_bytes): every rank holds the
+    whole (micro_batch, 1, S, S) mask of each micro-batch in flight, tp and cp ranks alike (attention sees the full
+    sequence), and the per-layer copies of every layer whose activations are kept (one layer's, recomputed, with
+    activation checkpointing; under cp sdpa's bias is one copy shared by all layers)."""
+    heads = max(shape.heads // (dims.tp * dims.cp), 1)
+    mask, per_layer = dense_mask_bytes(w.attention, seq=w.seq, micro_batch=w.micro_batch, heads=heads, elem=elem)
+    in_flight = dims.pp - stage
+    if w.activation_checkpointing:
+        kept = 1
+    elif dims.cp > 1 and w.attention == "sdpa":
+        kept = in_flight
+    else:
+        kept = in_flight * layers
+    return in_flight * mask + kept * per_layer
 
 
 def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, pb: _PerParam, layers: int,
-                    layer: float, root: float, trainable_share: float) -> float:
-    """Unsharded parameters (and their grads) that exist while a sharded-weight rung computes."""
+                    layer: float, root: float, trainable_share: float, float8_params: float,
+                    layer_stored: float | None = None) -> float:
+    """Unsharded parameters (and their grads) that exist while a sharded-weight rung computes. Under FSDP2's float8
+    all-gather (--fp8 tensorwise where FSDP2 shards) a layer's float8 projections (`float8_params` elements per
+    layer on this rank) are gathered at 1 byte per element; `layer_stored`: one gathered decoder layer's bytes
+    where they are not its `layer` parameters in the compute dtype (QLoRA's 4-bit projections)."""
     unit_grad = pb.grad * trainable_share
     if rung.owns_sharding and dims.pp > 1 and dims.dp == 1 and w.dtype == "fp32":
         return 0.0  # a pipeline with one data-parallel rank gets FSDP2 only for bf16 (hfdist.parallel.parallelize)
     if rung.owns_sharding:
+        float8 = float8_params if gathers_in_float8(w.fp8, dims.dp_shard * dims.cp) else 0.0
+        # One gathered layer's weights, in bytes.
+        layer_weights = layer_stored if layer_stored is not None else float8 + (layer - float8) * pb.weight
         # Under PP, torch's schedules keep a stage's FSDP units unsharded through all micro-batches and
         # reduce-scatter once at the end of the step (pipelining/stage.py), as without resharding after forward.
         if rung.fsdp is not None and not rung.fsdp.reshard_after_forward or dims.pp > 1:
-            return (layers * layer + root) * (pb.weight + unit_grad)
+            return layers * (layer_weights + layer * unit_grad) + root * (pb.weight + unit_grad)
         # Root unit unsharded all step, two layers gathered (current + prefetched), one layer's grads.
-        return root * (pb.weight + unit_grad) + layer * (2 * pb.weight + unit_grad)
+        return root * (pb.weight + unit_grad) + 2 * layer_weights + layer * unit_grad
     if rung.uses_deepspeed and rung.zero_stage >= 3:
-        largest = max(shape.embed_params, shape.hidden * shape.intermediate, shape.heads * shape.head_dim
-                      * shape.hidden) / dims.tp
+        projection = max(shape.hidden * shape.intermediate, shape.heads * shape.head_dim * shape.hidden)
+        largest = max(shape.embed_params * pb.weight, projection * (0.5 if w.qlora else pb.weight)) / dims.tp
         prefetch = 0.9 * shape.hidden**2  # stage3_prefetch_bucket_size "auto"
-        return largest * (pb.weight + unit_grad) + prefetch * pb.weight
+        return largest + max(shape.embed_params, projection) / dims.tp * unit_grad + prefetch * pb.weight
     return 0.0
 
 
-def rung_rank_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, workload: Workload) -> RankBytes:
-    """Per-GPU bytes of `rung` laid out as `dims`: the pipeline stage with the largest total."""
-    stages = _stage_layers(shape, dims.pp)
-    per_stage = [_stage_bytes(shape, rung, dims, workload, s, n) for s, n in enumerate(stages)]
+def rung_rank_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, workload: Workload,
+                    float8_params: float = 0.0) -> RankBytes:
+    """Per-GPU bytes of `rung` laid out as `dims`: the pipeline stage with the largest total. `float8_params`: the
+    weight elements per decoder layer (on a rank, after tp) that compute in float8 under workload.fp8
+    (hfdist.parallel.float8.float8_params_per_layer)."""
+    stages = stage_layers(shape, dims.pp)
+    per_stage = [_stage_bytes(shape, rung, dims, workload, s, n, float8_params) for s, n in enumerate(stages)]
     return max(per_stage, key=lambda b: b.total)
-
-
-@dataclass(frozen=True)
-class StateBytes:
-    """Model-state bytes one rank holds at the optimizer step, as hfdist's runs allocate them.
-
-    Comparable with hfdist_summary.json ranks[i]: param_bytes, grad_bytes, optimizer_bytes (= Adam moments + any
-    master copy the optimizer keeps; `master_bytes` is that copy alone).
-    """
-
-    param_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    master_bytes: int = 0
-
-
-def _mesh_rank_params(shape: ModelShape, dims: ParallelDims, stage: int) -> float:
-    """Parameters one rank of pipeline `stage` holds on a mesh rung before FSDP2 splits them over dp_shard: its
-    stage's layers, the embedding on the first stage, final norm + lm_head on the last, the projections, the
-    embedding and lm_head divided by tp (the norms are replicated over tp)."""
-    layers = _stage_layers(shape, dims.pp)[stage]
-    first, last = stage == 0, stage == dims.pp - 1
-    head_own = shape.embed_params if (shape.tied and dims.pp > 1) else shape.head_params
-    return (layers * (shape.layer_linear_params / dims.tp + shape.layer_params - shape.layer_linear_params)
-            + (shape.embed_params / dims.tp if first else 0) + ((head_own / dims.tp + shape.hidden) if last else 0))
-
-
-def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str = "fp32", lora: bool = False,
-                        lora_r: int = 16, lora_targets: tuple[str, ...] = LORA_TARGETS,
-                        stage: int | None = None) -> StateBytes:
-    """Per-rank param/grad/optimizer bytes predicted for a run of `rung` on `world` processes (one node).
-
-    Unlike the planner's accounting this follows what hfdist's code allocates: the model is built in fp32, so DDP
-    and FSDP2 keep fp32 params and grads (bf16 is only the compute dtype) and Adam's fp32 moments, with no master
-    copy; DeepSpeed casts the model to bf16 under bf16 and keeps an fp32 master partition (except an fp32 full
-    fine-tune without offload, which steps the weights' own fp32 buffer), plus an fp32 grad partition under bf16. Averages over ranks: FSDP2 splits each tensor's dim 0 and
-    DeepSpeed pads partitions, so single ranks differ by up to a row per tensor / an alignment pad; Adam's step
-    counters (a few bytes per tensor) are left out.
-
-    `stage` (mesh rungs, full fine-tunes): the bytes of one rank of that pipeline stage (0 without pp) rather than
-    the average: the first stage also holds the embedding and the last lm_head, which at pp = 4 puts stage 0 of
-    Llama-3.1-8B 13% above the average (what `hfdist simulate` compares with).
-    """
-    if dtype not in DTYPES:
-        raise PlanError(f"dtype must be one of {DTYPES} (the run's mixed precision), got {dtype!r}.")
-    dims = (rung.with_num_processes(world) if world else rung).dims  # the layout scripts/finetune.py runs
-    shape = ModelShape.from_config(config)
-    params = shape.total_params
-    trainable = shape.layers * shape.lora_layer_params(lora_r, tuple(lora_targets)) if lora else params
-    total = params + (trainable if lora else 0)
-    ds = rung.uses_deepspeed
-    zero = rung.zero_stage if ds else 0
-    # hfdist's TP (fsdp rungs) splits every weight over tp but the norms (a few hundred bytes per layer); its
-    # pipeline stages split the layers over pp (a tied embedding, held by the first and the last stage, twice).
-    n = dims.dp_shard * (dims.tp * dims.pp * dims.cp if rung.owns_sharding else 1)
-    if stage is not None:
-        if not rung.owns_sharding or lora or not 0 <= stage < dims.pp:
-            raise PlanError(f"a per-stage prediction needs a mesh rung, a full fine-tune and a stage in [0, "
-                            f"{dims.pp}); got {rung.name}, lora={lora}, stage={stage}.")
-        total = trainable = _mesh_rank_params(shape, dims, stage)
-        n = dims.dp_shard * dims.cp  # FSDP2 shards a stage's tp-split parameters over dp_shard x cp
-    weight = 2 if (ds and dtype == "bf16") else 4
-    fp32_grad = 4 if (ds and dtype == "bf16") else 0
-    shard_opt = n if (rung.owns_sharding or zero >= 1) else 1
-    if rung.owns_sharding or zero >= 3:
-        param_bytes = total * weight / n
-        grads = trainable * (fp32_grad or weight) / n
-    else:
-        param_bytes = total * weight
-        grads = trainable * (weight + fp32_grad) / n if zero >= 2 else trainable * weight + trainable * fp32_grad / n
-    # Measured (tests/e2e/test_finetune_ladder.py): in an fp32 full fine-tune without offload DeepSpeed steps its fp32
-    # flat buffer in place (stage3.py: "we don't need another copy"; ZeRO-1/2 end up sharing it too), while LoRA
-    # and offload runs keep a separate fp32 partition.
-    shares_master = ds and dtype == "fp32" and not lora and rung.offload_optimizer == "none"
-    master = trainable * 4 / shard_opt if ds and not shares_master else 0
-    moments = trainable * 8 / shard_opt
-    return StateBytes(int(param_bytes), int(grads), int(moments + master), int(master))

@@ -19,8 +19,10 @@ from typing import Any, Iterable
 from hfdist.config.dims import ParallelDims
 from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
 from hfdist.config.ladder import Rung, known_rung_names, load_rung
+from hfdist.models.attention import AUTO, uses_dense_mask
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
+from hfdist.parallel.float8_check import check_fp8, float8_params_per_layer
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, dims_on_cluster, offload_device, rung_rank_bytes
 
 __all__ = ["Plan", "RungPlan", "plan_rungs", "plan_order"]
@@ -73,22 +75,36 @@ class Plan:
             states = ("bf16 mixed precision, Adam 20 B/param (DeepSpeed's accounting): 2 weight + 2 grad + 4 fp32 "
                       "grad + 4 fp32 master + 8 Adam")
         frozen = "4 B (fp32; DeepSpeed: 2 B)" if w.dtype == "bf16" else "4 B"
-        train = (f"LoRA r={w.lora_r} on {','.join(t.removesuffix('_proj') for t in w.lora_targets)}: frozen base "
-                 f"weights only, at {frozen}/param as hfdist holds them; adapters ({self.trainable_params:,} params) "
-                 "carry grads + optimizer"
-                 if w.lora else f"full fine-tune ({self.trainable_params:,} trainable params)")
+        targets = ",".join(t.removesuffix("_proj") for t in w.lora_targets)
+        if w.qlora:
+            train = (f"QLoRA r={w.lora_r} on {targets}: decoder projections in 4-bit NF4 (0.5 B/param, sharded "
+                     "like weights) + their double-quantised states (~1/64 B/param, whole on every rank), the rest "
+                     f"of the frozen base at {frozen}/param; adapters ({self.trainable_params:,} params) carry grads "
+                     "+ optimizer; one projection dequantised at a time (bf16) under buffers; rungs that do not take "
+                     "--qlora are n/a")
+        elif w.lora:
+            train = (f"LoRA r={w.lora_r} on {targets}: frozen base weights only, at {frozen}/param as hfdist holds "
+                     f"them; adapters ({self.trainable_params:,} params) carry grads + optimizer")
+        else:
+            train = f"full fine-tune ({self.trainable_params:,} trainable params)"
         if w.reference_model:
             train += ("; DPO: a frozen reference copy of the weights beside the policy, sharded like it, at the frozen "
                       "rate" if not w.lora else "; DPO: the reference is the base with the adapters off (no copy)")
         ckpt = "with" if w.activation_checkpointing else "without"
         logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
                   if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
+        attention = {"sdpa": "sdpa with a dense S x S document mask (the mask + its bias saved per layer counted)",
+                     "eager": "eager with a dense S x S document mask (the mask + every head's S x S weights saved "
+                              "per layer counted)"}.get(
+            w.attention, f"{w.attention} attention (document boundaries or a BlockMask: nothing S x S)")
         return [
             states,
             train,
-            f"activations: seq {w.seq} x micro-batch {w.micro_batch}, SDPA/flash attention, {ckpt} activation "
+            f"activations: seq {w.seq} x micro-batch {w.micro_batch}, {attention}, {ckpt} activation "
             f"checkpointing, fp32 logits of {logits}; PP: 1F1B with pp micro-batches in flight",
-            "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers",
+            "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers"
+            + (f"; --fp8 {w.fp8}: decoder projections in float8, gathered at 1 B/param where FSDP2 shards them "
+               "(tensorwise); model states and activations as without" if w.fp8 else ""),
             "offload rungs count GPU bytes only; 1 GB = 1e9 bytes; allocator fragmentation not modelled",
         ]
 
@@ -198,18 +214,35 @@ def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload
     parts = ["accelerate", "launch", "scripts/finetune.py", "--config", f"{rung.name}.yaml",
              "--num-processes", str(world), "--model", model]
     if w.lora:
-        parts += ["--lora", "--lora-r", str(w.lora_r)]
+        parts += ["--qlora" if w.qlora else "--lora", "--lora-r", str(w.lora_r)]
     parts += ["--seq-len", str(w.seq), "--micro-batch-size", str(per_rank),
               "--global-batch-size", str(per_rank * dims.dp)]
     if w.activation_checkpointing:
         parts.append("--activation-checkpointing")
+    if w.attention != AUTO:
+        parts += ["--attn-implementation", w.attention]
+    if w.fp8:
+        parts += ["--fp8", w.fp8]
     return shlex.join(parts)
+
+
+def _check_takes_qlora(rung: Rung) -> None:
+    """Raise PlanError (one line) unless the rung table says `rung` trains QLoRA."""
+    from hfdist.config.features import refuse_unless
+    from hfdist.config.finetune import ConfigError
+
+    try:
+        refuse_unless(rung, "qlora")
+    except ConfigError as exc:
+        raise PlanError("does not take --qlora (docs/qlora.md)") from exc
 
 
 def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node: int, nodes: int,
                gpu_mem_bytes: int, w: Workload) -> RungPlan:
     offload = offload_device(rung)
     try:
+        if w.qlora:
+            _check_takes_qlora(rung)
         dims = dims_on_cluster(rung, gpus_per_node, nodes)
         if dims.tp > 1:
             from hfdist.parallel.tensor_check import validate_tp
@@ -219,6 +252,8 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
             from hfdist.parallel.context_check import check_cp
 
             check_cp(config, dims.cp, w.seq, tp=dims.tp)
+        if w.fp8:
+            check_fp8(w.fp8, replace(rung, dims=dims), config, seq_len=w.seq, lora=w.lora)
         if w.reference_model and dims.pp > 1:
             raise PlanError("DPO's loss compares whole sequences of two models; pipeline stages compute only the "
                             "last stage's token cross-entropy (hfdist.api refuses it)")
@@ -226,7 +261,7 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
         return RungPlan(rung.name, None, None, False, "", offload, note=f"cannot run here: {exc}")
     if rung.fsdp is not None and rung.fsdp.activation_checkpointing:
         w = replace(w, activation_checkpointing=True)
-    b = rung_rank_bytes(shape, rung, dims, w)
+    b = rung_rank_bytes(shape, rung, dims, w, float8_params_per_layer(config, dims.tp) if w.fp8 else 0.0)
     note = ""
     if rung.owns_sharding and rung.dims.dp_replicate > 1 and rung.dims.dp_shard != dims.dp_shard:
         note = (f"set parallelism_config_dp_shard_size: {dims.dp_shard} and parallelism_config_dp_replicate_size: "
@@ -252,25 +287,33 @@ def _find_fix(config, rungs: list[Rung], model: str, gpus_per_node: int, nodes: 
               w: Workload, avoid_offload: bool) -> str:
     """The first single change (in order of cost to the user) after which a rung fits, as advice."""
     candidates: list[tuple[str, int, Workload]] = []
+    if uses_dense_mask(w.attention):
+        candidates.append(("use --attn-implementation auto (no S x S mask)", nodes, replace(w, attention=AUTO)))
     if not w.activation_checkpointing:
         candidates.append(("add --activation-checkpointing", nodes, replace(w, activation_checkpointing=True)))
     ckpt = replace(w, activation_checkpointing=True)
     if w.micro_batch > 1:
         candidates.append(("use --micro-batch 1 with --activation-checkpointing", nodes, replace(ckpt, micro_batch=1)))
+    qlora = ("train QLoRA adapters on a 4-bit base (--qlora) with --activation-checkpointing", nodes,
+             replace(ckpt, lora=True, qlora=True))
+    if w.lora and not w.qlora:  # the same adapters on a 4-bit base: cheaper than more nodes
+        candidates.append(qlora)
     for k in (2, 4, 8, 16, 32):
         candidates.append((f"use {nodes * k} nodes (--nodes {nodes * k}) with --activation-checkpointing",
                            nodes * k, ckpt))
     if not w.lora:
         candidates.append(("train LoRA adapters (--lora) with --activation-checkpointing", nodes,
                            replace(ckpt, lora=True)))
+    if not w.lora:
+        candidates.append(qlora)
     for advice, k, cand in candidates:
         rec = next((r for r in _plan(config, rungs, model, gpus_per_node, k, gpu_mem_bytes, cand).rungs
                     if r.fits and not (avoid_offload and r.offload != "none")), None)
         if rec is not None:
             return f"{advice}: then {rec.name} fits ({rec.bytes.total / GB:.1f} GB per GPU)."
     what = "without offload" if avoid_offload else "at all"
-    return (f"no single change (activation checkpointing, micro-batch 1, up to {nodes * 32} nodes, LoRA) makes a "
-            f"rung fit {what}: use GPUs with more memory or a shorter --seq.")
+    return (f"no single change (activation checkpointing, micro-batch 1, up to {nodes * 32} nodes, LoRA, QLoRA) makes "
+            f"a rung fit {what}: use GPUs with more memory or a shorter --seq.")
 
 
 def plan_rungs(
@@ -290,6 +333,9 @@ def plan_rungs(
     bytes_per_param_adam: int = 16,
     model: str = "model",
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
+    attention: str = AUTO,
+    fp8: str | None = None,
+    qlora: bool = False,
     reference_model: bool = False,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
@@ -312,8 +358,8 @@ def plan_rungs(
     if bad:
         raise PlanError(f"{bad} must be positive integers: describe the cluster as --nodes K x --gpus-per-node G "
                         "GPUs of --gpu-mem-gb M each.")
-    w = Workload(seq, micro_batch, lora, lora_r, tuple(lora_targets), activation_checkpointing, dtype,
-                 bytes_per_param_adam, loss_chunk_size, reference_model)
+    w = Workload(seq, micro_batch, lora, lora_r, qlora, tuple(lora_targets), activation_checkpointing, dtype,
+                 bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model)
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]
     plan = _plan(config, loaded, model, gpus_per_node, nodes, gpu_mem_bytes, w)
     rec = plan.recommended

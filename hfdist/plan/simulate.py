@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, replace
 from hfdist.config.ladder import LadderError, Rung, StrategyKind, load_rung
 from hfdist.errors import HfdistError
 from hfdist.parallel.pipeline.plan import MULTI_STAGE_SCHEDULES
-from hfdist.plan.bytes import StateBytes, predict_state_bytes
+from hfdist.plan.state_bytes import StateBytes, predict_state_bytes
 
 __all__ = ["SimulateError", "RoleBytes", "Simulation", "simulation_rung", "simulate"]
 
@@ -97,6 +97,7 @@ class Simulation:
     roles: tuple[RoleBytes, ...]
     seconds: float
     failure: str = ""  # verify's message for the first role that failed it
+    attention: str = "auto"  # --attn-implementation the simulated step's memory stands for
 
     @property
     def verified(self) -> bool:
@@ -107,7 +108,7 @@ class Simulation:
         """The `hfdist simulate --json` object."""
         return {"model": self.model, "config": self.rung.name, "num_processes": self.rung.num_processes,
                 "dims": self.rung.dims.to_dict(), "mixed_precision": self.mixed_precision,
-                "verified": self.verified, "seconds": round(self.seconds, 2),
+                "attn_implementation": self.attention, "verified": self.verified, "seconds": round(self.seconds, 2),
                 "ranks": [r.to_json() for r in self.roles], **({"failure": self.failure} if self.failure else {})}
 
     def table(self) -> str:
@@ -127,7 +128,9 @@ class Simulation:
                          f"{r.optimizer_bytes / gb:>9.3f}  {predicted:>24} {r.relative_error():>7.2%}")
         for r in self.roles:
             if r.step is not None:
-                lines.append(f"rank {r.rank}: a simulated step (seq {r.step.seq} x micro-batch {r.step.micro_batch}) "
+                attention = "" if self.attention == "auto" else f", {self.attention} attention"
+                lines.append(f"rank {r.rank}: a simulated step (seq {r.step.seq} x micro-batch {r.step.micro_batch}"
+                             f"{attention}) "
                              f"peaks at {r.step.peak_bytes / gb:.3f} {unit}, activations "
                              f"{r.step.activation_bytes / gb:.3f} {unit}; planner "
                              f"{r.step.predicted_activation_bytes / gb:.3f} {unit} "
@@ -220,14 +223,15 @@ def _local_bytes(t) -> int:
     return local.numel() * local.element_size()
 
 
-def _state_bytes(params: list, optimizer) -> tuple[int, int, int]:
-    """(param, grad, optimizer) bytes of this rank: local shards, their gradients, Adam's moments."""
+def _state_bytes(params: list, optimizer, extra: list = ()) -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes of this rank: local shards (and `extra` tensors it holds whole: QLoRA's
+    quantisation states), their gradients, Adam's moments."""
     import torch
 
     moments = sum(_local_bytes(v) for state in optimizer.state.values() for k, v in state.items()
                   if k != "step" and torch.is_tensor(v))
     grads = sum(_local_bytes(p.grad) for p in params if p.grad is not None)
-    return sum(_local_bytes(p) for p in params), grads, moments
+    return sum(_local_bytes(p) for p in [*params, *extra]), grads, moments
 
 
 def _rank_params(model) -> list:
@@ -252,11 +256,35 @@ def _meta_state_bytes(model) -> tuple[int, int, int]:
         p.grad = _local(shard.grad)
     optimizer = torch.optim.AdamW(local, lr=1e-5, foreach=False)
     optimizer.step()
-    return _state_bytes(params, optimizer)
+    from hfdist.models.quantize import quant_state_tensors
+
+    return _state_bytes(params, optimizer, quant_state_tensors(model))
 
 
-def _simulated_step(model, rung: Rung, seq: int, micro_batch: int,
-                    mixed_precision: str) -> tuple[tuple[int, int, int], dict[str, int]]:
+def step_attention(attention: str) -> str:
+    """The implementation a simulated step runs for `attention`: sdpa / eager as asked, with their dense mask (what
+    the step is to show); every mask-free choice as sdpa without a mask: the step's rows are one document each, so
+    causal attention is their document attention, and sdpa's causal kernel holds what flash varlen holds."""
+    from hfdist.models.attention import uses_dense_mask
+
+    return attention if uses_dense_mask(attention) else "sdpa"
+
+
+def _dense_mask(attention: str, seq: int, micro_batch: int) -> dict:
+    """A simulated step's dense mask (one document per row; fake like every tensor of the step: no memory at any
+    length), or nothing for a mask-free `attention`."""
+    import torch
+
+    from hfdist.data.collation import attention_inputs
+    from hfdist.models.attention import uses_dense_mask
+
+    if not uses_dense_mask(attention):
+        return {}
+    return attention_inputs(torch.arange(seq).repeat(micro_batch, 1), attention)
+
+
+def _simulated_step(model, rung: Rung, seq: int, micro_batch: int, mixed_precision: str,
+                    attention: str) -> tuple[tuple[int, int, int], dict[str, int]]:
     """One training step of a sharded meta model in fake tensors (shapes and dtypes, no data), under torch's FSDP2
     memory tracker: forward with the job's loss (vocab-parallel under TP), backward, AdamW step. Returns the state
     bytes after the step and the tracker's breakdown at the step's peak ("Total", ...), with "Activation" the
@@ -275,13 +303,14 @@ def _simulated_step(model, rung: Rung, seq: int, micro_batch: int,
         materialize(model, torch.device("cpu"))
         params = _rank_params(model)
         optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=1e-5, foreach=False)
-        input_ids = torch.randint(0, model.config.vocab_size, (micro_batch, seq))
+        batch = {"input_ids": torch.randint(0, model.config.vocab_size, (micro_batch, seq)),
+                 **_dense_mask(attention, seq, micro_batch)}
         tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((input_ids,))
+        tracker.track_inputs((batch["input_ids"],))
         with tracker, (loss_parallel() if rung.uses_tp else contextlib.nullcontext()):
             # The job's loss (HfdistTrainer.causal_lm_loss): chunked over the sequence (the planner's default
             # chunk), each chunk's logits vocab-parallel under TP.
-            loss = causal_lm_loss(model, {"input_ids": input_ids})
+            loss = causal_lm_loss(model, batch)
             forward = [*tracker.get_tracker_snapshot("peak").values(), *tracker.get_tracker_snapshot("current").values()]
             loss.backward()
             optimizer.step()
@@ -322,30 +351,53 @@ def _distinct_stages(num_layers: int, pp: int) -> list[tuple[int, tuple[int, ...
 
 
 def _planned_activations(config, rung: Rung, mixed_precision: str, activation_checkpointing: bool, seq: int,
-                         micro_batch: int) -> int:
+                         micro_batch: int, attention: str) -> int:
     from hfdist.models.shape import ModelShape
     from hfdist.plan.bytes import Workload, rung_rank_bytes
 
     workload = Workload(seq=seq, micro_batch=micro_batch, dtype=mixed_precision,
-                        activation_checkpointing=activation_checkpointing or rung.fsdp.activation_checkpointing)
+                        activation_checkpointing=activation_checkpointing or rung.fsdp.activation_checkpointing,
+                        attention=attention)
     return rung_rank_bytes(ModelShape.from_config(config), rung, rung.dims, workload).activations
 
 
+def _check_qlora_simulation(rung: Rung, step_seq: int | None) -> None:
+    """Refuse a --qlora simulation this module does not run: a rung that does not take --qlora, pipeline stages
+    (the prediction of an adapter run is per rank, not per stage) or a simulated step (bitsandbytes' 4-bit matmul on
+    fake tensors is not verified)."""
+    from hfdist.config.features import refuse_unless
+    from hfdist.config.finetune import ConfigError
+    try:
+        refuse_unless(rung, "qlora")
+    except ConfigError as exc:
+        raise SimulateError(str(exc)) from exc
+    if rung.uses_pipeline or step_seq is not None:
+        raise SimulateError(f"hfdist simulate --qlora runs the recipe without pipeline stages and without --step; "
+                            f"{rung.name} {'has pipeline stages' if rung.uses_pipeline else 'was asked for --step'}. "
+                            "Simulate fsdp_full_shard, fsdp_hybrid, fsdp_offload or fsdp_cp, without --step.")
+
+
 def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", activation_checkpointing: bool = False,
-             gpus_per_node: int = 8, step_seq: int | None = None, micro_batch: int = 1) -> Simulation:
+             gpus_per_node: int = 8, step_seq: int | None = None, micro_batch: int = 1,
+             attention: str = "auto", qlora: bool = False, lora_r: int = 16, lora_alpha: int = 32) -> Simulation:
     """Run the parallelize recipe for every distinct rank role of `rung` (from `simulation_rung`) on a meta
     `model_spec` under a fake process group; see the module docstring.
 
     `step_seq`: also run one training step of `micro_batch` sequences of that length in fake tensors under FSDP2's
     memory tracker (hfdist's own non-pipeline rungs; a pipeline's schedule exchanges activations between stages,
     which this does not drive) and report its activation peak against the planner's; the state bytes then come
-    from that step's real gradients and optimizer state.
+    from that step's real gradients and optimizer state. `attention`: the --attn-implementation the step stands
+    for (`step_attention`: sdpa / eager hold their dense mask in the step and in the planner's figure).
 
     A role that fails verification (a bug in the recipe, not bad input) is reported in `failure`; its bytes are
     still read.
 
+    `qlora`: the model QLoRA trains (4-bit projections, hfdist.models.quantize.quantize_meta, then LoRA r=`lora_r`),
+    on the rungs that take --qlora, without pipeline stages or a simulated step; each rank also holds its 4-bit
+    layers' quantisation states whole.
+
     Raises:
-        SimulateError: a process group already exists.
+        SimulateError: a process group already exists, or --qlora where it is not simulated.
     """
     import torch
 
@@ -358,27 +410,41 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
                             "schedule across stages, which it does not drive. Leave out --step for pipeline rungs "
                             "(their state bytes are simulated all the same), or simulate fsdp_full_shard / "
                             "fsdp_hybrid / fsdp_tp.")
+    if qlora:
+        _check_qlora_simulation(rung, step_seq)
     start = time.perf_counter()
     dims = rung.dims
-    template = meta_model(model_spec)
+    template = meta_model(model_spec, attn_implementation=step_attention(attention))
+
+    def fresh_model():
+        """The role's own copy of the model (bitsandbytes' meta parameters cannot be deep-copied: built anew)."""
+        if not qlora:
+            return copy.deepcopy(template)
+        from hfdist.models.build import inject_lora
+        from hfdist.models.quantize import quantize_meta
+
+        return inject_lora(quantize_meta(meta_model(model_spec, attn_implementation=step_attention(attention))),
+                           lora_r, lora_alpha)
     roles, failure = [], ""
     for stage, stages in _distinct_stages(template.config.num_hidden_layers, dims.pp):
         rank = stage * dims.tp  # mesh coordinates (dp_replicate 0, dp_shard 0, pp stage, tp 0)
         with _fake_rank(rank, rung.num_processes, min(gpus_per_node, rung.num_processes)):
-            model = parallelize(copy.deepcopy(template), rung, device=torch.device("cpu"),
+            model = parallelize(fresh_model(), rung, device=torch.device("cpu"),
                                 mixed_precision=mixed_precision, activation_checkpointing=activation_checkpointing)
             try:
-                verify_strategy(rung, model, model, lora=False)
+                verify_strategy(rung, model, model, lora=qlora, qlora=qlora)
             except StrategyNotInEffect as exc:
                 failure = failure or f"rank {rank}: {exc}"
             step = None
             if step_seq is None:
                 param, grad, optimizer = _meta_state_bytes(model)
             else:
-                (param, grad, optimizer), peak = _simulated_step(model, rung, step_seq, micro_batch, mixed_precision)
+                (param, grad, optimizer), peak = _simulated_step(model, rung, step_seq, micro_batch, mixed_precision,
+                                                                 attention)
                 step = StepPeak(step_seq, micro_batch, peak["Activation"], peak["Total"],
                                 _planned_activations(template.config, rung, mixed_precision, activation_checkpointing,
-                                                     step_seq, micro_batch))
-        predicted = predict_state_bytes(template.config, rung, dtype=mixed_precision, stage=stage)
+                                                     step_seq, micro_batch, attention))
+        predicted = predict_state_bytes(template.config, rung, dtype=mixed_precision, qlora=qlora, lora_r=lora_r,
+                                        stage=None if qlora else stage)
         roles.append(RoleBytes(rank, stage, param, grad, optimizer, predicted, step, stages))
-    return Simulation(model_spec, rung, mixed_precision, tuple(roles), time.perf_counter() - start, failure)
+    return Simulation(model_spec, rung, mixed_precision, tuple(roles), time.perf_counter() - start, failure, attention)

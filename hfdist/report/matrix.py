@@ -16,10 +16,11 @@ from hfdist.errors import HfdistError
 
 __all__ = ["MatrixError", "COLUMNS", "matrix_row", "load_rows", "write_matrix", "hardware_name"]
 
-COLUMNS = ("strategy", "world_size", "dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "lora", "micro_batch",
-           "global_batch", "seq_len", "tokens_per_s_per_device", "tflops_per_device", "mfu",
+COLUMNS = ("strategy", "world_size", "dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "lora", "qlora",
+           "micro_batch", "global_batch", "seq_len", "attn_implementation", "tokens_per_s_per_device",
+           "tflops_per_device", "mfu",
            "peak_mem_max_mb", "peak_mem_min_mb", "param_mb_per_rank", "grad_mb_per_rank", "optimizer_mb_per_rank",
-           "final_loss")
+           "final_loss", "eval_loss")
 _MB = 1e6
 
 
@@ -45,8 +46,11 @@ def matrix_row(summary: dict[str, Any]) -> dict[str, Any]:
     """One row of the matrix from one run summary (per-rank figures: max over ranks unless named min/mean)."""
     s, ranks = summary["strategy"], summary["ranks"]
     schedule = f"[{s['pp_schedule']}]" if s.get("pp_schedule") else ""  # which pipeline schedule ran
-    name = s["name"] + schedule + ("+lora" if s["lora"] else "")
-    row: dict[str, Any] = {"strategy": name, **{k: s[k] for k in COLUMNS[1:11]}}
+    fp8 = {None: "", "tensorwise": "+fp8"}.get(s.get("fp8"), f"+fp8-{s.get('fp8')}")  # which float8 recipe ran
+    qlora = bool(s.get("qlora"))  # summaries written before --qlora existed have no such key
+    name = s["name"] + schedule + ("+qlora" if qlora else "+lora" if s["lora"] else "") + fp8
+    row: dict[str, Any] = {"strategy": name, **{k: s[k] for k in COLUMNS[1:12] if k != "qlora"}, "qlora": qlora,
+                           "attn_implementation": s.get("attn_implementation", "sdpa")}  # summaries before the flag: sdpa
     # Ranks of one tp x pp group process the same tokens: a device's share is its rate over tp x pp.
     row["tokens_per_s_per_device"] = round(mean(r["tokens_per_second"] for r in ranks) / (s["tp"] * s["pp"]), 1)
     row["tflops_per_device"] = round(mean(r["tflops_per_device"] for r in ranks), 4)
@@ -57,6 +61,8 @@ def matrix_row(summary: dict[str, Any]) -> dict[str, Any]:
         row[f"{key}_mb_per_rank"] = round(max(r[f"{key}_bytes"] for r in ranks) / _MB, 3)
     row["optimizer_mb_per_rank"] = round(max(r["optimizer_bytes"] + r["master_bytes"] for r in ranks) / _MB, 3)
     row["final_loss"] = round(summary["losses"][-1], 4)
+    evaluated = summary.get("eval")  # held-out data: the last evaluation's loss
+    row["eval_loss"] = round(evaluated["loss"], 4) if evaluated else None
     return row
 
 

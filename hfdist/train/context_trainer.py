@@ -31,10 +31,10 @@ class ContextParallelMixin:
         # The Trainer counted the batch's label tokens already, on the whole rows.
         return super().training_step(model, self._cp_shard(inputs), num_items_in_batch)
 
-    def score(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
+    def score(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: float | None = None) -> float:
         """The mean token loss: each cp rank sums its chunk's token losses, divided by the whole batch's label
-        count, and the cp group adds the parts."""
-        count = batch["labels"][:, 1:].ne(-100).sum()
+        count (or `num_items_in_batch`), and the cp group adds the parts."""
+        count = batch["labels"][:, 1:].ne(-100).sum() if num_items_in_batch is None else num_items_in_batch
         loss = self.causal_lm_loss(model, self._cp_shard(batch), num_items_in_batch=count)
         dist.all_reduce(loss, group=cp_group_of(self.model))
         return float(loss.detach().float().cpu())

@@ -44,9 +44,10 @@ class PipelineMixin:
         # it is already scaled by dp like any Trainer loss, so scaling it by pp makes that mean the batch loss.
         return loss.detach() * self.rung.dims.pp
 
-    def score(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
-        """The batch's mean token loss through the schedule's evaluation, on every rank."""
-        return model.evaluate(batch)
+    def score(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: float | None = None) -> float:
+        """The batch's mean token loss (its sum over `num_items_in_batch` when given) through the schedule's
+        forward-only evaluation, on every rank."""
+        return model.evaluate(batch, num_items_in_batch)
 
     def _sync_replicated_trainable_parameters(self, model) -> None:
         # The Trainer would broadcast every plain-tensor parameter from rank 0 to all ranks, but pipeline ranks hold

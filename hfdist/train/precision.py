@@ -6,6 +6,10 @@ weights for DDP and the single process, DeepSpeed's bf16 section for ZeRO (bf16 
 accumulated and reduced in fp32 from the JSON's data_types.grad_accum_dtype and communication_data_type). The
 loss is computed in fp32 everywhere (HF's loss and hfdist's upcast the logits).
 
+--fp8 adds float8 matmuls in the decoder projections on top of whichever of these runs (hfdist.parallel.float8):
+`check_precision` also verifies that every projection the rule picks is a float8 linear of the asked recipe,
+gathered in float8 exactly where FSDP2 shards it.
+
 `check_precision` refuses a run whose strategy objects do not carry the asked precision; `PrecisionProbe` records
 the dtypes the rank computed in (a decoder projection's output, the loss) and reduces gradients in, for
 hfdist_summary.json.
@@ -37,9 +41,14 @@ def reduce_dtype(rung: Rung, wrapped: nn.Module, model: nn.Module) -> torch.dtyp
     return None
 
 
-def check_precision(rung: Rung, mixed_precision: str, accelerator, wrapped: nn.Module, model: nn.Module) -> None:
+def check_precision(rung: Rung, mixed_precision: str, accelerator, wrapped: nn.Module, model: nn.Module,
+                    fp8: str | None = None) -> None:
     """Raise StrategyNotInEffect unless the asked precision is the one the strategy objects carry, by exactly one
-    mechanism, with gradients reduced in fp32."""
+    mechanism, with gradients reduced in fp32, and the decoder projections compute in float8 exactly as `fp8` (a
+    recipe, or None) asks (hfdist.parallel.float8.float8_problems)."""
+    from hfdist.parallel.float8 import float8_problems
+    from hfdist.parallel.float8_check import gathers_in_float8
+    from hfdist.parallel.parallelize import fsdp_shard_ranks
     from hfdist.parallel.verify import StrategyNotInEffect
 
     bf16 = mixed_precision == "bf16"
@@ -63,9 +72,12 @@ def check_precision(rung: Rung, mixed_precision: str, accelerator, wrapped: nn.M
     reduced = reduce_dtype(rung, wrapped, model)
     if reduced not in (None, torch.float32):
         problems.append(f"gradients are reduced in {reduced}")
+    all_gather = gathers_in_float8(fp8, fsdp_shard_ranks(rung, mixed_precision))
+    problems += float8_problems(model, fp8, rung.dims.tp, all_gather)
     if problems:
+        asked = f"--mixed-precision {mixed_precision}" + (f" --fp8 {fp8}" if fp8 else "")
         raise StrategyNotInEffect(
-            f"--mixed-precision {mixed_precision} is not what {rung.name} runs: {'; '.join(problems)}. hfdist stops "
+            f"{asked} is not what {rung.name} runs: {'; '.join(problems)}. hfdist stops "
             "rather than train in another precision than asked. For DeepSpeed rungs keep bf16 \"auto\", "
             "data_types.grad_accum_dtype \"fp32\" and communication_data_type \"fp32\" in the JSON."
         )
@@ -101,7 +113,11 @@ class PrecisionProbe:
                 self._hooks.append(stage.register_forward_hook(self._handed_on))
 
     def _computed(self, module, args, output) -> None:
-        self.compute_dtype = self.compute_dtype or _dtype_of(output)
+        # Under autocast a matmul computes in the autocast dtype even where the layer hands back its input's dtype
+        # (bitsandbytes' 4-bit layers cast their output back).
+        device = getattr(output, "device", torch.device("cpu")).type
+        autocast = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
+        self.compute_dtype = self.compute_dtype or autocast or _dtype_of(output)
 
     def _handed_on(self, module, args, output) -> None:
         self.activation_dtype = self.activation_dtype or _dtype_of(output)
@@ -113,7 +129,10 @@ class PrecisionProbe:
 
     def record(self, rung: Rung, wrapped: nn.Module, model: nn.Module) -> dict[str, str | None]:
         """{"compute_dtype", "loss_dtype", "activation_dtype" (between pipeline stages), "reduce_dtype",
-        "param_dtype"} as dtype names (None: not on this rank)."""
+        "param_dtype" (the trainables'), "base_dtype" (QLoRA's 4-bit base: its quantisation type)} as dtype
+        names (None: not on this rank, or no 4-bit base)."""
+        from hfdist.models.quantize import four_bit_modules
+
         def name(dtype):
             return str(dtype).removeprefix("torch.") if dtype is not None else None
 
@@ -124,4 +143,5 @@ class PrecisionProbe:
         return {"compute_dtype": name(self.compute_dtype), "loss_dtype": name(self.loss_dtype),
                 "activation_dtype": name(self.activation_dtype),
                 "reduce_dtype": name(reduce_dtype(rung, wrapped, model)),
-                "param_dtype": name(param.dtype if param is not None else None)}
+                "param_dtype": name(param.dtype if param is not None else None),
+                "base_dtype": next((m.quant_state.quant_type for _, m in four_bit_modules(model)), None)}

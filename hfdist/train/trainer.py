@@ -28,6 +28,7 @@ from hfdist.metrics.memory import cuda_peaks_kept_through_resets
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
 from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
+from hfdist.train.evaluation import EvaluationMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
 
 __all__ = ["StrategyMixin", "CausalLMLossMixin", "HfdistTrainer", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
@@ -42,10 +43,12 @@ PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_defer_fsdp_gradient_reduction": (),
     "_save": ("output_dir", "state_dict"),
     "_save_checkpoint": ("model", "trial"),
+    "_finalize_training": ("trial", "num_train_samples", "start_time"),
     "_load_from_checkpoint": ("resume_from_checkpoint", "model"),
     "_load_optimizer_and_scheduler": ("checkpoint",),
 }
-PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save_optimizer_and_scheduler")
+PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save_optimizer_and_scheduler",
+                 "_load_best_model")
 
 
 class StrategyMixin(CheckpointingMixin):
@@ -55,23 +58,35 @@ class StrategyMixin(CheckpointingMixin):
     Args:
         rung: the strategy asked for.
         lora: whether the model carries LoRA adapters (verified too).
+        qlora: whether their base is QLoRA's 4-bit one (verified: 4-bit, sharded where the rung shards).
         checkpoint_identity: what a checkpoint records about the run, to refuse resuming another setup's.
         mixed_precision: "bf16" or "no", as the run trains (checked before the first step).
         skeleton: the full model's structure on the meta device (a PeftModel under LoRA): what saving writes.
         compile: whether the decoder layers were compiled (--compile; verified before the first step).
+        attention: the attention implementation the run resolved (verified before the first step).
+        fp8: the float8 recipe the decoder projections compute with (--fp8; verified before the first step), or
+            None.
     """
 
-    def __init__(self, *args, rung: Rung, lora: bool = False, checkpoint_identity: dict | None = None,
+    def __init__(self, *args, rung: Rung, lora: bool = False, qlora: bool = False,
+                 checkpoint_identity: dict | None = None,
                  mixed_precision: str = "no", skeleton: nn.Module | None = None, compile: bool = False,
-                 **kwargs) -> None:
+                 attention: str | None = None, fp8: str | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.attention = attention
         self.rung = rung
         self.lora = lora
+        self.qlora = qlora
         self.checkpoint_identity = checkpoint_identity or {}
         self.mixed_precision = mixed_precision
         self.precision = PrecisionProbe()
         self.skeleton = skeleton
         self.compile = compile
+        self.fp8 = fp8
+        if fp8 is not None:  # the scales of FSDP2's float8 all-gather, once per step (a no-op without it)
+            from hfdist.train.float8_scales import Float8ScalesCallback
+
+            self.add_callback(Float8ScalesCallback())
         if rung.owns_sharding:
             # The Trainer's own switch for "the model already owns its placement and gradient reduction": with it,
             # accelerate prepares autocast only (no DDP wrap, no .to()) and saving joins all ranks.
@@ -123,10 +138,10 @@ class StrategyMixin(CheckpointingMixin):
         with cuda_peaks_kept_through_resets():
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
                                                                     resume_from_checkpoint)
-        verify_strategy(self.rung, model, self.model, self.lora)
+        verify_strategy(self.rung, model, self.model, self.lora, self.attention, self.qlora)
         if self.compile:
             verify_compiled(self.rung, self.model)
-        check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model)
+        check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model, self.fp8)
         self.precision.attach(self.model)
         return model, train_dataloader
 
@@ -213,11 +228,12 @@ class CausalLMLossMixin:
         with self.loss_context(), self.compute_loss_context_manager():  # the training precision
             return self.score(model, batch)
 
-    def score(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> float:
-        """`batch_loss`'s forward, inside its contexts: the model's mean token loss on this rank's batch."""
-        return float(self.causal_lm_loss(model, batch).detach().float().cpu())
+    def score(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: float | None = None) -> float:
+        """`batch_loss`'s (and evaluation's) forward, inside their contexts: the model's mean token loss on this
+        rank's batch, or its token-loss sum over `num_items_in_batch` when given (1: the sum itself)."""
+        return float(self.causal_lm_loss(model, batch, num_items_in_batch).detach().float().cpu())
 
 
-class HfdistTrainer(CausalLMLossMixin, StrategyMixin, Trainer):
-    """The Trainer of `hfdist finetune`: StrategyMixin's strategy handling with hfdist's loss (CausalLMLossMixin);
-    its arguments are both mixins'."""
+class HfdistTrainer(EvaluationMixin, CausalLMLossMixin, StrategyMixin, Trainer):
+    """The Trainer of `hfdist finetune`: StrategyMixin's strategy handling with hfdist's loss (CausalLMLossMixin) and
+    its evaluation on any rung (hfdist.train.evaluation); its arguments are the mixins'."""

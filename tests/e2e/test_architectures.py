@@ -1,6 +1,8 @@
 """Every registered architecture through the rung whose surgery reads all of the model-facts registry: 3d (dp_shard
 2 x pp 2 x tp 2: the TP plan, the FSDP unit, the stage split and per-layer masks), on tiny Mistral, Qwen2 (q/k/v
-biases) and Qwen3 (per-head norms, head_dim apart from hidden / heads) configs, against each one's single-process run.
+biases) and Qwen3 (per-head norms, head_dim apart from hidden / heads) configs, against each one's single-process run,
+attending with hfdist's document attention (the CPU default; Mistral's 32-token sliding window, shorter than many
+of the packed documents, applied per document).
 fsdp_tp and pp read the same facts through the same functions (hfdist.parallel.parallelize applies one TP plan, one
 FSDP unit and one stage split to every mesh rung), so an architecture fact either gets wrong fails here; those rungs
 themselves are checked on llama-tiny (tests/e2e/test_finetune_ladder.py, test_finetune_pipeline.py, test_resume.py).
@@ -41,6 +43,7 @@ def test_losses_match_single_process(runs, preset, rung):
     assert len(got) == len(ref) == 4
     assert got == pytest.approx(ref, rel=LOSS_RTOL), f"{preset} on {rung}: {got} vs single {ref}"
     assert got[-1] < got[0]
+    assert runs[preset, rung]["strategy"]["attn_implementation"] == "hfdist_documents"
 
 
 @pytest.mark.parametrize("rung", RUNGS)

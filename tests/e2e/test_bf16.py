@@ -19,7 +19,7 @@ import torch
 
 from hfdist.config.ladder import load_rung
 
-from helpers import finetune_all, table_rungs
+from helpers import BF16_ARGS, SHARED_RUNS, table_rungs
 
 pytestmark = pytest.mark.multiproc
 
@@ -36,18 +36,17 @@ HOLD_S, SHORT_TIMEOUT_S = 5, 3
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, dict]:
+def runs(shared_runs, tmp_path_factory) -> dict[str, dict]:
+    """The bf16 runs: those test_fp8.py compares with too are the session's shared ones (helpers.SHARED_RUNS)."""
     root = tmp_path_factory.mktemp("bf16")
-    bf16 = ("--mixed-precision", "bf16", "--no-wandb")
     held = {"env": {f"HFDIST_TEST_HOLD_{p}": str(HOLD_S) for p in HELD_PHASES}}
-    jobs = {name: (root / name, bf16 if name == "single" else ("--config", name, *WORLD.get(name, ()), *bf16),
-                   {"via": "python"}) for name in ["single", *RUNGS]}
-    jobs["ddp"] = (root / "ddp", ("--config", "ddp", *bf16, "--collective-timeout", str(SHORT_TIMEOUT_S)),
+    shared = [name for name in ["single", *RUNGS] if f"bf16_{name}" in SHARED_RUNS]
+    jobs = {name: (root / name, ("--config", name, *WORLD.get(name, ()), *BF16_ARGS), {"via": "python"})
+            for name in RUNGS if name not in shared}
+    jobs["ddp"] = (root / "ddp", ("--config", "ddp", *BF16_ARGS, "--collective-timeout", str(SHORT_TIMEOUT_S)),
                    {"via": "python", **held})
-    out = finetune_all(jobs)
-    for name, summary in out.items():
-        summary["_dir"] = root / name
-    return out
+    out = shared_runs.launch([f"bf16_{name}" for name in shared], also=jobs)
+    return {**out, **{name: shared_runs[f"bf16_{name}"] for name in shared}}
 
 
 @pytest.mark.parametrize("name", RUNGS)

@@ -131,12 +131,44 @@ def test_deepspeed_json_contradicting_the_command_line(tmp_path):
     assert '"auto"' in proc.stderr and not (tmp_path / "o").exists()
 
 
-def test_dataset_without_usable_columns(tmp_path):
+def test_bad_input_of_every_kind_is_refused_before_the_hand_over(tmp_path):
+    """The command line's own refusals (tests/unit/test_bad_input.py checks each kind in-process): a job file's
+    unknown key, a flag's bad value, a safetensors shard cut short and a malformed JSON line each end in one
+    paragraph and exit code 2 before any process starts (no "starting N processes"), nothing created."""
     import json
 
-    data = tmp_path / "qa.jsonl"
-    data.write_text("\n".join(json.dumps({"question_text": "q", "label": 1}) for _ in range(8)))
-    proc = _finetune("--dataset", str(data), "--output-dir", str(tmp_path / "o"))
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "instruction/response" in proc.stderr and "question_text" in proc.stderr
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tmp_path / "ckpt"
+    LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=1024)).save_pretrained(model)
+    shard = model / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "a b c"}) + "\n" + '{"text": "unclosed\n')
+    job = tmp_path / "job.yaml"
+    job.write_text("config: fsdp_full_shard\nsequence_length: 64\n")
+    cases = {"key": ([str(job)], "the key 'sequence_length', which is no setting of this command"),
+             "value": (["--config", "fsdp_full_shard", "--seq-len", "0"], "argument --seq-len: must be 1 or more"),
+             "shard": (["--config", "fsdp_full_shard", "--model", str(model)], f"{shard} is cut short"),
+             "line": (["--config", "fsdp_full_shard", "--dataset", str(data)], "line 2 is not a JSON object")}
+    for name, (args, said) in cases.items():
+        proc = _finetune(*args, "--output-dir", str(tmp_path / "o"))
+        assert proc.returncode == 2 and said in proc.stderr, (name, proc.stderr[-2000:])
+        errors = [line for line in proc.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and "Traceback" not in proc.stderr, (name, proc.stderr[-2000:])
+        assert "starting" not in proc.stdout and not (tmp_path / "o").exists(), name
+
+
+@pytest.mark.parametrize("attention, said", [
+    ("flash_attention_2", "needs the 'flash_attn' package, which is not installed here"),
+    ("flex_attention", "has no CPU backward"),
+    ("kernels-community/paged-attention", "cannot give document boundaries to"),
+])
+def test_attention_that_cannot_run_here_is_refused_before_any_process(tmp_path, attention, said):
+    proc = _finetune("--config", "ddp", "--model", "llama-tiny", "--attn-implementation", attention,
+                     "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and said in proc.stderr and "--attn-implementation auto" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "starting" not in proc.stdout
+    assert len(proc.stderr.strip().splitlines()) == 1  # one paragraph
     assert not (tmp_path / "o").exists()

@@ -2,8 +2,8 @@
 512 tokens (several documents each), against the single-process run; and bad cp settings refused before any
 process starts.
 
-What must hold: losses and the post-training batch loss equal one process's (fp32, rel 1e-5), full fine-tune and
-LoRA; the summary records cp; each token is counted once across the cp group (tokens summed over ranks = the
+What must hold: losses, the post-training batch loss and the eval loss on held-out data equal one process's (fp32,
+rel 1e-5), full fine-tune and LoRA, and the eval loss a one-process evaluation of the saved model's; the summary records cp; each token is counted once across the cp group (tokens summed over ranks = the
 single run's); the saved model reloads.
 """
 
@@ -14,7 +14,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import REPO, finetune_all, run_cmd, table_rungs
+from helpers import REPO, eval_args, evaluate_saved, finetune_all, run_cmd, table_rungs
 
 LOSS_RTOL = 1e-5
 CP_ARGS = ["--seq-len", "512", "--global-batch-size", "4", "--max-steps", "3", "--no-wandb"]
@@ -25,11 +25,13 @@ NAMES = RUNGS + [f"lora_{n}" for n in LORA]
 
 
 @pytest.fixture(scope="module")
-def cp_runs(tmp_path_factory):
+def cp_runs(tmp_path_factory, shared_runs):
     root = tmp_path_factory.mktemp("cp_job")
     jobs = {"single": (), "lora_single": ("--lora",),
             **{n: ("--config", n) for n in RUNGS}, **{f"lora_{n}": ("--config", n, "--lora") for n in LORA}}
-    runs = finetune_all({name: (root / name, (*CP_ARGS, *extra), {"via": "python"}) for name, extra in jobs.items()})
+    held_out = eval_args(shared_runs.root)  # the other rungs' held-out conversations, evaluated at step 2 and 3
+    runs = finetune_all({name: (root / name, (*CP_ARGS, *extra, *held_out), {"via": "python"})
+                         for name, extra in jobs.items()})
     for name, summary in runs.items():
         summary["_dir"] = root / name
     return runs
@@ -43,6 +45,14 @@ def test_cp_losses_match_single_process(cp_runs, name):
     assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)
     assert got["check_batch_loss"] == pytest.approx(ref["check_batch_loss"], rel=LOSS_RTOL)
     assert got["losses"][-1] < got["losses"][0]
+    assert got["eval"]["steps"] == ref["eval"]["steps"] == [2, 3] and got["eval"]["tokens"] == ref["eval"]["tokens"]
+    assert got["eval"]["losses"] == pytest.approx(ref["eval"]["losses"], rel=LOSS_RTOL)
+
+
+@pytest.mark.multiproc
+def test_cp_eval_loss_equals_a_one_process_evaluation_of_the_saved_model(cp_runs):
+    summary = cp_runs["fsdp_cp"]
+    assert evaluate_saved(summary) == pytest.approx(summary["eval"]["loss"], rel=LOSS_RTOL)
 
 
 @pytest.mark.multiproc

@@ -12,11 +12,10 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from helpers import FINETUNE, REPO, TINY_ARGS, finetune, free_port
+from helpers import FINETUNE, REPO, TINY_ARGS, finetune, free_port, pid_of_rank
 
 pytestmark = pytest.mark.multiproc
 
@@ -29,21 +28,6 @@ def _env() -> dict[str, str]:
 
 def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args]
-
-
-def _pid_of_rank(rank: int, marker: str) -> int | None:
-    """PID of the training process with RANK=rank whose command line contains `marker`."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().decode(errors="replace")
-            environ = (proc / "environ").read_bytes().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if marker in cmdline and "finetune.py" in cmdline and f"RANK={rank}" in environ:
-            return int(proc.name)
-    return None
 
 
 STEPS = ["--max-steps", "60", "--save-steps", "10"]
@@ -71,7 +55,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
         deadline = time.time() + 600
         while time.time() < deadline and proc.poll() is None:
             if (out / "checkpoint-10" / "hfdist_checkpoint.json").exists() and killed_at is None:
-                pid = _pid_of_rank(1, str(out))
+                pid = pid_of_rank(1, str(out))
                 if pid is not None:
                     os.kill(pid, signal.SIGKILL)
                     killed_at = time.time()
@@ -138,7 +122,7 @@ def test_stopped_rank_is_named_and_the_job_ends(tmp_path):
         deadline = time.time() + 600
         while time.time() < deadline and proc.poll() is None and stopped_at is None:
             if (out / "checkpoint-3" / "hfdist_checkpoint.json").exists():
-                pid = _pid_of_rank(1, str(out))
+                pid = pid_of_rank(1, str(out))
                 if pid is not None:
                     time.sleep(1.0)  # into the next steps' collectives
                     os.kill(pid, signal.SIGSTOP)

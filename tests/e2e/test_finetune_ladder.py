@@ -1,6 +1,7 @@
 """End-to-end: every shipped rung through scripts/finetune.py on CPU/gloo, against the single-process run.
 
-Each run trains llama-tiny for 4 steps on the same global batch (8 sequences) and seed. What must hold:
+Each run trains llama-tiny for 4 steps on the same global batch (8 sequences) and seed, attending with the CPU
+default, hfdist's document attention (packed documents kept apart by their boundaries). What must hold:
 - losses equal the single-process losses within LOSS_RTOL (fp32; only the order of reductions differs);
 - per-rank bytes show the sharding the rung promises;
 - the saved model (or LoRA adapter) loads in a fresh process and reproduces the trained model's loss on a batch.
@@ -13,7 +14,16 @@ import torch
 
 from hfdist.config.ladder import load_rung
 
-from helpers import REPO, SHARED_RUNS, check_batch, finished_offline_run, table_rungs
+from helpers import (
+    REPO,
+    SHARED_RUNS,
+    check_batch,
+    eval_args,
+    finished_offline_run,
+    mlflow_series,
+    table_rungs,
+    tensorboard_series,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -37,16 +47,17 @@ def runs(tmp_path_factory, references, shared_runs):
     come from the session's shared runs (helpers.SHARED_RUNS: the same launch, plus checkpoints at steps 2 and 4)."""
     root = tmp_path_factory.mktemp("ladder")
     names = FULL + [f"lora_{n}" for n in LORA]
+    held_out = eval_args(shared_runs.root)  # the shared runs' evaluation: every rung's eval loss compares
     jobs = {}
     for name in names:
         if name in SHARED_RUNS:
             continue
         if name.startswith("lora_"):
-            jobs[name] = (root / name, ("--config", name.removeprefix("lora_"), "--lora"), {})
+            jobs[name] = (root / name, ("--config", name.removeprefix("lora_"), "--lora", *held_out), {})
         elif name in VIA_CONFIG_FILE:
-            jobs[name] = (root / name, (), {"config_file": str(REPO / "accelerate_configs" / f"{name}.yaml")})
+            jobs[name] = (root / name, held_out, {"config_file": str(REPO / "accelerate_configs" / f"{name}.yaml")})
         else:
-            jobs[name] = (root / name, ("--config", f"{name}.yaml", "--nvme-path", str(root / "nvme")), {})
+            jobs[name] = (root / name, ("--config", f"{name}.yaml", "--nvme-path", str(root / "nvme"), *held_out), {})
     own = shared_runs.launch([n for n in names if n in SHARED_RUNS], also=jobs)
     return {**references, **{name: own[name] if name in own else shared_runs[name] for name in names}}
 
@@ -57,11 +68,14 @@ def _bytes(summary: dict, key: str) -> list[int]:
 
 @pytest.mark.parametrize("name", FULL + [f"lora_{n}" for n in LORA])
 def test_losses_match_single_process(runs, name):
-    ref = runs["lora_single" if name.startswith("lora_") else "single"]["losses"]
-    got = runs[name]["losses"]
+    reference = runs["lora_single" if name.startswith("lora_") else "single"]
+    ref, got = reference["losses"], runs[name]["losses"]
     assert len(got) == len(ref) == 4
     assert got == pytest.approx(ref, rel=LOSS_RTOL), f"{name}: {got} vs single {ref}"
     assert got[-1] < got[0], f"{name}: the loss did not fall: {got}"
+    # The same held-out conversations, evaluated at steps 2 and 4 (tests/e2e/test_evaluation.py says more).
+    assert runs[name]["eval"]["steps"] == reference["eval"]["steps"] == [2, 4]
+    assert runs[name]["eval"]["losses"] == pytest.approx(reference["eval"]["losses"], rel=LOSS_RTOL)
 
 
 @pytest.mark.parametrize("name", FULL)
@@ -72,6 +86,7 @@ def test_strategy_and_world_recorded(runs, name):
     assert s["dp_replicate"] * s["dp_shard"] * s["pp"] * s["tp"] == rung.num_processes
     assert s["zero_stage"] == rung.zero_stage
     assert s["mixed_precision"] == "no"  # the YAMLs say bf16: translated on CPU
+    assert s["attn_implementation"] == "hfdist_documents"  # the CPU default: documents apart, no S x S mask
 
 
 def test_cpu_translation_is_announced(runs):
@@ -214,6 +229,24 @@ def test_every_rank_reaches_wandb_offline(runs):
     assert run.summary["peak/peak_memory_bytes"] == max(r["peak_memory_bytes"] for r in summary["ranks"])
 
 
+def test_every_rank_reaches_mlflow_and_tensorboard(runs):
+    """The same run's series in MLflow's file store and TensorBoard's event files (--report-to, helpers.SHARED_RUNS),
+    read back with their own readers: one run per job, every rank's figures at every step, nothing per rank twice."""
+    summary = runs["fsdp_hybrid"]
+    assert all(r["error"] is None for r in summary["trackers"].values()), summary["trackers"]
+    (name, series), = mlflow_series((summary["_dir"] / "mlruns").as_uri())
+    scalars = tensorboard_series(summary["_dir"] / "tensorboard")
+    assert name == "fsdp_hybrid" and len(list((summary["_dir"] / "tensorboard").glob("events.out.*"))) == 1
+    steps = list(range(1, len(summary["losses"]) + 1))
+    for got in (series, scalars):
+        assert [v for _, v in got["loss"]] == pytest.approx(summary["losses"], rel=1e-6)
+        for rank in range(4):
+            for key in ("tokens_per_second", "param_bytes", "peak_memory_bytes"):
+                assert [s for s, _ in got[f"rank{rank}/{key}"]] == steps  # one point per step: no duplicates
+        assert not any(key.startswith("rank4/") for key in got)
+    assert series["rank1/param_bytes"] == scalars["rank1/param_bytes"]
+
+
 def test_matrix_from_the_runs(runs, tmp_path):
     """The comparison matrix is built from the runs' own summaries: one row per run, every column filled."""
     import csv
@@ -228,6 +261,7 @@ def test_matrix_from_the_runs(runs, tmp_path):
     table = list(csv.DictReader(open(tmp_path / "matrix.csv")))
     assert [r["strategy"] for r in table] == ["ddp", "fsdp_full_shard", "zero3", "zero3+lora"]
     assert all(r[c] not in ("", None) for r in table for c in COLUMNS)
+    assert {r["attn_implementation"] for r in table} == {"hfdist_documents"}  # what each run resolved auto to
     by_name = {r["strategy"]: r for r in table}
     assert float(by_name["zero3"]["param_mb_per_rank"]) < float(by_name["ddp"]["param_mb_per_rank"])
     assert float(by_name["ddp"]["final_loss"]) == pytest.approx(runs["ddp"]["losses"][-1], abs=1e-4)

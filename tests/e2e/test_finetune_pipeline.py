@@ -68,6 +68,7 @@ def test_pipeline_recorded_as_asked(runs, name):
     assert s["pp"] == 2 and s["dp_replicate"] * s["dp_shard"] * s["pp"] * s["tp"] == s["world_size"]
     want = name.split("_", 1)[1] if name.startswith("pp_") else "1F1B"
     assert s["pp_schedule"] == want
+    assert s["attn_implementation"] == "hfdist_documents"  # each stage rebuilds its micro-batch's boundaries
     if name == f"pp_{ACCUM_AC_SCHEDULE}":
         assert (s["grad_accum"], s["micro_batch"], s["pp_microbatches"]) == (2, 4, 2)
         assert runs[name]["config"]["activation_checkpointing"] is True

@@ -3,12 +3,11 @@ ranks ends the screen with hfdist's paragraph, not with the launch stack's trace
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
 
-from helpers import FINETUNE, TINY_ARGS, run_cmd
+from helpers import REPO, TINY_ARGS, run_cmd
 
 HFDIST = [sys.executable, "-m", "hfdist.cli"]
 
@@ -27,19 +26,17 @@ def test_bad_degrees_are_refused_before_any_process(tmp_path, args, said):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("entry", [[*HFDIST, "finetune"], [sys.executable, str(FINETUNE)]],
-                         ids=["hfdist finetune", "scripts/finetune.py"])
-def test_a_failure_in_the_ranks_ends_with_the_hfdist_paragraph(tmp_path, entry):
-    """Both ranks stop on a dataset without usable columns (found after the hand-over, in the ranks)."""
-    data = tmp_path / "qa.jsonl"
-    data.write_text("\n".join(json.dumps({"question_text": "q", "label": 1}) for _ in range(8)))
-    proc = run_cmd([*entry, *TINY_ARGS, "--config", "fsdp_full_shard", "--dataset", str(data),
-                    "--output-dir", str(tmp_path / "o")], timeout=600)
+def test_a_failure_in_the_ranks_ends_with_the_hfdist_paragraph(tmp_path):
+    """Both ranks of a handed-over world stop on an hfdist error (bad input the job itself refuses before any
+    process: tests/unit/test_bad_input.py): the screen ends with one paragraph naming the ranks, no tracebacks."""
+    proc = run_cmd([sys.executable, str(REPO / "tests" / "e2e" / "rank_error_worker.py"), str(tmp_path / "o")],
+                   timeout=600)
     assert proc.returncode == 2, proc.stderr
     last = [line for line in proc.stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("hfdist: error (ranks 0-1): The dataset has columns ['label', 'question_text']")
+    assert last == ("hfdist: error (ranks 0-1): The shard of this rank holds no rows (a problem only the ranks can "
+                    "see). Fix the data.")
     screen = proc.stdout + proc.stderr
     for noise in ("Traceback", "ChildFailedError", "CalledProcessError", "torch.distributed.elastic"):
         assert noise not in screen, noise
-    assert screen.count("The dataset has columns") == 1  # once, not once per rank
-    assert not (tmp_path / "o").exists()  # stopped before the run wrote anything: no folder, not even its logs
+    assert screen.count("holds no rows") == 1  # once, not once per rank
+    assert "hfdist: starting 2 processes for fsdp_full_shard" in proc.stdout

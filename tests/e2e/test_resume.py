@@ -5,7 +5,13 @@ Each rung trains llama-tiny for 4 steps with a checkpoint every 2 (the uninterru
 that rung, helpers.SHARED_RUNS, whose losses and saved model tests/e2e/test_finetune_ladder.py and
 test_finetune_pipeline.py check). Its checkpoint-2 is copied into a fresh output folder and `--resume` continues from
 it: the resumed run's step-3/4 losses must equal the uninterrupted run's (same optimizer moments, LR schedule
-position, RNG and data position), and the final models must score the same.
+position, RNG and data position), and the final models must score the same. The shared runs write their DCP
+checkpoints in the background (--save-async, the default; their markers say so), so these are resumes from
+asynchronous checkpoints.
+
+fsdp_full_shard resumes instead from a run of its own whose rank 1 was killed while writing checkpoint-4 in the
+background (held there, and only there, by a sitecustomize hook; rank 0 had written its shard): what the kill
+left (checkpoint-2 complete, checkpoint-4 a staging folder without marker) is what that resume starts from.
 """
 
 from __future__ import annotations
@@ -15,11 +21,14 @@ import os
 import resource
 import shutil
 import signal
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
-from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, run_cmd
+from helpers import FINETUNE, REPO, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, pid_of_rank, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
@@ -27,20 +36,91 @@ RUNGS = ["ddp", "fsdp_full_shard", "zero3", "fsdp_tp", "pp", "lora_fsdp_full_sha
 RTOL = 1e-6  # same ranks, same reduction order: resumed steps are bit-identical in practice
 
 
+KILLED_RUNG = "fsdp_full_shard"  # resumed from a run killed mid-write instead of a copy of the shared checkpoint
+HOLD_ENV = "HFDIST_TEST_HOLD_WRITE_OF"
+# Imported by every process of the killed run (PYTHONPATH): a rank other than 0 stops inside its background write of
+# the staging folder named by HOLD_ENV, after DCP's plan and before its shard file, until it is killed.
+HOLD_HOOK = f"""
+import os, time
+from torch.distributed.checkpoint.filesystem import _FileSystemWriter
+
+_write_data = _FileSystemWriter.write_data
+
+
+def _held_write_data(self, plan, planner):
+    if os.environ.get("RANK", "0") != "0" and os.environ["{HOLD_ENV}"] in str(self.path):
+        time.sleep(600)
+    return _write_data(self, plan, planner)
+
+
+if os.environ.get("{HOLD_ENV}"):
+    _FileSystemWriter.write_data = _held_write_data
+"""
+
+
+def _killed_mid_write(out: Path, hooks: Path) -> dict:
+    """Train KILLED_RUNG like the shared run, SIGKILL rank 1 while rank 0 has written its shard of checkpoint-4 and
+    rank 1 is held in its write of it; what the kill left behind (before anything resumes from it)."""
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(HOLD_HOOK)
+    env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           HOLD_ENV: ".partial-checkpoint-4",
+           "PYTHONPATH": os.pathsep.join([str(hooks), str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("HFDIST_HANDED_OVER", None)
+    cmd = [sys.executable, str(FINETUNE), *TINY_ARGS, "--config", KILLED_RUNG, *SHARED_SAVE_STEPS, "--no-wandb",
+           "--output-dir", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rank0_shard = out / ".partial-checkpoint-4" / "sharded" / "__0_0.distcp"
+    killed = False
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None and not killed:
+        if rank0_shard.exists() and (pid := pid_of_rank(1, str(out))) is not None:
+            os.kill(pid, signal.SIGKILL)
+            killed = True
+        time.sleep(0.05)
+    if proc.poll() is None and not killed:
+        proc.kill()
+    log = proc.communicate(timeout=300)[0]
+    from hfdist.checkpoint.format import latest_checkpoint
+
+    return {"killed": killed, "returncode": proc.returncode, "log": log, "latest": latest_checkpoint(out),
+            "entries": sorted(p.name for p in out.iterdir() if "checkpoint" in p.name),
+            "partial": sorted(str(p.relative_to(out / ".partial-checkpoint-4"))
+                              for p in (out / ".partial-checkpoint-4").rglob("*") if p.is_file())}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, shared_runs):
-    """{rung: (uninterrupted summary, resumed summary)} plus their folders."""
+    """{rung: (uninterrupted summary, resumed summary)} plus their folders; "_killed": what the run killed mid-write
+    left behind."""
     root = tmp_path_factory.mktemp("resume")
     shared_runs.launch(RUNGS)
-    jobs = {}
+    jobs, killed = {}, None
     for name in RUNGS:
         full, resumed = shared_runs[name]["_dir"], root / name / "resumed"
         args = ["--config", name.removeprefix("lora_"), *SHARED_SAVE_STEPS] + (["--lora"] if "lora" in name else [])
-        resumed.mkdir(parents=True)
-        shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
+        if name == KILLED_RUNG:
+            killed = _killed_mid_write(resumed, root / "hooks")
+        else:
+            resumed.mkdir(parents=True)
+            shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
         jobs[name] = (resumed, (*args, "--resume"), {"via": "python"})
     seconds = finetune_all(jobs)
-    return {name: (shared_runs[name], seconds[name], shared_runs[name]["_dir"], jobs[name][0]) for name in RUNGS}
+    out = {name: (shared_runs[name], seconds[name], shared_runs[name]["_dir"], jobs[name][0]) for name in RUNGS}
+    return {**out, "_killed": killed}
+
+
+def test_rank_killed_mid_write_leaves_the_previous_checkpoint_the_latest(runs):
+    """The kill landed inside the background write of checkpoint-4: the job failed, checkpoint-4 was never renamed
+    (a staging folder with rank 0's shard and no marker or DCP metadata), checkpoint-2 is complete and the latest;
+    test_resumed_run_equals_uninterrupted_run[fsdp_full_shard] resumed from exactly this and matched the shared run."""
+    killed = runs["_killed"]
+    assert killed["killed"], f"rank 1 was never killed mid-write:\n{killed['log'][-4000:]}"
+    assert killed["returncode"] != 0, killed["log"][-4000:]
+    assert killed["entries"] == [".partial-checkpoint-4", "checkpoint-2"]
+    assert "sharded/__0_0.distcp" in killed["partial"] and "hfdist_checkpoint.json" not in killed["partial"]
+    assert "sharded/.metadata" not in killed["partial"]
+    assert killed["latest"].name == "checkpoint-2"
 
 
 @pytest.mark.parametrize("name", RUNGS)
@@ -60,6 +140,7 @@ def test_checkpoints_are_complete_and_describe_their_run(runs, name):
     assert marker["step"] == 4 and marker["strategy"] == name.removeprefix("lora_")
     assert marker["lora"] == name.startswith("lora_")
     assert marker["world_size"] == first["strategy"]["world_size"]
+    assert marker["async_save"] is (name != "zero3")  # written in the background (DeepSpeed: its own, synchronous)
     ckpt = full / "checkpoint-2"
     world = first["strategy"]["world_size"]
     assert sorted(p.name for p in ckpt.glob("rng_state_*.pth")) == [f"rng_state_{r}.pth" for r in range(world)]

@@ -106,17 +106,20 @@ def test_sharded_weights_are_exactly_one_over_tp(tp_results):
 
 
 @pytest.mark.multiproc
+@pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("sp", [True, False])
-def test_collectives_follow_megatron_pattern(tp_results, sp):
+def test_collectives_follow_megatron_pattern(tp_results, sp, fused):
     """Per decoder layer, forward and backward alike: 2 all-reduces without sequence parallel (after o_proj and
     down_proj forward, before q/k/v and gate/up backward); with it each all-reduce becomes a reduce-scatter +
-    all-gather pair. In the whole step, besides the layers: loss parallelism's 3 all-reduces (max, sum of exp,
-    target logit), lm_head's input (all-gather under SP; its gradient all-reduced or reduce-scattered), the
-    embedding output's one redistribution each way; under sequence parallel one all-reduce at the end of backward
-    sums the norms' weight gradients, which each rank computed from 1/tp of the tokens (left Partial, every optimizer
-    op reading them would all-reduce them again). No collective carries full logits: each rank's are 1/tp."""
+    all-gather pair. In the whole step, besides the layers: the loss's all-reduces (the fused vocab-parallel loss:
+    2 on its process group, the row max and the sum of exponentials stacked with the target logit; loss_parallel():
+    3 DTensor all-reduces, max, sum of exp, target logit), lm_head's input (all-gather under SP; its gradient
+    all-reduced or reduce-scattered), the embedding output's one redistribution each way; under sequence parallel
+    one all-reduce at the end of backward sums the norms' weight gradients, which each rank computed from 1/tp of
+    the tokens (left Partial, every optimizer op reading them would all-reduce them again). No collective carries
+    full logits: each rank's are 1/tp."""
     counts = _case(tp_results, "counts")
-    n_layers, got = counts["layers"], counts[f"sp={sp}"]
+    n_layers, got = counts["layers"], counts[f"sp={sp},fused={fused}"]
     per_layer = ({"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2} if sp else {"all_reduce": 2})
     for i in range(n_layers):
         layer = got[f"LlamaForCausalLM.model.layers.{i}"]
@@ -134,13 +137,15 @@ def test_collectives_follow_megatron_pattern(tp_results, sp):
             rest[phase][op] -= n
         rest[phase] = {op: n for op, n in rest[phase].items() if n}
     L = n_layers
+    loss = {"allreduce_": 2} if fused else {"all_reduce": 3}
     if sp:
-        assert rest["forward"] == {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L, "all_reduce": 3}
+        assert rest["forward"] == {"all_gather_into_tensor": 2 * L + 1, "reduce_scatter_tensor": 2 * L, **loss}
         assert rest["backward"] == {"all_gather_into_tensor": 2 * L, "reduce_scatter_tensor": 2 * L + 1}
     else:
-        assert rest["forward"] == {"all_reduce": 2 * L + 3}
+        layers = {"all_reduce": 2 * L}
+        assert rest["forward"] == {op: layers.get(op, 0) + loss.get(op, 0) for op in layers | loss}
         assert rest["backward"] == {"all_reduce": 2 * L + 1}
-    assert got["local_logits_shape"] == [4, 16, 1024 // 2]
+    assert counts[f"sp={sp},fused=False"]["local_logits_shape"] == [4, 16, 1024 // 2]
 
 
 @pytest.mark.multiproc

@@ -247,15 +247,16 @@ def case_fsdp_tp(mesh, batch, refs: dict, path: str) -> dict:
 
 
 def case_counts(mesh, batch) -> dict:
-    """Collectives of one forward + backward, per decoder layer and in total, with and without sequence parallel;
-    the shape of each rank's logits (vocab-sharded under loss parallelism)."""
+    """Collectives of one forward + backward, per decoder layer and in total, with and without sequence parallel,
+    with the fused loss and with loss_parallel(); the shape of each rank's logits (vocab-sharded)."""
     out = {}
     for sp in (True, False):
-        model = apply_tp(make_model(), mesh["tp"], sequence_parallel=sp)
-        out[f"sp={sp}"] = count_tp_collectives(model, batch)
+        for fused in (True, False):
+            model = apply_tp(make_model(), mesh["tp"], sequence_parallel=sp)
+            out[f"sp={sp},fused={fused}"] = count_tp_collectives(model, batch, fused=fused)
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-        out[f"sp={sp}"]["local_logits_shape"] = list(logits.to_local().shape)
+        out[f"sp={sp},fused=False"]["local_logits_shape"] = list(logits.to_local().shape)
     out["layers"] = len(model.model.layers)
     return out
 
@@ -282,7 +283,7 @@ def case_variants(mesh, batch) -> dict:
             "still_tied": model.lm_head.weight is model.model.embed_tokens.weight,
         }
     try:
-        tp_causal_lm_loss(model, batch)
+        tp_causal_lm_loss(model, batch, fused=False)  # the fused loss needs no loss_parallel(); the other does
         out["missing_loss_parallel"] = "no error"
     except TPError as exc:
         out["missing_loss_parallel"] = str(exc)

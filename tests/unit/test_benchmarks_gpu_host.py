@@ -28,7 +28,7 @@ FINETUNE = str(REPO / "scripts" / "finetune.py")
 CLOCK = str(BENCHMARKS / "step_clock.py")
 # The benchmarks whose workers run gloo on CPU tensors (or train on the CPU) whatever the host has.
 MEASURED_ON_CPU = {"bench_chunked_loss", "bench_cp", "bench_load_memory", "bench_packing", "bench_pipeline",
-                   "bench_tp_native"}
+                   "bench_prepare", "bench_tp_native"}
 
 
 @pytest.fixture

@@ -178,6 +178,7 @@ def test_setup_peak_survives_deepspeeds_resets_of_the_peak(fake_cuda, monkeypatc
     monkeypatch.setattr(trainer_module, "check_precision", lambda *args: None)
     trainer = trainer_module.HfdistTrainer.__new__(trainer_module.HfdistTrainer)
     trainer.model, trainer.rung, trainer.lora, trainer.compile = model, load_rung("zero2"), False, False
+    trainer.fp8, trainer.attention, trainer.qlora = None, None, False  # not checked here
     trainer.mixed_precision, trainer.accelerator, trainer.precision = "bf16", None, PrecisionProbe()
     trainer._prepare_for_training(10, None, None)
     assert fake_cuda.peak == GB  # DeepSpeed did reset the allocator's peak

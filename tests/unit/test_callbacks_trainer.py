@@ -77,7 +77,7 @@ def test_figures_reach_integrations_listed_before_it_and_log_history(tmp_path, c
 def test_hfdist_sink_adds_to_the_trainers_wandb_run_instead_of_a_second(tmp_path, monkeypatch):
     import wandb
 
-    from hfdist.callbacks.wandb_logs import WandbLogsCallback
+    from hfdist.callbacks.tracker_logs import TrackerLogsCallback
     from hfdist.callbacks.wandb_sink import WandbSink
     from hfdist.report.wandb_offline import find_offline_runs
 
@@ -88,7 +88,7 @@ def test_hfdist_sink_adds_to_the_trainers_wandb_run_instead_of_a_second(tmp_path
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_root"))
     (tmp_path / "wandb_root").mkdir()
     sink = WandbSink(output_dir=tmp_path / "sink", active=True, name="mine")
-    trainer = _trainer(tmp_path, [DistributedMetricsCallback(print_table=False), WandbLogsCallback(sink)],
+    trainer = _trainer(tmp_path, [DistributedMetricsCallback(print_table=False), TrackerLogsCallback(sink)],
                        report_to="wandb")
     trainer.train()
     sink.set_summary({"peak/peak_memory_bytes": 123})

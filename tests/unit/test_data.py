@@ -137,10 +137,17 @@ def test_collate_builds_each_implementations_attention(tok):
     flash = collate(rows, attn_implementation="flash_attention_2")
     assert "attention_mask" not in flash and flash["cu_seq_lens_q"][-1] == 3 * 128
     assert flash["cu_seq_lens_q"].diff().max() == flash["max_length_q"]
-    with pytest.raises(DataError, match="'flex_attention' attention implementation"):
-        collate(rows, attn_implementation="flex_attention")
+    documents = collate(rows, attn_implementation="hfdist_documents")
+    assert documents.keys() == flash.keys() and torch.equal(documents["cu_seq_lens_q"], flash["cu_seq_lens_q"])
+    # flex: position ids only (transformers builds the BlockMask from them, without a KV cache)
+    assert collate(rows, attn_implementation="flex_attention").keys() == {"input_ids", "labels", "position_ids",
+                                                                          "use_cache"}
+    with pytest.raises(DataError, match="'paged|eager' attention implementation"):
+        collate(rows, attn_implementation="paged|eager")
     config = load_config("llama-tiny", 1024)
-    assert collator_for(config, 128)(rows).keys() == sdpa.keys()
+    assert collator_for(config, 128)(rows).keys() == sdpa.keys()  # a config without a choice: transformers' sdpa
+    config._attn_implementation = "hfdist_documents"
+    assert collator_for(config, 128)(rows).keys() == flash.keys()
 
 
 def test_sliding_windows_follow_the_layers():
@@ -150,6 +157,9 @@ def test_sliding_windows_follow_the_layers():
     mistral = load_config("mistral-tiny", 1024)
     mistral.sliding_window = 16
     assert sliding_window_for(mistral, 64) == 16 and sliding_window_for(mistral, 16) is None
+    mistral._attn_implementation = "hfdist_documents"  # applies each layer's window itself: no mask to window
+    assert sliding_window_for(mistral, 64) is None
+    mistral._attn_implementation = "sdpa"
     mask = block_causal_mask(torch.arange(32).unsqueeze(0), 16)[0, 0]
     assert mask[20].nonzero().flatten().tolist() == list(range(5, 21))
     qwen = load_config("qwen2-tiny", 1024)
@@ -176,3 +186,20 @@ def test_training_length_is_steps_or_epochs_not_both(capsys):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(argv)
         assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_collator_works_in_dataloader_workers(tok):
+    """GPU runs collate in DataLoader worker processes (hfdist.job.run): the collator pickles, and the workers'
+    batches are the main process's."""
+    from torch.utils.data import DataLoader
+
+    from hfdist.models.presets import load_config
+
+    config = load_config("llama-tiny", 1024)
+    config._attn_implementation = "hfdist_documents"
+    packed = prepare(load_raw_dataset(None), tok, 128).select(range(8))
+    here, there = (list(DataLoader(packed, batch_size=4, collate_fn=collator_for(config, 128), num_workers=n))
+                   for n in (0, 2))
+    for a, b in zip(here, there):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+                                            for k in a)

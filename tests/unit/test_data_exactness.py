@@ -1,6 +1,8 @@
 """Packed blocks keep documents apart exactly: the logits at every document's positions in a packed block equal
-that document run alone (fp32, rel 1e-5), for sdpa and eager, for flash-attention's varlen arguments (through
-transformers' own flash path with a CPU stand-in for the kernel), and through pipeline stages.
+that document run alone (fp32, rel 1e-5), for hfdist's document attention (the CPU default), sdpa and eager, for
+flash-attention's varlen arguments (through transformers' own flash path with a CPU stand-in for the kernel), for
+flex attention's forward (the BlockMask transformers builds from the position ids: the GPU contract, forward only on
+CPU), and through pipeline stages.
 Also the fact that makes the mask necessary: position ids alone do not isolate documents in a plain forward."""
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import torch.nn.functional as F
 
 from hfdist.data import collate, load_raw_dataset, load_tokenizer, prepare
 from hfdist.data.collation import document_ids
+from hfdist.models.attention import DOCUMENT_ATTENTION
 from hfdist.models.build import build_model
+from hfdist.models.document_attention import register_document_attention
 
 RTOL = ATOL = 1e-5
 FLASH = "flash_attention_3"
@@ -77,6 +81,7 @@ def tok():
 
 @pytest.fixture(scope="module")
 def model():
+    register_document_attention()
     return build_model("llama-tiny", vocab_size=1024, seed=0).eval()
 
 
@@ -142,6 +147,51 @@ def test_packed_logits_equal_each_document_alone(model, packed_sets, data, atten
 
 
 @pytest.mark.parametrize("data", ["default", "sharegpt"])
+def test_document_attention_keeps_documents_apart(model, packed_sets, data):
+    """No S x S mask in the batch: the documents' boundaries only."""
+    batch = collate(_rows_with_several_documents(packed_sets[data]), attn_implementation=DOCUMENT_ATTENTION)
+    assert "attention_mask" not in batch
+    _use(model, DOCUMENT_ATTENTION)
+    try:
+        with torch.no_grad():
+            logits = model(**batch).logits
+    finally:
+        _use(model, "sdpa")
+    _assert_documents_alone(model, batch, logits)
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_flex_gets_a_block_mask_of_the_documents_from_the_position_ids(packed_sets, window):
+    """flex_attention's batch carries no mask: transformers builds the BlockMask from the packed position ids, on
+    the device, and it allows exactly the pairs of the dense block-causal mask (sliding window too). Without
+    use_cache=False a forward's KV cache turns that detection off. The mask's pairs are read from its mask_mod;
+    torch compiles BlockMask construction and the flex kernel on CPU for minutes, so construction runs uncompiled
+    here and the kernel is left to the GPU."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from transformers import masking_utils
+    from transformers.cache_utils import DynamicCache
+
+    from hfdist.data.collation import block_causal_mask
+    from hfdist.models.presets import load_config
+
+    batch = collate(_rows_with_several_documents(packed_sets["default"]), attn_implementation="flex_attention")
+    assert batch.keys() == {"input_ids", "labels", "position_ids", "use_cache"} and batch["use_cache"] is False
+    config = load_config("mistral-tiny", 1024)
+    config._attn_implementation, config.sliding_window = "flex_attention", window
+    build = masking_utils.create_sliding_window_causal_mask if window else masking_utils.create_causal_mask
+    positions = batch["position_ids"]
+    rows, seq = positions.shape
+    grid = torch.meshgrid(torch.arange(rows), torch.arange(1), torch.arange(seq), torch.arange(seq), indexing="ij")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(masking_utils, "create_block_mask",
+                      lambda *args, **kwargs: create_block_mask(*args, **{**kwargs, "_compile": False}))
+        masks = [build(config=config, inputs_embeds=torch.zeros(rows, seq, 8), attention_mask=None,
+                       past_key_values=cache, position_ids=positions) for cache in (None, DynamicCache(config=config))]
+    assert torch.equal(masks[0].mask_mod(*grid), block_causal_mask(positions, window))
+    assert not torch.equal(masks[1].mask_mod(*grid), block_causal_mask(positions, window))
+
+
+@pytest.mark.parametrize("data", ["default", "sharegpt"])
 def test_flash_varlen_arguments_keep_documents_apart(model, packed_sets, cpu_flash, data):
     batch = collate(_rows_with_several_documents(packed_sets[data]), attn_implementation=FLASH)
     assert "attention_mask" not in batch and batch["cu_seq_lens_q"].dtype == torch.int32
@@ -170,10 +220,11 @@ def test_packed_loss_is_the_documents_loss(model, packed_sets):
     torch.testing.assert_close(total, torch.stack(parts).sum(), rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("attention", ["sdpa", FLASH])
+@pytest.mark.parametrize("attention", ["sdpa", FLASH, DOCUMENT_ATTENTION])
 def test_pipeline_stages_keep_documents_apart(model, packed_sets, cpu_flash, attention):
     """The stage modules of pp/3d (hfdist.parallel.pipeline.stage), run in sequence, give the same logits: the 4-D
-    mask is used as given, and flash's varlen arguments are rebuilt from the micro-batch's position ids."""
+    mask is used as given, and the varlen arguments (flash, hfdist_documents) are rebuilt from the micro-batch's
+    position ids."""
     from hfdist.parallel.pipeline.stage import build_stage_module
 
     batch = collate(_rows_with_several_documents(packed_sets["default"]), attn_implementation=attention)

@@ -192,10 +192,21 @@ def _check_finetune_values(ns: argparse.Namespace) -> None:
         assert model in PRESETS, f"--model {model}: no such preset ({sorted(PRESETS)})"
 
 
+def _check_job_file(ns: argparse.Namespace) -> None:
+    """A job file of the repository's that a command names must exist and be a valid job (its keys and values)."""
+    path = getattr(ns, "job", None) or getattr(ns, "job_file", None)
+    if path and Path(path).parts[0] in {p.name for p in REPO.iterdir()}:
+        from hfdist.config.finetune import parse_args
+
+        assert (REPO / path).is_file(), f"{path} does not exist"
+        parse_args([str(REPO / path)])
+
+
 def _check_hfdist(args: list[str], lenient: bool) -> None:
     ns = _parse(_hfdist_parser(), args, "hfdist", lenient)
-    if ns is not None and ns.verb in ("finetune", "plan", "simulate"):
+    if ns is not None and ns.verb in ("finetune", "prepare", "plan", "simulate"):
         _check_finetune_values(ns)
+        _check_job_file(ns)
 
 
 def _doc_scripts() -> set[str]:

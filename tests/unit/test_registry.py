@@ -50,9 +50,9 @@ def test_unknown_architecture_is_refused_by_name():
 
 def test_sliding_windows_follow_the_config():
     mistral = load_config("mistral-tiny")
-    assert REGISTRY["mistral"].mask_kinds(mistral) == ["full_attention"] * 4
-    mistral.sliding_window = 16
     assert REGISTRY["mistral"].mask_kinds(mistral) == ["sliding_attention"] * 4
+    mistral.sliding_window = None
+    assert REGISTRY["mistral"].mask_kinds(mistral) == ["full_attention"] * 4
     qwen2 = load_config("qwen2-tiny")
     qwen2.layer_types = ["full_attention", "sliding_attention"] * 2
     assert REGISTRY["qwen2"].mask_kinds(qwen2) == qwen2.layer_types

@@ -21,6 +21,7 @@ from hfdist.config.rungs import E2E_MODULES, FEATURES, RUNG_INFO, TESTED_OPTIONS
 from hfdist.models.presets import load_config
 from hfdist.parallel.parallelize import check_compile
 from hfdist.plan import GB, plan_rungs
+from hfdist.plan.bytes import offload_device
 
 from helpers import ACCELERATE_FSDP1_TEMPLATE, table_rungs
 
@@ -46,7 +47,7 @@ def test_entry_is_consistent(name):
 def test_plan_order_is_a_strict_order_with_offload_last():
     orders = {name: info.plan_order for name, info in RUNG_INFO.items()}
     assert len(set(orders.values())) == len(orders)
-    offload = {n for n in known_rung_names() if load_rung(n).offload_param != "none"}
+    offload = {n for n in known_rung_names() if offload_device(load_rung(n)) != "none"}  # DeepSpeed's and FSDP2's
     assert offload and min(orders[n] for n in offload) > max(orders[n] for n in orders if n not in offload)
     assert min(orders, key=orders.get) == "single"
 
@@ -152,7 +153,7 @@ def test_a_rung_added_as_yaml_plus_entry_is_seen_everywhere(fake_rung, capsys):
     with pytest.raises(ConfigError, match=f"--fp8 does not run on {FAKE}: fp8 is not wired to this test rung"):
         refuse_unless(rung, "fp8")
     with pytest.raises(ConfigError, match=f"use a rung that takes it: .*{FAKE}"):
-        refuse_unless(load_rung("zero3"), "qlora")
+        refuse_unless(load_rung("fsdp_tp"), "qlora")
     # the tests' rung lists
     ladder_module = _module(TESTS / "e2e" / "test_finetune_ladder.py")
     assert FAKE in ladder_module.FULL and FAKE in ladder_module.LORA and FAKE in ladder_module.FULL_SHARDING

@@ -113,8 +113,10 @@ def test_a_named_layer_class_is_honoured_or_refused_before_any_process(tmp_path)
 
 @pytest.mark.parametrize("extra, named", [
     ({"parallelism_config": {"parallelism_config_sp_size": 2}}, "parallelism_config_sp_size"),
-    ({"mixed_precision": "fp8"}, "mixed_precision: fp8"),
-    ({"fp8_config": {"backend": "TE"}}, "fp8_config"),
+    ({"mixed_precision": "fp8", "fp8_config": {"backend": "TE"}}, "fp8_config.backend: TE (TransformerEngine)"),
+    ({"mixed_precision": "fp8", "fp8_config": {"backend": "MSAMP", "opt_level": "O2"}}, "backend: MSAMP (MS-AMP)"),
+    ({"mixed_precision": "fp8", "fp8_config": {"backend": "AO", "fp8_format": "HYBRID"}}, "fp8_config has fp8_format"),
+    ({"fp8_config": {"backend": "AO"}}, "sets fp8_config but mixed_precision: bf16"),
     ({"dynamo_config": {"dynamo_backend": "INDUCTOR"}}, "dynamo_config.dynamo_backend: INDUCTOR"),
 ])
 def test_unimplemented_keys_are_refused_by_name(tmp_path, extra, named):
@@ -196,3 +198,17 @@ def test_relative_deepspeed_paths_resolve_from_the_working_directory(tmp_path, m
         resolve_deepspeed_json("missing.json", None)
     # the shipped YAMLs resolve from the config root wherever hfdist runs
     assert load_rung("zero3").ds_config_path == (CONFIG_ROOT / "ds_configs" / "zero3.json").resolve()
+
+
+@pytest.mark.parametrize("fp8_config", [None, {"backend": "AO"},
+                                        {"backend": "AO", "enable_fsdp_float8_all_gather": True, "pad_inner_dim": True}])
+def test_torchao_fp8_configs_run_as_hfdist_fp8(tmp_path, fp8_config):
+    """accelerate's `mixed_precision: fp8` with torchao (`accelerate config`'s AO backend, or no fp8_config, where
+    accelerate picks torchao first): hfdist's --fp8 tensorwise over bf16, said in one line."""
+    cfg = {**ACCELERATE_FSDP1_TEMPLATE, "fsdp_config": {"fsdp_version": 2}, "mixed_precision": "fp8",
+           **({"fp8_config": fp8_config} if fp8_config else {})}
+    rung = load_rung(_yaml(tmp_path, cfg))
+    assert (rung.fp8, rung.mixed_precision) == ("tensorwise", "bf16")
+    note = next(n for n in rung.notes if "mixed_precision: fp8" in n)
+    assert "runs as --fp8 tensorwise over bf16" in note
+    assert ("follow hfdist's rule" in note) == bool(fp8_config and len(fp8_config) > 1)

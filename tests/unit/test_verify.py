@@ -52,3 +52,12 @@ def test_ddp_wrapper_passes_for_fsdp_rung_is_still_refused(model):
 def test_lora_requested_but_absent_is_refused(model):
     with pytest.raises(StrategyNotInEffect, match="--lora"):
         verify_strategy(load_rung("single"), model, model, lora=True)
+
+
+def test_attention_other_than_resolved_is_refused(model):
+    """The model attends with transformers' default (sdpa) while the run resolved hfdist_documents: its batches carry
+    no mask, so the documents would mix; the check names both."""
+    verify_strategy(load_rung("single"), model, model, lora=False, attention="sdpa")
+    with pytest.raises(StrategyNotInEffect, match="attends with sdpa, not the --attn-implementation resolved for this "
+                                                  r"run \(hfdist_documents\)"):
+        verify_strategy(load_rung("single"), model, model, lora=False, attention="hfdist_documents")

@@ -92,13 +92,14 @@ class PipelineModel(nn.Module):
         self.runner.loss_chunk_size = value
 
     @torch.no_grad()
-    def evaluate(self, batch: dict[str, torch.Tensor]) -> float:
+    def evaluate(self, batch: dict[str, torch.Tensor], num_items_in_batch: float | None = None) -> float:
         """The mean token loss of `batch` (input_ids, labels, optional attention_mask / position_ids) with the
-        current weights, on every rank: the last stage's loss is broadcast over the pipeline group. Collective over
-        the pipeline group; gradients and weights are left as they were."""
+        current weights (its token-loss sum over `num_items_in_batch` when given), on every rank: the last stage's
+        loss is broadcast over the pipeline group. Collective over the pipeline group; gradients and weights are
+        left as they were."""
         runner = self.runner
         box = [runner.evaluate(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
-                               batch.get("position_ids"))]
+                               batch.get("position_ids"), num_tokens=num_items_in_batch)]
         dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
         return float(box[0])
 

@@ -225,8 +225,9 @@ class PipelineRunner:
         Call it on every rank of the pipeline group with the same batch (B, S): input_ids feed the first stage,
         labels (IGNORE_INDEX = -100 for tokens without a loss, unshifted as for HF models) the last, and the
         attention mask / position ids every stage, split into micro-batches with the rest (a packed batch's 4-D
-        block mask from hfdist.data.collate, or under flash-attention its position ids alone, from which each
-        stage rebuilds the micro-batch's document boundaries). A new (B, S) rebuilds the schedule's communication buffers,
+        block mask from hfdist.data.collate under sdpa / eager, or its position ids alone, from which each stage
+        rebuilds the micro-batch's document boundaries under hfdist_documents / flash varlen, or transformers its
+        BlockMask under flex). A new (B, S) rebuilds the schedule's communication buffers,
         so pad batches to a fixed length for speed.
 
         Args:
@@ -248,9 +249,9 @@ class PipelineRunner:
         return torch.stack(losses).sum().detach() if losses is not None else None
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None) -> float | None:
-        """The batch's mean token loss with the current weights; same rules and ranks as `step`. Gradients and
-        weights are left as they were.
+                 position_ids: torch.Tensor | None = None, *, num_tokens: float | None = None) -> float | None:
+        """The batch's mean token loss with the current weights (its token-loss sum over `num_tokens` when given);
+        same rules and ranks as `step`. Gradients and weights are left as they were.
 
         Returns:
             The loss on the rank holding the last stage, None on the others.
@@ -262,11 +263,11 @@ class PipelineRunner:
             for p, _ in saved:
                 p.grad = None
             with torch.enable_grad():
-                loss = self.step(input_ids, labels, attention_mask, position_ids)
+                loss = self.step(input_ids, labels, attention_mask, position_ids, num_tokens=num_tokens)
             for p, grad in saved:
                 p.grad = grad
             return None if loss is None else float(loss)
-        args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, position_ids, None)
+        args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, position_ids, num_tokens)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         with torch.no_grad():
             # return_outputs=False: the last stage's outputs are its micro-batches' 0-dim loss sums, not logits.

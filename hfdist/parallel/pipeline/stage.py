@@ -60,8 +60,9 @@ class CausalLMStage(nn.Module):
     Every stage rebuilds the attention masks (full or sliding per layer, as the registry says) from the 2-D
     attention_mask, or takes a 4-D one (packed documents, hfdist.data.collate) as given, and the rotary
     embeddings from the position ids (arange(S) by default, as the HF model does), so only the hidden states cross
-    stage boundaries. Under flash-attention the packed documents' varlen arguments are rebuilt from the
-    micro-batch's position ids (the batch's own describe all micro-batches and cannot be split with them).
+    stage boundaries. Under an implementation that takes document boundaries (hfdist_documents, flash varlen) the
+    packed documents' varlen arguments are rebuilt from the micro-batch's position ids (the batch's own describe all
+    micro-batches and cannot be split with them); under flex_attention the BlockMask is built from them too.
 
     Attributes:
         layers: ModuleDict of this stage's decoder layers keyed by their global index (as strings).
@@ -145,11 +146,12 @@ class CausalLMStage(nn.Module):
 
 
     def _varlen_documents(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, batch: int) -> dict:
-        """flash-attention's varlen arguments from the position ids (each row's documents; a row without packing
-        is one document), or {} for mask-based attention."""
-        from hfdist.data.collation import uses_varlen, varlen_kwargs
+        """The varlen arguments from the position ids (each row's documents; a row without packing is one document),
+        or {} for mask-based attention."""
+        from hfdist.data.collation import varlen_kwargs
+        from hfdist.models.attention import takes_boundaries
 
-        if attention_mask is not None or not uses_varlen(getattr(self.config, "_attn_implementation", None) or ""):
+        if attention_mask is not None or not takes_boundaries(getattr(self.config, "_attn_implementation", None) or ""):
             return {}
         return varlen_kwargs(position_ids.expand(batch, -1))
 
