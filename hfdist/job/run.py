@@ -43,6 +43,14 @@ def _is_rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def dataloader_settings(on_gpu: bool) -> dict[str, Any]:
+    """The job's DataLoader as TrainingArguments keywords: on GPU two worker processes collate the next batches while
+    the device computes (pinned, for an asynchronous copy; gpu-readiness C14); on CPU they would take cores from the
+    ranks, and collation is O(tokens) anyway."""
+    return {"dataloader_num_workers": 2 if on_gpu else 0, "dataloader_persistent_workers": on_gpu,
+            "dataloader_pin_memory": on_gpu}
+
+
 def _training_arguments(cfg: FinetuneConfig, strategy: Strategy):
     """The job's TrainingArguments: the strategy's settings (hfdist.api.Strategy.training_arguments: batch layout,
     device, precision, DeepSpeed config, no placement by the Trainer) and the job's schedule, saving and logging."""
@@ -60,9 +68,7 @@ def _training_arguments(cfg: FinetuneConfig, strategy: Strategy):
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
         save_total_limit=cfg.save_total_limit, report_to="none",
         dataloader_drop_last=True, remove_unused_columns=False, ddp_find_unused_parameters=False,
-        # On GPU two worker processes collate the next batches while the device computes (pinned, for an
-        # asynchronous copy); on CPU they would take cores from the ranks, and collation is O(tokens) anyway.
-        dataloader_num_workers=2 if on_gpu else 0, dataloader_persistent_workers=on_gpu, dataloader_pin_memory=on_gpu,
+        **dataloader_settings(on_gpu),
         log_level="warning", log_level_replica="error", disable_tqdm=False,
         ddp_timeout=cfg.collective_timeout,  # reaches the GPU world's group; hfdist.train.watchdog sets it on all
     )

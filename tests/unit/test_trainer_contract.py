@@ -76,6 +76,21 @@ def test_mesh_models_are_never_moved_by_the_trainer(tmp_path):
         assert trainer.is_distributed_loading_by_transformers is owns, name
 
 
+def test_batches_are_collated_by_workers_on_gpu_only(tmp_path):
+    """On GPU two pinned, persistent DataLoader workers collate the next batches while the device computes; on CPU
+    the ranks keep the cores (no workers), as the job's arguments show."""
+    from hfdist.api import Strategy
+    from hfdist.config.finetune import FinetuneConfig
+    from hfdist.config.ladder import load_rung
+    from hfdist.job.run import _training_arguments, dataloader_settings
+
+    assert dataloader_settings(True) == {"dataloader_num_workers": 2, "dataloader_persistent_workers": True,
+                                         "dataloader_pin_memory": True}
+    args = _training_arguments(FinetuneConfig(output_dir=str(tmp_path)), Strategy(load_rung("ddp"), "no"))
+    assert (args.dataloader_num_workers, args.dataloader_persistent_workers, args.dataloader_pin_memory) == \
+        (0, False, False)
+
+
 def test_fsdp_cpu_offload_on_gpu_gets_gloo_beside_nccl():
     """An FSDP YAML with fsdp_offload_params on a GPU machine: the process group carries a CPU backend for the
     offloaded gradients (clipping, gathers); without offload, or on CPU, accelerate's default stands."""
