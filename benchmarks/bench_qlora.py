@@ -122,7 +122,9 @@ def _scale(tmp: Path, env: dict) -> dict:
     args = ("--config", "fsdp_full_shard", "--model", str(checkpoint), "--max-steps", "2", "--global-batch-size",
             "4", "--seq-len", "32", "--learning-rate", "1e-3", "--warmup-steps", "0", "--save-steps", "0",
             "--mixed-precision", "no")
-    out: dict = {"model_bf16_bytes": bf16_bytes, "command_args": list(args)}
+    # Recorded with the temporary folder's path left out: a results file names no machine's paths.
+    out: dict = {"model_bf16_bytes": bf16_bytes,
+                 "command_args": [a.replace(str(tmp), "<tmp>") for a in args]}
     for name in ("qlora", "lora"):
         summary = _finetune(tmp / f"scale-{name}", *args, f"--{name}", env=env)
         out[name] = [{"rank": r["rank"], "param_bytes": r["param_bytes"],
