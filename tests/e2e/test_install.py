@@ -64,7 +64,8 @@ def test_the_wheel_holds_the_ladder_data_and_tokenizer(installed):
     names = set(zipfile.ZipFile(installed["wheel"]).namelist())
     shipped = [p.relative_to(REPO).as_posix() for sub in ("hfdist/configs", "hfdist/assets")
                for p in (REPO / sub).rglob("*") if p.is_file()]
-    yamls = sorted(Path(n).stem for n in shipped if n.endswith(".yaml"))
+    yamls = sorted(Path(n).stem for n in shipped if n.endswith(".yaml") and "/accelerate_configs/" in n)
+    assert any(n.startswith("hfdist/configs/jobs/") for n in shipped)  # the example job files ship too
     assert yamls == sorted(known_rung_names()) and len([n for n in shipped if n.endswith(".json")]) >= 6
     assert sorted(set(shipped) - names) == []
     assert "hfdist/cli/__main__.py" in names
