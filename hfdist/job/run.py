@@ -45,8 +45,8 @@ def _is_rank0() -> bool:
 
 def dataloader_settings(on_gpu: bool) -> dict[str, Any]:
     """The job's DataLoader as TrainingArguments keywords: on GPU two worker processes collate the next batches while
-    the device computes (pinned, for an asynchronous copy; gpu-readiness C14); on CPU they would take cores from the
-    ranks, and collation is O(tokens) anyway."""
+    the device computes (pinned, for an asynchronous copy); on CPU they would take cores from the ranks, and
+    collation is O(tokens) anyway."""
     return {"dataloader_num_workers": 2 if on_gpu else 0, "dataloader_persistent_workers": on_gpu,
             "dataloader_pin_memory": on_gpu}
 
