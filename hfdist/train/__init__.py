@@ -2,8 +2,8 @@
 
     trainer.py           StrategyMixin (any Trainer: data sharding, verification before step 1, saving,
                          checkpoints) and HfdistTrainer (with hfdist's loss, vocab-parallel under TP)
-    pipeline_trainer.py  PipelineMixin / PipelineTrainer: the schedule's step, clipping and names under PP
-    context_trainer.py   ContextParallelMixin / ContextParallelTrainer: batches cut along the sequence (cp)
+    pipeline_trainer.py  PipelineMixin: the schedule's step, clipping and names under PP
+    context_trainer.py   ContextParallelMixin: batches cut along the sequence (cp)
     precision.py         mixed precision checked before step 1 and observed while training
     watchdog.py          collective timeout, heartbeats, the hang report
 """

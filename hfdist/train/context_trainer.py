@@ -14,9 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from hfdist.parallel.context import cp_group_of, shard_batch
-from hfdist.train.trainer import HfdistTrainer
 
-__all__ = ["ContextParallelMixin", "ContextParallelTrainer"]
+__all__ = ["ContextParallelMixin"]
 
 
 class ContextParallelMixin:
@@ -44,6 +43,3 @@ class ContextParallelMixin:
         group = cp_group_of(self.model)
         return shard_batch(inputs, dist.get_rank(group), self.rung.dims.cp)
 
-
-class ContextParallelTrainer(ContextParallelMixin, HfdistTrainer):
-    """HfdistTrainer for a rung with context parallelism (fsdp_cp)."""

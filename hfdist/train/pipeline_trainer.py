@@ -14,9 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hfdist.train.trainer import HfdistTrainer
-
-__all__ = ["PipelineMixin", "PipelineTrainer"]
+__all__ = ["PipelineMixin"]
 
 
 class PipelineMixin:
@@ -68,6 +66,3 @@ class PipelineMixin:
     def _canonical_name(self):
         return self.model.original_name
 
-
-class PipelineTrainer(PipelineMixin, HfdistTrainer):
-    """HfdistTrainer for a rung with pipeline stages (pp, 3d)."""

@@ -1,6 +1,6 @@
 """The private transformers.Trainer API hfdist builds on is still there, with the parameters hfdist relies on.
 
-hfdist's trainer classes and mixins (HfdistTrainer, PipelineTrainer, ContextParallelTrainer, hfdist.api's) override and
+hfdist's trainer classes and mixins (HfdistTrainer, PipelineMixin, ContextParallelMixin, hfdist.api's) override and
 call private Trainer methods (hfdist/train/trainer.py's PRIVATE_OVERRIDES / PRIVATE_CALLS). A transformers release that
 renames or reshapes one would otherwise fail deep inside a multi-process run; this fails here, naming the method.
 """
@@ -15,11 +15,11 @@ import transformers
 from transformers import Trainer, TrainingArguments
 
 from hfdist.api.trainer import StrategyAwareMixin, WholeOutputsMixin
-from hfdist.train.context_trainer import ContextParallelTrainer
-from hfdist.train.pipeline_trainer import PipelineTrainer
+from hfdist.train.context_trainer import ContextParallelMixin
+from hfdist.train.pipeline_trainer import PipelineMixin
 from hfdist.train.trainer import PRIVATE_CALLS, PRIVATE_OVERRIDES, HfdistTrainer
 
-TRAINERS = (HfdistTrainer, PipelineTrainer, ContextParallelTrainer, StrategyAwareMixin, WholeOutputsMixin)
+TRAINERS = (HfdistTrainer, PipelineMixin, ContextParallelMixin, StrategyAwareMixin, WholeOutputsMixin)
 
 REPO = Path(__file__).resolve().parents[2]
 
