@@ -85,7 +85,12 @@ def test_packed_logits_and_gradients_equal_each_document_alone(preset):
         _token_loss_sum(alone(input_ids=batch["input_ids"][r:r + 1, a:b]).logits, labels[r:r + 1, a:b]).backward()
     want, got = _grads(alone), _grads(packed)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=name)
+        # A gradient sums over every token, in another order packed than alone; its rounding scales with the
+        # gradient's largest entries (the embedding's reach ~10 here), so the absolute tolerance does too: measured
+        # up to 5e-6 apart at entries of 0.7, which a fixed 1e-5 + 1e-5 x |entry| failed about one run in ten (the
+        # sums' order varies with the buffers' alignment, from one process to the next).
+        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL * max(1.0, want[name].abs().max().item()),
+                                   msg=name)
     if preset == "mistral-tiny":  # the window mattered: without it the documents' logits differ
         with torch.no_grad():
             alone.config.sliding_window = None
