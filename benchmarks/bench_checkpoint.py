@@ -10,7 +10,8 @@ barriers spin), no W&B. Every run is timed by one clock
 (benchmarks/step_clock.py: on rank 0, from the start of training to its end, which waits for the last checkpoint's
 write; and the end of every optimizer step). Variants alternate within every repeat (the order rotating); each
 ratio is a run's training time over the time of the run without checkpoints in the same repeat, and the figures are
-medians over repeats. A checkpoint holds the model and the AdamW state (12 bytes per parameter, 1.8 GB for the
+medians over repeats. A run that fails is recorded with its error (the results list it) and the benchmark goes on;
+its repeat's ratio for that variant is left out. A checkpoint holds the model and the AdamW state (12 bytes per parameter, 1.8 GB for the
 whole model); --save-total-limit 2 deletes older ones as the job does by default.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import socket
 import statistics
 import sys
@@ -26,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from step_clock import CLOCK, clocked_run, load_line
+from step_clock import CLOCK, RunFailed, clocked_run, load_line
 
 from measure import REPO, recorded, results_dir, worker_env
 
@@ -87,26 +89,58 @@ def _measure(rung: str, variant: str, args, out: Path) -> dict:
             "peak_memory_bytes": summary["ranks"][0]["peak_memory_bytes"], "checkpoints_left": saved}
 
 
+def _ok(runs: list[dict]) -> list[dict]:
+    """The runs that finished (a failed one holds only its error)."""
+    return [r for r in runs if "failed" not in r]
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in _ok(runs)) if _ok(runs) else float("nan")
+
+
+def _ratios(runs: dict[str, dict[str, list[dict]]], key: str) -> dict:
+    """Per rung and variant: the median over repeats of a run's `key` over the same repeat's run without saves
+    (repeats where either failed are left out; NaN when none is left)."""
+    out = {}
+    for rung, by in runs.items():
+        out[rung] = {}
+        for variant, got in by.items():
+            pairs = [r[key] / b[key] for r, b in zip(got, by["none"]) if "failed" not in r and "failed" not in b]
+            out[rung][variant] = statistics.median(pairs) if pairs else float("nan")
+    return out
+
+
 def _table(result: dict) -> str:
     rows = []
     for rung in result["ratios"]:
         runs = result["runs"][rung]
-        base = statistics.median(r["seconds"] for r in runs["none"])
-        base_between = statistics.median(r["between_steps_seconds"] for r in runs["none"])
+        base_between = _median(runs["none"], "between_steps_seconds")
         for variant in VARIANTS:
-            seconds = [r["seconds"] for r in runs[variant]]
             saves = result["saves"][variant]
-            held = (statistics.median(r["between_steps_seconds"] for r in runs[variant]) - base_between) / saves \
-                if saves else 0.0
-            peak = statistics.median(r["peak_memory_bytes"] for r in runs[variant]) / 2**20
-            rows.append(f"| {rung} | {variant} | {statistics.median(seconds):.1f} | "
+            held = (_median(runs[variant], "between_steps_seconds") - base_between) / saves if saves else 0.0
+            runs_s = ", ".join("failed" if "failed" in r else f"{r['seconds']:.1f}" for r in runs[variant])
+            rows.append(f"| {rung} | {variant} | {_median(runs[variant], 'seconds'):.1f} | "
                         f"{result['ratios'][rung][variant]:.3f} | {result['step_loop_ratios'][rung][variant]:.3f} | "
-                        f"{result['in_steps_ratios'][rung][variant]:.3f} | {held:.1f} | {peak:,.0f} | "
-                        f"{', '.join(f'{s:.1f}' for s in seconds)} |")
-        rows.append(f"| | | (no saves: {base:.1f} s) | | | | | | |")
+                        f"{result['in_steps_ratios'][rung][variant]:.3f} | {held:.1f} | "
+                        f"{_median(runs[variant], 'peak_memory_bytes') / 2**20:,.0f} | {runs_s} |")
+        rows.append(f"| | | (no saves: {_median(runs['none'], 'seconds'):.1f} s) | | | | | | |")
     return ("| rung | checkpoints (mode/every) | training s (median) | x no saves | step loop x no saves | in steps x no "
             "saves | s held per save | rank-0 peak MiB | runs (s) |\n|---|---|---|---|---|---|---|---|---|\n"
             + "\n".join(rows))
+
+
+def _failures(result: dict) -> str:
+    failed = [(rung, variant, i + 1, r["failed"]) for rung, by in result["runs"].items()
+              for variant, got in by.items() for i, r in enumerate(got) if "failed" in r]
+    if not failed:
+        return ""
+    lines = ["", "Runs that failed (left out of the medians and ratios), each with the errors its output raised, in "
+             "order (the first one of a chained traceback is the cause; the whole output is in the json):", ""]
+    for rung, variant, repeat, error in failed:
+        raised = list(dict.fromkeys(re.findall(r"^\S*(?:Error|Exception)\b.*$", error, flags=re.MULTILINE)))
+        lines.append(f"- {rung} {variant}, repeat {repeat}: " + ("; ".join(f"`{e[:300]}`" for e in raised[:6])
+                                                                  or error.strip().splitlines()[-1]))
+    return "\n".join(lines) + "\n"
 
 
 def _write(out: Path, result: dict) -> None:
@@ -129,7 +163,7 @@ def _write(out: Path, result: dict) -> None:
         f"{_table(result)}\n\n"
         f"Peak memory: hfdist's per-rank peak (resident memory on CPU); the background writer's staged copy of "
         f"the rank's model + optimizer state is part of it.\n\n"
-        f"{load_line(result['load_average'], result['cpu_count'])} {result['load_note']}\n")
+        f"{load_line(result['load_average'], result['cpu_count'])} {result['load_note']}\n{_failures(result)}")
 
 
 def main() -> int:
@@ -148,35 +182,41 @@ def main() -> int:
     parameters = sum(t.numel() for t in meta_model(args.model).parameters())
     start, load_before = time.perf_counter(), os.getloadavg()
     runs: dict[str, dict[str, list[dict]]] = {r: {v: [] for v in VARIANTS} for r in args.rungs}
+    command = [sys.executable, str(Path(__file__).resolve()), "--steps", str(args.steps), "--repeats",
+               str(args.repeats), "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch),
+               "--rungs", *args.rungs, "--model", args.model]
+
+    def result() -> dict:
+        return {"command": recorded(command), "model": args.model, "parameters": parameters,
+                "checkpoint_bytes": 12 * parameters, "seq_len": args.seq_len, "global_batch": args.global_batch,
+                "steps": args.steps, "repeats": args.repeats, "cpu_count": os.cpu_count(),
+                "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
+                "load_note": args.load_note, "wall_seconds": time.perf_counter() - start, "runs": runs,
+                "ratios": _ratios(runs, "seconds"), "step_loop_ratios": _ratios(runs, "step_loop_seconds"),
+                "in_steps_ratios": _ratios(runs, "in_steps_seconds"),
+                "saves": {v: len(_save_steps(v, args.steps)) for v in VARIANTS},
+                "save_steps": {v: _save_steps(v, args.steps) for v in VARIANTS if v != "none"}}
+
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.repeats):
             for rung in args.rungs:
                 order = list(VARIANTS)[i % len(VARIANTS):] + list(VARIANTS)[:i % len(VARIANTS)]
                 for variant in order:
-                    runs[rung][variant].append(_measure(rung, variant, args, Path(tmp) / f"{i}-{rung}-{variant[:1]}"
-                                                                                   f"{variant[-1]}"))
+                    try:
+                        got = _measure(rung, variant, args, Path(tmp) / f"{i}-{rung}-{variant[:1]}{variant[-1]}")
+                    except RunFailed as exc:  # recorded, and the other runs go on
+                        got = {"failed": str(exc)}
+                        print(f"{rung} {variant} failed (recorded):\n{str(exc)[-2000:]}", flush=True)
+                    runs[rung][variant].append(got)
                 print(f"repeat {i + 1}/{args.repeats} {rung}: " + ", ".join(
-                    f"{v} {runs[rung][v][-1]['seconds']:.1f} s" for v in VARIANTS) + f" (load {os.getloadavg()[0]:.1f})",
-                    flush=True)
+                    f"{v} " + ("failed" if "failed" in runs[rung][v][-1] else f"{runs[rung][v][-1]['seconds']:.1f} s")
+                    for v in VARIANTS) + f" (load {os.getloadavg()[0]:.1f})", flush=True)
+                # After every rung of every repeat, so a benchmark stopped part-way keeps what it measured.
+                _write(results_dir(args.out, MEASURED_ON), result())
 
-    def ratios(key: str) -> dict:
-        return {rung: {v: statistics.median(r[key] / b[key] for r, b in zip(runs[rung][v], runs[rung]["none"]))
-                       for v in VARIANTS} for rung in args.rungs}
-
-    command = [sys.executable, str(Path(__file__).resolve()), "--steps", str(args.steps), "--repeats",
-               str(args.repeats), "--seq-len", str(args.seq_len), "--global-batch", str(args.global_batch),
-               "--rungs", *args.rungs, "--model", args.model]
-    result = {"command": recorded(command), "model": args.model, "parameters": parameters,
-              "checkpoint_bytes": 12 * parameters, "seq_len": args.seq_len, "global_batch": args.global_batch,
-              "steps": args.steps, "repeats": args.repeats, "cpu_count": os.cpu_count(),
-              "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
-              "load_note": args.load_note, "wall_seconds": time.perf_counter() - start, "runs": runs,
-              "ratios": ratios("seconds"), "step_loop_ratios": ratios("step_loop_seconds"),
-              "in_steps_ratios": ratios("in_steps_seconds"),
-              "saves": {v: len(_save_steps(v, args.steps)) for v in VARIANTS},
-              "save_steps": {v: _save_steps(v, args.steps) for v in VARIANTS if v != "none"}}
-    _write(results_dir(args.out, MEASURED_ON), result)
-    for rung, by in result["ratios"].items():
+    final = result()
+    _write(results_dir(args.out, MEASURED_ON), final)
+    for rung, by in final["ratios"].items():
         print(f"{rung}: " + ", ".join(f"{v} {x:.3f}" for v, x in by.items()))
     return 0
 

@@ -24,9 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-from measure import REPO, worker_env
+from measure import REPO, recorded, worker_env
 
-__all__ = ["CLOCK", "add_run_arguments", "clocked_run", "tokens_per_s", "load_line"]
+__all__ = ["CLOCK", "RunFailed", "add_run_arguments", "clocked_run", "tokens_per_s", "load_line"]
 
 CLOCK = Path(__file__).resolve()
 CLOCK_DIR_ENV = "STEP_CLOCK_DIR"
@@ -42,16 +42,24 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=None, help="results folder (default results/<hardware>)")
 
 
+class RunFailed(RuntimeError):
+    """A timed run exited non-zero; the message holds the command and the tails of its output. A benchmark either
+    stops on it (uncaught) or records it and goes on."""
+
+
 def clocked_run(cmd: list[str], out: Path, env: dict[str, str] | None = None) -> dict:
     """Run `cmd` (which starts step_clock.py around a script) from the repository root with the clock writing into
-    `out`/clock, one thread per process, in `env` (default: the benchmark worker's); returns rank 0's record (exits
-    with the run's output when it fails)."""
+    `out`/clock, one thread per process, in `env` (default: the benchmark worker's); returns rank 0's record.
+
+    Raises:
+        RunFailed: the run exited non-zero."""
     clock = out / "clock"
     clock.mkdir(parents=True)
     env = {**(env or worker_env(1)), CLOCK_DIR_ENV: str(clock), "WANDB_MODE": "offline"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+        # A long tail: the first error of a chained traceback (the one that explains the rest) comes early.
+        raise RunFailed(f"{recorded(cmd)} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-20000:]}")
     return json.loads((clock / "rank-0.json").read_text())
 
 
