@@ -174,7 +174,7 @@ def _row(nproc: int, variant: str, result: dict) -> str:
 def _write(out: Path, result: dict) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "peers.json").write_text(json.dumps(result, indent=2))
-    rows = "\n".join(_row(n, v, result) for n in result["processes"] for v in VARIANTS[n])
+    rows = "\n".join(_row(n, v, result) for n in result["processes"] for v in VARIANTS[int(n)])
     ran = result["trl_under_2_processes"]
     (out / "peers.md").write_text(
         f"# hfdist against TRL's SFTTrainer and a plain Trainer ({out.name})\n\n`{result['command']}` "
