@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import socket
 import statistics
 import sys
@@ -202,11 +203,15 @@ def main() -> int:
             for rung in args.rungs:
                 order = list(VARIANTS)[i % len(VARIANTS):] + list(VARIANTS)[:i % len(VARIANTS)]
                 for variant in order:
+                    out = Path(tmp) / f"{i}-{rung}-{variant[:1]}{variant[-1]}"
                     try:
-                        got = _measure(rung, variant, args, Path(tmp) / f"{i}-{rung}-{variant[:1]}{variant[-1]}")
+                        got = _measure(rung, variant, args, out)
                     except RunFailed as exc:  # recorded, and the other runs go on
                         got = {"failed": str(exc)}
                         print(f"{rung} {variant} failed (recorded):\n{str(exc)[-2000:]}", flush=True)
+                    # A run leaves ~2 checkpoints and the model (4+ GB for llama-medium): kept, 30 runs filled a
+                    # 67 GB disk, and the next run's writes failed.
+                    shutil.rmtree(out, ignore_errors=True)
                     runs[rung][variant].append(got)
                 print(f"repeat {i + 1}/{args.repeats} {rung}: " + ", ".join(
                     f"{v} " + ("failed" if "failed" in runs[rung][v][-1] else f"{runs[rung][v][-1]['seconds']:.1f} s")

@@ -169,11 +169,24 @@ def _root_cause(exc: BaseException) -> BaseException:
     return cause[0] if isinstance(cause, tuple) else cause
 
 
+def _os_error(exc: BaseException | None) -> OSError | None:
+    """The OSError behind `exc`: itself, or along its chain. torch.save reports a write that failed inside a record
+    (a full disk) as a RuntimeError raised while the OSError was being handled ('[enforce fail at
+    inline_container.cc] unexpected pos ...', the OSError its __context__)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
 def raise_write_error(exc: BaseException) -> None:
     """Raise what a failed DCP save raised: the writing rank's OSError (full disk, quota, permissions) itself when
     that is the cause DCP gathered from the ranks, else `exc`."""
-    cause = _root_cause(exc)
-    if isinstance(cause, OSError):
+    cause = _os_error(_root_cause(exc))
+    if cause is not None:
         raise cause from exc
     raise exc
 

@@ -8,6 +8,7 @@ The write is held by wrapping DCP's file writer (the thread that writes calls it
 from __future__ import annotations
 
 import errno
+import io
 import threading
 
 import pytest
@@ -96,6 +97,37 @@ def test_a_second_save_waits_until_the_first_has_finished(tmp_path, held):
     saver.close()
     assert order == ["first finished", "second started", "second finished"]
     assert written == [str(first / SHARDED_DIR), str(second / SHARDED_DIR)]
+
+
+def test_a_full_disk_inside_torch_save_is_raised_as_the_disk_error(tmp_path, monkeypatch):
+    """torch.save hides a write that fails inside a record behind a RuntimeError ('unexpected pos ...', what a
+    benchmark that filled its disk saw); the wait raises the OSError underneath, which the job reports as a full
+    disk."""
+    class FullDisk(io.RawIOBase):  # full after its first 700 bytes: inside the tensor's record
+        written = 0
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            if self.written + len(data) > 700:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            self.written += len(data)
+            return len(data)
+
+    def write_into_a_full_disk(self, plan, planner):
+        torch.save(torch.zeros(1000), FullDisk())
+
+    monkeypatch.setattr(_FileSystemWriter, "write_data", write_into_a_full_disk)
+    with pytest.raises(RuntimeError, match="unexpected pos"):  # what torch.save itself raises
+        write_into_a_full_disk(None, None, None)
+    model, optimizer = _trained(0)
+    saver = BackgroundSave()
+    saver.start(sharded_state(model, optimizer), tmp_path / "staging")
+    with pytest.raises(OSError) as raised:
+        saver.wait()
+    assert raised.value.errno == errno.ENOSPC
+    saver.close()
 
 
 def test_a_failed_write_is_raised_by_the_next_wait_and_nothing_is_finished(tmp_path, monkeypatch):
