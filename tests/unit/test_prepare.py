@@ -5,6 +5,7 @@ reads back as the very blocks it would have made."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ def test_packing_a_window_at_a_time_equals_packing_at_once(data, tok, monkeypatc
 
     rows = load_raw_dataset(data).to_list()
     at_once, report = prepare_with_report(datasets.Dataset.from_list(rows), tok, 64)
-    monkeypatch.setattr(packed_file, "_WINDOW_TOKENS", 64 * 7)  # 7 blocks per window: many windows
+    monkeypatch.setattr(packed_file, "WINDOW_TOKENS", 64 * 7)  # 7 blocks per window: many windows
     windowed, again = prepare_with_report(datasets.Dataset.from_list(rows), tok, 64)
     assert report.blocks > 7 * 10 and _rows(windowed) == _rows(at_once)
     assert (again.padding_tokens, again.label_tokens) == (report.padding_tokens, report.label_tokens)
@@ -78,15 +79,16 @@ def test_prepare_writes_what_the_job_reads_back(tmp_path, data, tok, capsys):
     assert main(["prepare", str(job), "--num-proc", "2"]) == 0
     printed = capsys.readouterr().out
     assert "hfdist: data: " in printed and "hfdist: eval data: " in printed
-    assert sorted(p.name for p in (tmp_path / "prepared").iterdir()) == ["eval.arrow", "hfdist_prepared.json",
-                                                                           "train.arrow"]
+    assert sorted(p.name for p in (tmp_path / "prepared").iterdir() if p.name != ".lock") == [
+        "eval.arrow", "hfdist_prepared.json", "train.arrow"]  # the tokenised documents are gone
     cfg = parse_args([str(job)])
     read = job_data(cfg, load_tokenizer(None, is_preset=True))
     assert read.train.cache_files[0]["filename"] == str(tmp_path / "prepared" / "train.arrow")  # memory-mapped
     direct = prepare_split(load_raw_dataset(data), tok, 64, eval_fraction=0.1, seed=3)
     assert _rows(read.train) == _rows(direct.train) and _rows(read.eval) == _rows(direct.eval)
-    assert read.eval_report == direct.eval_report.__class__(**{**vars(direct.eval_report),
-                                                                "seconds": read.eval_report.seconds})
+    # The same report but for its time, and the source's name (the job's from its file, the library's "dataset").
+    assert replace(read.eval_report, seconds=0, sources=()) == replace(direct.eval_report, seconds=0, sources=())
+    assert [s["name"] for s in read.eval_report.sources] == ["chat"]
 
 
 def test_the_job_writes_a_missing_prepared_folder_for_the_next_run(tmp_path, data, tok):
@@ -125,10 +127,11 @@ def test_settings_tell_tokenizers_and_templates_apart_by_content(tmp_path):
     """The same tokenizer read from another folder is the same tokenizer; another vocabulary or another chat template
     is not: a prepared folder made with them is refused, each difference named."""
     from hfdist.data.prepared import data_settings
+    from hfdist.data.sources import parse_source
 
     def settings(tokenizer):
-        return data_settings(tokenizer, dataset="d.jsonl", eval_dataset=None, eval_fraction=None, seed=0, seq_len=64,
-                             long_documents="split")
+        return data_settings(tokenizer, sources=(parse_source("d.jsonl"),), eval_dataset=None, eval_fraction=None,
+                             seed=0, seq_len=64, long_documents="split")
 
     base = load_tokenizer(None, is_preset=True)
     base.save_pretrained(tmp_path / "copy")
