@@ -30,7 +30,7 @@ import numpy as np
 
 from hfdist.data.encode import Note, encode_rows
 from hfdist.data.errors import DataError
-from hfdist.data.reading import RowBatch, SourceReader, batch_columns
+from hfdist.data.reading import BATCH_ROWS, RowBatch, SourceReader, batch_columns
 
 __all__ = ["SHARD_ROWS", "IN_FLIGHT_PER_WORKER", "DOC_DTYPE", "SourcePlan", "Documents", "tokenize_sources",
            "LABEL_BIT"]
@@ -112,9 +112,9 @@ class _ShardWriter:
     """One source's shards as the batches arrive: tokens appended to a temporary file, records kept until the
     shard's last row, then both made final (tokens first)."""
 
-    def __init__(self, folder: Path, source: int, first_shard: int) -> None:
-        self.folder, self.source, self.shard = folder, source, first_shard
-        self.rows = first_shard * SHARD_ROWS
+    def __init__(self, folder: Path, source: int, first_shard: int, shard_rows: int) -> None:
+        self.folder, self.source, self.shard, self.shard_rows = folder, source, first_shard, shard_rows
+        self.rows = first_shard * shard_rows
         self._records: list[np.ndarray] = []
         self._tokens = None
 
@@ -127,7 +127,7 @@ class _ShardWriter:
         words.tofile(self._tokens)
         self._records.append(records)
         self.rows += rows
-        if self.rows % SHARD_ROWS == 0:
+        if self.rows % self.shard_rows == 0:
             self._close()
 
     def _close(self) -> None:
@@ -167,10 +167,10 @@ def _start_folder(folder: Path, plan: dict) -> None:
 
 
 def tokenize_sources(readers: Sequence[SourceReader], plans: Sequence[SourcePlan], folder: Path, plan: dict, *,
-                     tokenizer, seq_len: int, long_documents: str, num_proc: int,
+                     tokenizer, seq_len: int, long_documents: str, num_proc: int, shard_rows: int = SHARD_ROWS,
                      progress: Callable[[int], None] = lambda rows: None) -> "Documents":
     """Every row of every source tokenised into `folder` (module docstring), resuming what a run with the same
-    `plan` left; `progress(rows)` after each batch.
+    `plan` left; `progress(rows)` after each batch. `shard_rows` (a multiple of BATCH_ROWS) is part of the plan.
 
     Raises:
         DataError: a malformed row or file (named), or a row too long under long_documents="error".
@@ -178,18 +178,20 @@ def tokenize_sources(readers: Sequence[SourceReader], plans: Sequence[SourcePlan
     _start_folder(folder, plan)
     todo = [(r, _completed_shards(folder, r.index)) for r in readers
             if not (folder / f"{r.index:03d}.json").is_file()]
+    if shard_rows % BATCH_ROWS:
+        raise ValueError(f"shard_rows must be a multiple of {BATCH_ROWS}, got {shard_rows}")
     for reader, done in todo:
-        progress(done * SHARD_ROWS)
+        progress(done * shard_rows)
 
     sent: deque = deque()  # (source, rows) of each batch handed to the workers, in order
 
     def batches() -> Iterator[RowBatch]:
         for reader, done in todo:
-            for batch in reader.batches(done * SHARD_ROWS, list(plans[reader.index].fields.values())):
+            for batch in reader.batches(done * shard_rows, list(plans[reader.index].fields.values())):
                 sent.append((batch.source, batch.rows))
                 yield batch
 
-    writers = {r.index: _ShardWriter(folder, r.index, done) for r, done in todo}
+    writers = {r.index: _ShardWriter(folder, r.index, done, shard_rows) for r, done in todo}
     for words, records in _encoded(batches(), num_proc, (tokenizer, plans, seq_len, long_documents)):
         source, rows = sent.popleft()
         writers[source].add(words, records, rows)

@@ -119,7 +119,7 @@ def _check_policy(seq_len: int, long_documents: str) -> None:
         raise DataError(f"--seq-len {seq_len} leaves no room for a document: use at least 2 (typically 512+).")
 
 
-def _plan(readers: Sequence[SourceReader], tokenizer, seq_len: int, long_documents: str
+def _plan(readers: Sequence[SourceReader], tokenizer, seq_len: int, long_documents: str, shard_rows: int
           ) -> tuple[list[SourcePlan], dict[str, Any], dict[str, str]]:
     """Each source's format and fields, and what the tokenised documents depend on (their folder's plan)."""
     from hfdist.data.prepared import template_fingerprint, tokenizer_fingerprint
@@ -134,21 +134,22 @@ def _plan(readers: Sequence[SourceReader], tokenizer, seq_len: int, long_documen
                           "fingerprint": fingerprints[reader.source.name]})
     plan = {"version": PACKING_VERSION, "sources": described, "tokenizer": tokenizer_fingerprint(tokenizer),
             "chat_template": template_fingerprint(tokenizer), "seq_len": seq_len, "long_documents": long_documents,
-            "shard_rows": SHARD_ROWS, "batch_rows": BATCH_ROWS}
+            "shard_rows": shard_rows, "batch_rows": BATCH_ROWS}
     return plans, plan, fingerprints
 
 
 def _tokenized(readers: Sequence[SourceReader], tokenizer, folder: Path, seq_len: int, long_documents: str,
-               num_proc: int | None) -> tuple[Documents, list[SourcePlan], dict[str, str]]:
+               num_proc: int | None, shard_rows: int) -> tuple[Documents, list[SourcePlan], dict[str, str]]:
     from datasets.utils import tqdm as progress
 
-    plans, plan, fingerprints = _plan(readers, tokenizer, seq_len, long_documents)
+    plans, plan, fingerprints = _plan(readers, tokenizer, seq_len, long_documents, shard_rows)
     rows = sum(r.rows_hint() for r in readers)
     workers = num_proc if num_proc is not None else _default_num_proc(rows)
     with progress(total=rows, unit=" rows", desc=f"hfdist: tokenize rows for {seq_len}-token blocks",
                   leave=False) as bar:
         documents = tokenize_sources(readers, plans, folder, plan, tokenizer=tokenizer, seq_len=seq_len,
-                                     long_documents=long_documents, num_proc=workers, progress=bar.update)
+                                     long_documents=long_documents, num_proc=workers, shard_rows=shard_rows,
+                                     progress=bar.update)
     for s, plan_s in enumerate(plans):
         notes = documents.notes[documents.source_first[s]:documents.source_first[s + 1]]
         if not np.isin(notes, _DOCUMENT).any():
@@ -182,7 +183,8 @@ def _report(documents: Documents, chosen: np.ndarray, rows: list[int], stats: Pa
 
 def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | os.PathLike, *,
           eval_source: DataSource | None = None, seed: int = 0, long_documents: str = "split",
-          num_proc: int | None = None, datasets_given: Sequence[Any] | None = None) -> Built:
+          num_proc: int | None = None, datasets_given: Sequence[Any] | None = None,
+          shard_rows: int = SHARD_ROWS) -> Built:
     """Prepare `sources` (and the held-out `eval_source`) into `folder`: train.arrow (and eval.arrow), resuming
     the tokenised documents an interrupted call with the same inputs left there (module docstring). The folder's
     manifest is hfdist.data.prepared's to write.
@@ -192,6 +194,8 @@ def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | 
         eval_source: a held-out dataset (--eval-dataset), every row of it evaluated.
         datasets_given: datasets.Dataset objects to read instead of the sources' paths (the library's calls).
         num_proc: tokenisation processes (default: one below 20,000 rows, else the available cores up to 16).
+        shard_rows: rows per shard of tokenised documents, the unit an interrupted preparation resumes from (a
+            multiple of hfdist.data.reading.BATCH_ROWS).
 
     Raises:
         DataError: unknown columns or format, a malformed row (named), a row too long under "error", a source with
@@ -208,7 +212,7 @@ def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | 
     readers = [SourceReader(s, i, given[i]) for i, s in enumerate(every)]
     out = Path(folder)
     documents, plans, fingerprints = _tokenized(readers, tokenizer, out / DOCUMENTS_FOLDER, seq_len,
-                                                long_documents, num_proc)
+                                                long_documents, num_proc, shard_rows)
     specs = [SourceDraw(s.weight, s.epochs, s.eval_fraction) for s in sources]
     specs += [SourceDraw(eval_only=True)] if eval_source is not None else []
     bounds = documents.source_first

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from hfdist.config.finetune import FinetuneConfig
+from hfdist.config.finetune import FinetuneConfig, holds_out
 from hfdist.data.prepared import (
     Prepared,
     data_settings,
@@ -32,12 +32,12 @@ __all__ = ["job_data", "job_sources", "evaluates", "report_lines", "prepare_befo
 
 def evaluates(cfg: FinetuneConfig) -> bool:
     """Whether the job has held-out data to evaluate on."""
-    return bool(cfg.eval_fraction or cfg.eval_dataset or any(s.eval_fraction for s in job_sources(cfg)))
+    return holds_out(cfg)
 
 
 def _given_sources(cfg: FinetuneConfig) -> tuple[DataSource, ...]:
-    """The sources as the job names them (--dataset)."""
-    return (parse_source(cfg.dataset),) if cfg.dataset else (DataSource(path=None, name="default"),)
+    """The sources as the job names them (--dataset, each a spec)."""
+    return tuple(map(parse_source, cfg.dataset)) if cfg.dataset else (DataSource(path=None, name="default"),)
 
 
 def job_sources(cfg: FinetuneConfig) -> tuple[DataSource, ...]:
