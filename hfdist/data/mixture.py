@@ -78,6 +78,7 @@ def draw(doc_rows: Sequence[np.ndarray], doc_labels: Sequence[np.ndarray], rows:
         seed: the job's seed.
     """
     first = np.cumsum([0] + [len(r) for r in doc_rows])
+    index = np.int32 if first[-1] < 2 ** 31 else np.int64  # 4 bytes a document where they suffice
     held, tokens = [], []
     for s, (spec, n) in enumerate(zip(specs, rows)):
         side = np.ones(n, bool) if spec.eval_only else (
@@ -92,7 +93,7 @@ def draw(doc_rows: Sequence[np.ndarray], doc_labels: Sequence[np.ndarray], rows:
         total = min(tokens[s][~held[s]].sum() / share[s] for s in trained)
     train_parts, eval_parts, train_rows, eval_rows = [], [], [], []
     for s, spec in enumerate(specs):
-        docs = np.arange(first[s], first[s + 1])
+        docs = np.arange(first[s], first[s + 1], dtype=index)
         eval_parts.append(docs[held[s][doc_rows[s]]])
         eval_rows.append(int(held[s].sum()))
         if spec.eval_only:
@@ -112,6 +113,6 @@ def draw(doc_rows: Sequence[np.ndarray], doc_labels: Sequence[np.ndarray], rows:
             keep[chosen] = True
             train_parts.append(docs[keep[doc_rows[s]]])
         train_rows.append(sum(len(c) for c in copies))
-    return Drawn(train=np.concatenate(train_parts) if train_parts else np.zeros(0, np.int64),
-                 eval=np.concatenate(eval_parts) if eval_parts else np.zeros(0, np.int64),
+    return Drawn(train=np.concatenate(train_parts) if train_parts else np.zeros(0, index),
+                 eval=np.concatenate(eval_parts) if eval_parts else np.zeros(0, index),
                  train_rows=train_rows, eval_rows=eval_rows)
