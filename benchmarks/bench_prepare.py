@@ -175,8 +175,8 @@ def _markdown(result: dict[str, Any], hardware: str) -> str:
              "sum of its processes' RSS, and of their PSS, which counts pages shared with a forked parent once), and "
              "the largest single process's peak RSS. Load average before each run in the last column (2 cores "
              "shared with other jobs: seconds are indicative only).", "",
-             "| rows | seconds | CPU seconds | rows/s | tree RSS | tree PSS | largest process | x the first size's tree "
-             "RSS | load |", "|---|---|---|---|---|---|---|---|---|"]
+             "| rows | seconds | CPU seconds | rows/s | tree RSS | tree PSS | largest process | x the first size's "
+             "tree RSS | load |", "|---|---|---|---|---|---|---|---|---|"]
     for s in sizes:
         lines.append(f"| {s['rows']:,} | {s['seconds']:.1f} | {s['cpu_seconds']:.1f} | {s['rows_per_s']:,.0f} | "
                      f"{_gib(s['tree_rss_bytes'])} | {_gib(s['tree_pss_bytes'])} | "

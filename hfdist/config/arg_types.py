@@ -7,7 +7,8 @@ import argparse
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["dataset_spec", "positive_float", "non_negative_float", "fraction", "probability", "non_negative_int", "positive_int",
+__all__ = ["dataset_spec", "positive_float", "non_negative_float", "fraction", "probability", "non_negative_int",
+           "positive_int",
            "names", "trackers", "timeout_seconds", "TRACKERS"]
 
 # Where a run's series go (hfdist.callbacks.trackers); "none" alone turns every tracker off.

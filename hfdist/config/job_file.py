@@ -127,8 +127,10 @@ def _by_destination(path: str, values: dict[str, Any], actions: dict[str, argpar
     Raises:
         JobFileError: an unknown key, or two keys of one setting.
     """
+    negative = {flag for a in actions.values() if isinstance(a, argparse.BooleanOptionalAction)
+                for flag in a.option_strings if flag.startswith("--no-")}
     names = {flag[2:].replace("-", "_"): dest for dest, a in actions.items() for flag in a.option_strings
-             if flag.startswith("--") and not (isinstance(a, argparse.BooleanOptionalAction) and flag.startswith("--no-"))}
+             if flag.startswith("--") and flag not in negative}
     names.update({dest: dest for dest in actions})
     out: dict[str, Any] = {}
     for key, value in values.items():

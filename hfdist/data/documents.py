@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from hfdist.data.encode import Note, encode_rows
+from hfdist.data.encode import encode_rows
 from hfdist.data.errors import DataError
 from hfdist.data.reading import BATCH_ROWS, RowBatch, SourceReader, batch_columns
 

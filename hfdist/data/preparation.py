@@ -155,9 +155,9 @@ def _tokenized(readers: Sequence[SourceReader], tokenizer, folder: Path, seq_len
         if not np.isin(notes, _DOCUMENT).any():
             raise DataError(
                 f"Nothing to train on: of {f'--dataset {plan_s.name}' if plan_s.where else 'the dataset'}'s "
-                f"{documents.source_rows[s]} {plan_s.format} rows, {int((notes == Note.EMPTY).sum())} have empty fields and {int((notes == Note.DROPPED).sum())} "
-                f"have no answer token within --seq-len {seq_len} (a prompt that fills the block). Fill the empty "
-                "fields, raise --seq-len, or pass another dataset.")
+                f"{documents.source_rows[s]} {plan_s.format} rows, {int((notes == Note.EMPTY).sum())} have empty "
+                f"fields and {int((notes == Note.DROPPED).sum())} have no answer token within --seq-len {seq_len} (a "
+                "prompt that fills the block). Fill the empty fields, raise --seq-len, or pass another dataset.")
     return documents, plans, fingerprints
 
 

@@ -7,8 +7,9 @@ folder (`hfdist prepare`, --prepared-data) or prepared now.
                                       sources' identities, which a second run reads
 
 The data is one source or a mixture of several (hfdist.data.sources, hfdist.data.mixture); held-out data is each
-source's eval share (--eval-fraction, or its own) or --eval-dataset, prepared like the training data. The job prepares its data before any rank starts where it hands over to its own
-launch (hfdist.job.preflight), so bad data is refused before any process and the ranks read the cache.
+source's eval share (--eval-fraction, or its own) or --eval-dataset, prepared like the training data. The job
+prepares its data before any rank starts where it hands over to its own launch (hfdist.job.preflight), so bad data is
+refused before any process and the ranks read the cache.
 """
 
 from __future__ import annotations

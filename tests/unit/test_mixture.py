@@ -104,9 +104,9 @@ def test_three_formats_mix_by_weight_end_to_end(tmp_path):
 
     (tmp_path / "chat.jsonl").write_text("".join(json.dumps(c) + "\n" for c in generate_conversations(900, seed=1)))
     speaker = {"system": "system", "user": "human", "assistant": "gpt"}
-    datasets.Dataset.from_list([{"conversations": [{"from": speaker[m["role"]], "value": m["content"]}
-                                                   for m in c["messages"]]} for c in generate_conversations(600, seed=2)]
-                               ).to_parquet(str(tmp_path / "share.parquet"))
+    shared = [{"conversations": [{"from": speaker[m["role"]], "value": m["content"]} for m in c["messages"]]}
+              for c in generate_conversations(600, seed=2)]
+    datasets.Dataset.from_list(shared).to_parquet(str(tmp_path / "share.parquet"))
     datasets.Dataset.from_list([{"instruction": e["instruction"], "input": "", "answer": e["response"]}
                                 for e in generate_examples(400, seed=3)]).to_csv(str(tmp_path / "qa.csv"), index=False)
     sources = [parse_source(f"{tmp_path / 'chat.jsonl'},weight=0.5"),
