@@ -211,6 +211,8 @@ def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | 
     given = list(datasets_given or []) + [None] * (len(every) - len(datasets_given or []))
     readers = [SourceReader(s, i, given[i]) for i, s in enumerate(every)]
     out = Path(folder)
+    for stale in out.glob("*.tmp"):  # what an interrupted preparation was writing when it stopped
+        stale.unlink()
     documents, plans, fingerprints = _tokenized(readers, tokenizer, out / DOCUMENTS_FOLDER, seq_len,
                                                 long_documents, num_proc, shard_rows)
     specs = [SourceDraw(s.weight, s.epochs, s.eval_fraction) for s in sources]
