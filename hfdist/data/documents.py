@@ -63,6 +63,12 @@ def _init_worker(tokenizer, plans: Sequence[SourcePlan], seq_len: int, long_docu
     _WORKER.update(tokenizer=tokenizer, plans=plans, seq_len=seq_len, long_documents=long_documents)
 
 
+def _init_pool_worker(*init_args) -> None:
+    # One core a worker: the tokenizer's own threads would make num_proc workers contend for the same cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _init_worker(*init_args)
+
+
 def encode_batch(batch: RowBatch) -> tuple[np.ndarray, np.ndarray]:
     """One batch of rows -> (the documents' tokens as uint32 words, their DOC_DTYPE records), in the worker."""
     plan = _WORKER["plans"][batch.source]
@@ -92,7 +98,7 @@ def _encoded(batches: Iterator[RowBatch], num_proc: int, init_args: tuple) -> It
         _init_worker(*init_args)
         yield from map(encode_batch, batches)
         return
-    with multiprocessing.get_context("fork").Pool(num_proc, initializer=_init_worker, initargs=init_args) as pool:
+    with multiprocessing.get_context("fork").Pool(num_proc, initializer=_init_pool_worker, initargs=init_args) as pool:
         pending: deque = deque()
         for batch in batches:
             pending.append(pool.apply_async(encode_batch, (batch,)))
