@@ -59,12 +59,21 @@ def _seed(seed: int, index: int, *tag: int) -> int | list[int]:
 
 
 def _weighted_rows(candidates: np.ndarray, tokens: np.ndarray, target: float, rng) -> np.ndarray:
-    """The shortest prefix of a seeded permutation of `candidates` whose label tokens reach `target` (all of them
-    when the target is their total), back in row order."""
-    order = rng.permutation(candidates)
+    """The rows of the shortest prefix of a seeded permutation of `candidates` (a mask over rows) whose label tokens
+    reach `target` (all of them when the target is their total), as a mask."""
+    order = rng.permutation(np.flatnonzero(candidates))
     reached = np.cumsum(tokens[order])
-    take = min(int(np.searchsorted(reached, target - 0.5)) + 1, len(order))
-    return np.sort(order[:take])
+    chosen = np.zeros(len(candidates), bool)
+    chosen[order[:min(int(np.searchsorted(reached, target - 0.5)) + 1, len(order))]] = True
+    return chosen
+
+
+def _part(candidates: np.ndarray, share: float, rng) -> np.ndarray:
+    """A seeded `share` of the rows `candidates` (a mask) holds, as a mask."""
+    rows = np.flatnonzero(candidates)
+    chosen = np.zeros(len(candidates), bool)
+    chosen[rng.permutation(rows)[:round(share * len(rows))]] = True
+    return chosen
 
 
 def draw(doc_rows: Sequence[np.ndarray], doc_labels: Sequence[np.ndarray], rows: Sequence[int],
@@ -79,15 +88,11 @@ def draw(doc_rows: Sequence[np.ndarray], doc_labels: Sequence[np.ndarray], rows:
     """
     first = np.cumsum([0] + [len(r) for r in doc_rows])
     index = np.int32 if first[-1] < 2 ** 31 else np.int64  # 4 bytes a document where they suffice
-    held, tokens = [], []
-    for s, (spec, n) in enumerate(zip(specs, rows)):
-        side = np.ones(n, bool) if spec.eval_only else (
-            held_out_rows(n, spec.eval_fraction, _seed(seed, s)) if spec.eval_fraction and n else np.zeros(n, bool))
-        held.append(side)
-        tokens.append(np.bincount(doc_rows[s], weights=doc_labels[s], minlength=n))
+    held = [np.ones(n, bool) if spec.eval_only else held_out_rows(n, spec.eval_fraction, _seed(seed, s))
+            if spec.eval_fraction and n else np.zeros(n, bool) for s, (spec, n) in enumerate(zip(specs, rows))]
     trained = [s for s, spec in enumerate(specs) if not spec.eval_only]
     weights = {s: specs[s].weight for s in trained if specs[s].weight is not None}
-    total = None
+    tokens = {s: np.bincount(doc_rows[s], weights=doc_labels[s], minlength=rows[s]) for s in weights}
     if weights:
         share = {s: w / sum(weights.values()) for s, w in weights.items()}
         total = min(tokens[s][~held[s]].sum() / share[s] for s in trained)
@@ -99,20 +104,16 @@ def draw(doc_rows: Sequence[np.ndarray], doc_labels: Sequence[np.ndarray], rows:
         if spec.eval_only:
             train_rows.append(0)
             continue
-        candidates = np.flatnonzero(~held[s])
-        if total is not None:
+        candidates = ~held[s]
+        if weights:
             copies = [_weighted_rows(candidates, tokens[s], share[s] * total, np.random.default_rng(_seed(seed, s, 1)))]
         else:
             epochs = spec.epochs or 1.0
             copies = [candidates] * int(epochs)
             if epochs % 1:
-                rng = np.random.default_rng(_seed(seed, s, 2))
-                copies.append(np.sort(rng.permutation(candidates)[:round((epochs % 1) * len(candidates))]))
-        for chosen in copies:
-            keep = np.zeros(rows[s], bool)
-            keep[chosen] = True
-            train_parts.append(docs[keep[doc_rows[s]]])
-        train_rows.append(sum(len(c) for c in copies))
+                copies.append(_part(candidates, epochs % 1, np.random.default_rng(_seed(seed, s, 2))))
+        train_parts += [docs[chosen[doc_rows[s]]] for chosen in copies]
+        train_rows.append(sum(int(c.sum()) for c in copies))
     return Drawn(train=np.concatenate(train_parts) if train_parts else np.zeros(0, index),
                  eval=np.concatenate(eval_parts) if eval_parts else np.zeros(0, index),
                  train_rows=train_rows, eval_rows=eval_rows)

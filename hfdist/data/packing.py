@@ -18,6 +18,8 @@ from hfdist.models.registry import IGNORE_INDEX
 
 __all__ = ["assign_blocks", "best_fit_decreasing", "pack_arrays", "padding_per_row"]
 
+_CHUNK = 1 << 16  # documents placed per batch of Python ints
+
 
 def assign_blocks(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.ndarray]:
     """Best-fit-decreasing placement: each document, longest first (ties in index order), goes into the block whose
@@ -40,21 +42,23 @@ def assign_blocks(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray, np.nd
     placed = np.argsort(-lengths.astype(np.int32), kind="stable").astype(np.int32)
     block_of = np.empty(len(lengths), dtype=np.int32)
     blocks = 0
-    for doc, need in zip(placed.tolist(), lengths[placed].tolist()):
-        free = need + int(has_free[need:].argmax())  # the smallest free space that holds the document
-        if has_free[free]:
-            block = top[free]
-            top[free] = int(below[block])
-            has_free[free] = top[free] >= 0
-        else:
-            free, block = capacity, blocks
-            blocks += 1
-        block_of[doc] = block
-        left = free - need
-        if left:
-            below[block] = top[left]
-            top[left] = block
-            has_free[left] = True
+    for first in range(0, len(placed), _CHUNK):  # Python ints a chunk at a time, not a list of every document
+        chunk = placed[first:first + _CHUNK]
+        for doc, need in zip(chunk.tolist(), lengths[chunk].tolist()):
+            free = need + int(has_free[need:].argmax())  # the smallest free space that holds the document
+            if has_free[free]:
+                block = top[free]
+                top[free] = int(below[block])
+                has_free[free] = top[free] >= 0
+            else:
+                free, block = capacity, blocks
+                blocks += 1
+            block_of[doc] = block
+            left = free - need
+            if left:
+                below[block] = top[left]
+                top[left] = block
+                has_free[left] = True
     # Grouped by block, each block's documents in the order they were placed.
     order = placed[np.argsort(block_of[placed], kind="stable")]
     return block_of, order

@@ -164,17 +164,19 @@ def _tokenized(readers: Sequence[SourceReader], tokenizer, folder: Path, seq_len
 def _report(documents: Documents, chosen: np.ndarray, rows: list[int], stats: PackedStats, plans, seq_len: int,
             defaulted: bool, started: float) -> DataReport:
     """What became of the rows whose documents `chosen` selects (a side)."""
-    notes, source = documents.notes[chosen], documents.source_of(chosen)
-    trained = np.isin(notes, _DOCUMENT)
+    notes = documents.notes[chosen]
+    trained = chosen[np.isin(notes, _DOCUMENT)]
     pieces = chosen[notes == Note.PIECE]
     split_rows = len(np.unique(np.stack([documents.source_of(pieces), documents.rows[pieces]]), axis=1).T) \
         if len(pieces) else 0
-    labels = np.bincount(source[trained], weights=documents.labels[chosen][trained], minlength=len(plans))
-    per_source = tuple({"name": p.name, "format": p.format, "rows": rows[s], "label_tokens": int(labels[s])}
+    bounds = documents.source_first
+    labels = [int(documents.labels[trained[(trained >= bounds[s]) & (trained < bounds[s + 1])]].sum(dtype=np.int64))
+              for s in range(len(plans))]
+    per_source = tuple({"name": p.name, "format": p.format, "rows": rows[s], "label_tokens": labels[s]}
                        for s, p in enumerate(plans) if rows[s])
     formats = list(dict.fromkeys(s["format"] for s in per_source)) or [plans[0].format]
     return DataReport(
-        format="+".join(formats), rows=sum(rows), documents=int(trained.sum()), split_rows=split_rows,
+        format="+".join(formats), rows=sum(rows), documents=len(trained), split_rows=split_rows,
         truncated=int((notes == Note.TRUNCATED).sum()), empty_rows=int((notes == Note.EMPTY).sum()),
         dropped_rows=int((notes == Note.DROPPED).sum()), blocks=stats.blocks, seq_len=seq_len,
         padding_tokens=stats.padding_tokens, label_tokens=stats.label_tokens, default_template=defaulted,
