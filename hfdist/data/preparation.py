@@ -86,14 +86,30 @@ class DataReport:
 
 @dataclass
 class Built:
-    """A prepared folder's blocks (memory-mapped datasets.Dataset) and reports; eval is None without held-out
-    data. `fingerprints`: each source's content hash, by name."""
+    """A prepared folder's blocks and reports: `train` and `eval` (None without held-out data) are datasets.Dataset
+    objects, memory-mapped from the folder's Arrow files when first used (`hfdist prepare` writes them and never
+    reads them). `fingerprints`: each source's content hash, by name."""
 
-    train: Any
+    blocks: dict[str, Any]  # side -> its Dataset, or the path of its Arrow file
     train_report: DataReport
-    eval: Any
     eval_report: DataReport | None
     fingerprints: dict[str, str] = field(default_factory=dict)
+
+    def _side(self, side: str) -> Any:
+        found = self.blocks.get(side)
+        if isinstance(found, Path):
+            import datasets
+
+            found = self.blocks[side] = datasets.Dataset.from_file(str(found))
+        return found
+
+    @property
+    def train(self) -> Any:
+        return self._side("train")
+
+    @property
+    def eval(self) -> Any:
+        return self._side("eval")
 
 
 @dataclass(frozen=True)
@@ -238,13 +254,8 @@ def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | 
                             f"{side} side. Pick a fraction that leaves rows on both sides, or pass --eval-dataset.")
         sides[side] = (out / f"{side}.arrow", _report(documents, chosen, rows, stats, plans, seq_len, defaulted,
                                                       started))
-    import datasets
-
-    def opened(side: str):
-        return datasets.Dataset.from_file(str(sides[side][0])) if side in sides else None
-
-    return Built(opened("train"), sides["train"][1], opened("eval"), sides["eval"][1] if "eval" in sides else None,
-                 fingerprints)
+    return Built({side: path for side, (path, _) in sides.items()}, sides["train"][1],
+                 sides["eval"][1] if "eval" in sides else None, fingerprints)
 
 
 def finish(folder: str | os.PathLike) -> None:
@@ -273,7 +284,7 @@ def _library_build(dataset, tokenizer, seq_len: int, *, eval_fraction: float | N
             built = build([source], tokenizer, seq_len, tmp, **options)
             keep = {side: datasets.Dataset(InMemoryTable.from_file(str(Path(tmp) / f"{side}.arrow")))
                     for side in ("train", "eval") if getattr(built, side) is not None}
-            return Built(keep["train"], built.train_report, keep.get("eval"), built.eval_report, built.fingerprints)
+            return Built(keep, built.train_report, built.eval_report, built.fingerprints)
     ensure_chat_template(tokenizer)
     key = Hasher.hash((dataset._fingerprint, tokenizer_fingerprint(tokenizer), template_fingerprint(tokenizer),
                        seq_len, long_documents, eval_fraction, seed if eval_fraction else None, PACKING_VERSION))

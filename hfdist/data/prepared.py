@@ -144,15 +144,12 @@ def _report(record: dict[str, Any] | None) -> DataReport | None:
 
 
 def read_folder(folder: str | os.PathLike) -> Built:
-    """The blocks (memory-mapped) and reports of a complete prepared folder, unchecked."""
-    import datasets
-
+    """The blocks (memory-mapped when first used) and reports of a complete prepared folder, unchecked."""
     out = Path(folder)
     manifest = json.loads((out / MANIFEST).read_text())
-    has_eval = manifest["eval"] is not None
-    return Built(train=datasets.Dataset.from_file(str(out / "train.arrow")), train_report=_report(manifest["train"]),
-                 eval=datasets.Dataset.from_file(str(out / "eval.arrow")) if has_eval else None,
-                 eval_report=_report(manifest["eval"]), fingerprints=manifest.get("fingerprints", {}))
+    sides = ["train"] + (["eval"] if manifest["eval"] is not None else [])
+    return Built({side: out / f"{side}.arrow" for side in sides}, _report(manifest["train"]),
+                 _report(manifest["eval"]), manifest.get("fingerprints", {}))
 
 
 def _changed_sources(manifest: dict[str, Any], sources: tuple[DataSource, ...]) -> list[str]:

@@ -107,7 +107,7 @@ def job_data(cfg: FinetuneConfig, tokenizer, *, write: bool = True, num_proc: in
                 prepared = build(sources, tokenizer, cfg.seq_len, target, eval_source=held_out, seed=cfg.seed,
                                  long_documents=cfg.long_documents, num_proc=num_proc)
                 write_prepared(target, settings, prepared, {s.name: identity(s) for s in every})
-    check_enough_blocks(len(prepared.train), cfg.global_batch_size, cfg.seq_len)
+    check_enough_blocks(prepared.train_report.blocks, cfg.global_batch_size, cfg.seq_len)
     return prepared
 
 
