@@ -9,12 +9,13 @@ data phase reading what it wrote.
    tree's), rows/s, and the tree's peak memory, sampled every 0.1 s: the sum of its processes' RSS (and of their
    PSS, which counts the pages forked workers share with their parent once), and the largest single process's peak
    RSS. Preparation streams (hfdist.data.documents): the peak should not grow with N.
-2. The speed-up of workers: the same prepare at --speedup-rows with --num-proc 1 and with --num-proc, rows/s and CPU
-   seconds of each.
+2. The speed-up of workers: the same prepare at each of --speedup-rows with --num-proc 1 and with --num-proc, rows/s
+   and CPU seconds of each (the start-up, about 3 s of imports, is not parallel: the speed-up grows with the rows).
 3. The job's data phase on the largest folder, in a fresh process per repeat (what each rank of `hfdist finetune`
    does once its tokenizer is loaded: hfdist.job.data.job_data, the prepared folder checked and memory-mapped):
    seconds with datasets' import included (a rank's first data step) and without.
---profile prints where one process's time goes (cProfile of `hfdist prepare --num-proc 1` at --speedup-rows).
+--profile prints where one process's time goes (cProfile of `hfdist prepare --num-proc 1` at the first
+--speedup-rows).
 """
 
 from __future__ import annotations
@@ -182,11 +183,14 @@ def _markdown(result: dict[str, Any], hardware: str) -> str:
                      f"{_gib(s['tree_rss_bytes'])} | {_gib(s['tree_pss_bytes'])} | "
                      f"{_gib(s['largest_process_rss_bytes'])} | {s['tree_rss_bytes'] / base['tree_rss_bytes']:.2f} | "
                      f"{s['load_before']:.1f} |")
-    one, many = speed
-    lines += ["", f"Workers, at {one['rows']:,} rows: --num-proc 1 {one['rows_per_s']:,.0f} rows/s "
-                  f"({one['cpu_seconds']:.1f} CPU s), --num-proc {many['num_proc']} {many['rows_per_s']:,.0f} rows/s "
-                  f"({many['cpu_seconds']:.1f} CPU s): {many['rows_per_s'] / one['rows_per_s']:.2f} x.", "",
-              sizes[-1]["report"], "",
+    lines += ["", "| rows | --num-proc 1 rows/s (CPU s) | --num-proc N rows/s (CPU s) | speed-up | load |",
+              "|---|---|---|---|---|"]
+    for one, many in zip(speed[::2], speed[1::2]):
+        lines.append(f"| {one['rows']:,} | {one['rows_per_s']:,.0f} ({one['cpu_seconds']:.1f}) | "
+                     f"{many['rows_per_s']:,.0f} ({many['cpu_seconds']:.1f}), N = {many['num_proc']} | "
+                     f"{many['rows_per_s'] / one['rows_per_s']:.2f} x | {one['load_before']:.1f} / "
+                     f"{many['load_before']:.1f} |")
+    lines += ["", sizes[-1]["report"], "",
               f"The job's data phase on the largest prepared folder (hfdist.job.data.job_data: settings checked, train "
               f"and eval blocks memory-mapped; {phases[0]['train_blocks']:,} + {phases[0]['eval_blocks']:,} blocks), "
               f"{len(phases)} fresh processes: median {statistics.median(p['with_import_s'] for p in phases):.2f} s "
@@ -198,7 +202,8 @@ def _markdown(result: dict[str, Any], hardware: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="100000,400000,1600000", help="Comma-separated dataset sizes, smallest first.")
-    p.add_argument("--speedup-rows", type=int, default=100_000, help="Rows of the --num-proc 1 vs N comparison.")
+    p.add_argument("--speedup-rows", default="100000,400000",
+                   help="Comma-separated dataset sizes of the --num-proc 1 vs N comparison.")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--num-proc", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3, help="Fresh processes timing the job's data phase.")
@@ -215,8 +220,9 @@ def main() -> None:
     sizes = [int(n) for n in args.rows.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
+        speed_sizes = [int(n) for n in args.speedup_rows.split(",")]
         if args.profile:
-            _write_rows(root / "rows.jsonl", args.speedup_rows)
+            _write_rows(root / "rows.jsonl", speed_sizes[0])
             return profile(root / "rows.jsonl", root / "prepared", args)
         measured = []
         for n in sizes:
@@ -225,9 +231,12 @@ def main() -> None:
             if n != sizes[-1]:  # the disk is shared: keep only what the later steps read
                 (root / f"rows-{n}.jsonl").unlink()
                 shutil.rmtree(root / f"prepared-{n}")
-        _write_rows(root / "speed.jsonl", args.speedup_rows)
-        speedup = [_prepare(root / "speed.jsonl", root / f"speed-{k}", args.speedup_rows, k, args)
-                   for k in (1, args.num_proc)]
+        speedup = []
+        for n in speed_sizes:
+            _write_rows(root / "speed.jsonl", n)
+            for k in (1, args.num_proc):
+                speedup.append(_prepare(root / "speed.jsonl", root / f"speed-{n}-{k}", n, k, args))
+                shutil.rmtree(root / f"speed-{n}-{k}")
         largest = root / f"prepared-{sizes[-1]}"
         phases = [_data_phase(largest, root / f"rows-{sizes[-1]}.jsonl", args) for _ in range(args.repeats)]
     result = {"command": command, "seq_len": args.seq_len, "sizes": measured, "speedup": speedup,
