@@ -101,6 +101,7 @@ class FinetuneConfig:
     tp: int | None = None
     pp: int | None = None
     dp_replicate: int | None = None
+    ep: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
     loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
@@ -140,7 +141,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Strategy", "Which rung of the ladder, on how many processes, with which degrees.")
     g.add_argument("--config", default=d.config,
                    help="Rung name (ddp, zero1, fsdp_full_shard, zero2, fsdp_hybrid, zero3, pp, fsdp_tp, zero2_tp, 3d, "
-                        "fsdp_cp, zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
+                        "fsdp_cp, fsdp_ep, zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
                         "YAML (FSDP1 keys are translated), or 'single'. Default: the world `accelerate launch "
                         "--config_file` started, else one process.")
     g.add_argument("--num-processes", type=positive_int, default=d.num_processes,
@@ -150,6 +151,10 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pp", type=positive_int, default=d.pp, help="Pipeline stages (overrides the YAML's).")
     g.add_argument("--dp-replicate", type=positive_int, default=d.dp_replicate,
                    help="Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).")
+    g.add_argument("--ep", type=positive_int, default=d.ep,
+                   help="Expert-parallel degree of a mixture-of-experts model on fsdp_ep or fsdp_tp: each of ep ranks "
+                        "holds 1/ep of every MoE layer's experts, borrowed from the data-parallel ranks (overrides "
+                        "the YAML's; docs/moe.md).")
     g.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
                    help="bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; "
                         "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU (bf16 under --qlora).")
