@@ -78,8 +78,9 @@ class ModelFacts:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """Short names of the projections `--lora` adapts: all of them."""
-        return tuple(name.split(".")[-1] for name in self.linears)
+        """Short names of the projections `--lora` adapts: all of them (an MoE model's dense MLP and shared expert
+        projections too; its routed experts stay frozen: hfdist.models.moe.moe_lora_config)."""
+        return LORA_TARGETS if self.moe is not None else tuple(name.split(".")[-1] for name in self.linears)
 
     def head_dim(self, config: Any) -> int:
         """Per-head width (configs may set it apart from hidden / heads, as Qwen3 does)."""

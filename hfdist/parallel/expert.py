@@ -13,8 +13,9 @@ Under tensor parallelism (sequence parallel) an MoE block computes on the rank's
 before it and no reduce-scatter after; its experts are not split inside (a tp rank is one more data-parallel rank
 for them: FSDP2 shards them over tp too and sums their gradients across it), its router runs on local tokens with
 a replicated weight whose gradient is summed over tp, and Llama 4's shared expert is split like a dense MLP.
-FSDP2 would average the experts' gradients over their own (smaller) mesh; their divide factor is set to the dense
-parameters' so both are the same sum over the data-parallel ranks (the loss scaling of hfdist.train relies on it).
+FSDP2 would average the experts' gradients over their own (smaller) mesh; they are scaled to divide by the dense
+parameters' mesh instead, so both are the same sum over the data-parallel ranks (hfdist.train's loss scaling relies
+on it).
 
 Where neither ep nor tp splits the experts (single, ddp, fsdp_full_shard) the model's own MoE blocks run
 unchanged. The recipe (hfdist.parallel.parallelize): apply_tp -> apply_ep -> ... -> apply_fsdp, whose expert units
@@ -23,7 +24,6 @@ come first (`shard_experts`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,8 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from hfdist.models.moe import MoeFacts
-from hfdist.models.registry import ModelFacts, facts_for
+from hfdist.models.moe import MoeFacts, MoeLayer, causal_lm_of, moe_layers
+from hfdist.models.registry import ModelFacts
 from hfdist.parallel.expert_check import ExpertParallelError, check_ep_degree
 from hfdist.parallel.expert_dispatch import routed_experts
 
@@ -40,50 +40,6 @@ __all__ = ["MoeLayer", "moe_layers", "is_expert_param", "expert_meshes", "apply_
            "moe_tp_plan", "check_experts", "STACKED"]
 
 STACKED = ("gate_up_proj", "down_proj")  # the experts module's stacked parameters
-
-
-@dataclass(frozen=True)
-class MoeLayer:
-    """One decoder layer's MoE block and where it sits."""
-
-    index: int
-    path: str  # the block's name in the causal LM
-    block: nn.Module
-    facts: MoeFacts
-
-    @property
-    def experts(self) -> nn.Module:
-        """The module holding the stacked expert weights."""
-        return self.block.get_submodule(self.facts.experts)
-
-    @property
-    def router(self) -> nn.Module:
-        """The router (its weight: experts x hidden)."""
-        return self.block.get_submodule(self.facts.router)
-
-
-def _causal_lm(model: nn.Module) -> nn.Module:
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    while hasattr(inner, "module") and isinstance(inner.module, nn.Module):
-        inner = inner.module
-    return inner
-
-
-def moe_layers(model: nn.Module) -> list[MoeLayer]:
-    """The MoE blocks of a registered MoE causal LM (or a peft / DDP wrapper around one); [] for a dense model."""
-    from hfdist.models.registry import is_supported
-
-    causal_lm = _causal_lm(model)
-    if not is_supported(causal_lm) or facts_for(causal_lm).moe is None:
-        return []
-    facts = facts_for(causal_lm)
-    layers = causal_lm.get_submodule(facts.layers)
-    found = []
-    for i in facts.moe.moe_layer_indices(causal_lm.config):
-        if i < len(layers):
-            path = f"{facts.layers}.{i}.{facts.moe.block}"
-            found.append(MoeLayer(i, path, causal_lm.get_submodule(path), facts.moe))
-    return found
 
 
 def is_expert_param(name: str) -> bool:
@@ -108,9 +64,30 @@ def _local(param: torch.Tensor) -> torch.Tensor:
     return param.to_local() if isinstance(param, DTensor) else param
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _weights(experts: nn.Module, name: str) -> torch.Tensor:
+    """A stacked weight as this rank computes with it (its experts), its gradient scaled so that FSDP2's average
+    over the experts' mesh is the dense parameters' (`shard_experts`)."""
+    local = _local(getattr(experts, name))
+    scale = getattr(experts, "hfdist_grad_scale", 1.0)
+    return _ScaleGrad.apply(local, scale) if scale != 1.0 else local
+
+
 def _experts_forward(experts: nn.Module, facts: MoeFacts, num_experts: int, group,
                      hidden: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return routed_experts(hidden, expert_ids, weights, _local(experts.gate_up_proj), _local(experts.down_proj),
+    return routed_experts(hidden, expert_ids, weights, _weights(experts, "gate_up_proj"), _weights(experts, "down_proj"),
                           experts.act_fn, num_experts=num_experts, transposed=facts.transposed,
                           weights_input=facts.weights_input, group=group)
 
@@ -155,9 +132,9 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> list[MoeLayer]:
     """
     layers = moe_layers(model)
     if not layers:
-        raise ExpertParallelError(f"apply_ep needs a mixture-of-experts model; {type(_causal_lm(model)).__name__} "
+        raise ExpertParallelError(f"apply_ep needs a mixture-of-experts model; {type(causal_lm_of(model)).__name__} "
                                   "has no MoE layers.")
-    config = _causal_lm(model).config
+    config = causal_lm_of(model).config
     facts = layers[0].facts
     num_experts, k = facts.num_experts(config), facts.top_k(config)
     ep = ep_mesh.size() if ep_mesh is not None else 1
@@ -185,18 +162,20 @@ def _bind(fn, *args):
 
 def shard_experts(model: nn.Module, mesh: DeviceMesh, divide_factor: int, **fsdp_kwargs: Any) -> int:
     """FSDP2 on each MoE layer's experts module, as its own unit over `mesh` (expert_meshes' second), before the
-    decoder layers are: their gradients divided by `divide_factor`, the dense units' mesh size (module docstring).
-    Returns the number of units."""
+    decoder layers are: their gradients end up divided by `divide_factor`, the dense units' mesh size, not by
+    `mesh`'s (module docstring). FSDP2's own set_gradient_divide_factor reduces with a pre-multiplied sum, which
+    gloo lacks; so the experts' local gradient is scaled by mesh size / divide_factor in backward instead (exact
+    for powers of two) and FSDP2 averages as usual. Returns the number of units."""
     from torch.distributed.fsdp import fully_shard
 
     layers = moe_layers(model)
     for layer in layers:
-        unit = fully_shard(layer.experts, mesh=mesh, **fsdp_kwargs)
-        unit.set_gradient_divide_factor(float(divide_factor))
+        fully_shard(layer.experts, mesh=mesh, **fsdp_kwargs)
+        layer.experts.hfdist_grad_scale = mesh.size() / divide_factor
     return len(layers)
 
 
-def moe_tp_plan(causal_lm: nn.Module, facts: ModelFacts, styles: dict[str, Any]) -> dict[str, Any]:
+def moe_tp_plan(config, facts: ModelFacts, styles: dict[str, Any]) -> dict[str, Any]:
     """The tensor-parallel plan's entries for the MLP side of an MoE model's decoder layers (hfdist.parallel.tensor
     adds them to the attention's), per layer: a dense layer's MLP as in a dense model (gathered, column- then
     row-split); an MoE block on local tokens, its router replicated (gradient summed over tp), Llama 4's shared
@@ -208,7 +187,7 @@ def moe_tp_plan(causal_lm: nn.Module, facts: ModelFacts, styles: dict[str, Any])
     """
     moe = facts.moe
     assert moe is not None
-    sparse = set(moe.moe_layer_indices(causal_lm.config))
+    sparse = set(moe.moe_layer_indices(config))
     plan: dict[str, Any] = {}
 
     def mlp(path: str) -> None:
@@ -216,7 +195,7 @@ def moe_tp_plan(causal_lm: nn.Module, facts: ModelFacts, styles: dict[str, Any])
         for name, colwise in (("gate_proj", True), ("up_proj", True), ("down_proj", False)):
             plan.update(styles["linear"](f"{path}.{name}", colwise))
 
-    for i in range(len(causal_lm.get_submodule(facts.layers))):
+    for i in range(int(config.num_hidden_layers)):
         block = f"{facts.layers}.{i}.{moe.block}"
         if i not in sparse:
             mlp(block)
