@@ -22,12 +22,14 @@ real memory and collectives), use `hfdist plan` for them. Exit code 1 when verif
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (llama-3.1-8b, ...), local checkpoint folder, or HF id")
-    p.add_argument("--config", required=True, help="mesh rung: fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp "
-                                                   "(or a YAML path)")
+    p.add_argument("--config", required=True, help="mesh rung: fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp, "
+                                                   "fsdp_ep (or a YAML path)")
     p.add_argument("--num-processes", type=int, required=True, help="ranks to simulate (the world size)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the YAML's)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the YAML's)")
     p.add_argument("--dp-replicate", type=int, default=None, help="replica groups of a hybrid rung")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel degree of an MoE model on fsdp_ep / fsdp_tp (default: the YAML's)")
     p.add_argument("--pp-schedule", default=None, help="pipeline schedule (default: the YAML's)")
     p.add_argument("--pp-microbatches", type=int, default=None,
                    help="pipeline micro-batches per step (default: the YAML's; 1F1B needs at least pp)")
@@ -56,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from hfdist.plan.simulate import simulate, simulation_rung
 
     rung = simulation_rung(args.config, args.num_processes, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
-                           pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
+                           ep=args.ep, pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                            gpus_per_node=args.gpus_per_node, model_config=load_config(args.model))
     sim = simulate(args.model, rung, mixed_precision=args.mixed_precision,
                    activation_checkpointing=args.activation_checkpointing, gpus_per_node=args.gpus_per_node,

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch import nn
 
 __all__ = ["MoeFacts", "MoeLayer", "QWEN3_MOE", "MIXTRAL", "LLAMA4_TEXT", "causal_lm_of", "moe_layers",
-           "moe_lora_config", "peft_converted_targets"]
+           "moe_lora_config", "peft_converted_targets", "MoeShape"]
 
 
 @dataclass(frozen=True)
@@ -181,3 +181,39 @@ def moe_lora_config(model: nn.Module, lora):
         return lora
     converted = peft_converted_targets(causal_lm.config.model_type)
     return replace(lora, target_modules={t for t in targets if t not in converted})
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """The sizes of a config's MoE layers that decide parameters, FLOPs and memory (hfdist.models.shape)."""
+
+    experts: int
+    top_k: int
+    expert_width: int
+    shared_width: int  # 0: no shared expert
+    layers: int  # decoder layers holding an MoE block (the others a dense MLP)
+
+    @classmethod
+    def from_config(cls, config: Any, facts: MoeFacts) -> "MoeShape":
+        return cls(facts.num_experts(config), facts.top_k(config), facts.expert_width(config),
+                   facts.shared_width(config), len(facts.moe_layer_indices(config)))
+
+    def expert_params(self, hidden: int) -> int:
+        """One MoE layer's routed experts (stacked gate, up and down weights)."""
+        return self.experts * 3 * hidden * self.expert_width
+
+    def block_params(self, hidden: int) -> int:
+        """One MoE block: its routed experts, router and shared expert."""
+        return self.expert_params(hidden) + self.experts * hidden + 3 * hidden * self.shared_width
+
+    def active_params(self, hidden: int) -> int:
+        """The weights one token's matmuls use in an MoE block: its top-k experts, the router, the shared expert."""
+        return self.top_k * 3 * hidden * self.expert_width + self.experts * hidden + 3 * hidden * self.shared_width
+
+    def activation_elements(self, hidden: int) -> tuple[int, int]:
+        """(elements in the compute dtype, fp32 elements) one token's MoE block saves for backward: the router's
+        input and its fp32 softmax (E), the token's k rows as dispatched (the sorted input the first matmul saves,
+        the expert output the weighting saves), each expert's gate/up output, activation and down input (4 I per
+        row, as a dense MLP's 4 I), and the shared expert's four I-wide tensors."""
+        rows = self.top_k * (2 * hidden + 4 * self.expert_width)
+        return hidden + rows + 4 * self.shared_width, 2 * self.experts

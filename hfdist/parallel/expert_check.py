@@ -10,7 +10,7 @@ from typing import Any
 from hfdist.errors import HfdistError
 from hfdist.models.moe import MoeFacts
 
-__all__ = ["ExpertParallelError", "moe_facts", "check_ep_degree", "check_moe", "valid_ep_degrees"]
+__all__ = ["ExpertParallelError", "moe_facts", "moe_refusal", "check_ep_degree", "check_moe", "valid_ep_degrees"]
 
 
 class ExpertParallelError(HfdistError, ValueError):
@@ -45,16 +45,26 @@ def check_ep_degree(config: Any, facts: MoeFacts, ep: int) -> None:
             f"would work: {valid_ep_degrees(config)}.")
 
 
-def _check_rung_holds_moe(config: Any, rung) -> None:
-    """The rung table's `moe` verdict for the rung (the entry of its layout: hfdist.config.features.speaking_entry)."""
+def moe_refusal(rung) -> str | None:
+    """Why the rung table says `rung` does not train MoE models (the entry of its layout:
+    hfdist.config.features.speaking_entry), or None where it does."""
     from hfdist.config.features import speaking_entry
-    from hfdist.config.rungs import RUNG_INFO, rungs_where
+    from hfdist.config.rungs import RUNG_INFO
 
     name = speaking_entry(rung)
     verdict = RUNG_INFO[name].moe if name is not None else False
     if verdict is True:
+        return None
+    return verdict or "hfdist has not built or verified mixture-of-experts training on its layout"
+
+
+def _check_rung_holds_moe(config: Any, rung) -> None:
+    """Refuse a rung the table says does not hold MoE models."""
+    from hfdist.config.rungs import rungs_where
+
+    why = moe_refusal(rung)
+    if why is None:
         return
-    why = verdict or "hfdist has not built or verified mixture-of-experts training on its layout"
     raise ExpertParallelError(
         f"{rung.name} cannot train the mixture-of-experts model '{getattr(config, 'model_type', '?')}': {why}. Use a "
         f"rung that holds MoE models: {', '.join(rungs_where(moe=True))}.")

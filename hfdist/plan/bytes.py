@@ -71,6 +71,7 @@ from hfdist.models.attention import AUTO, CHOICES, dense_mask_bytes, is_hub_kern
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import gathers_in_float8
+from hfdist.plan.expert_bytes import choose_ep, gathered_layer_params
 
 __all__ = [
     "PlanError",
@@ -176,9 +177,10 @@ def offload_device(rung: Rung) -> str:
     return "nvme" if "nvme" in devices else (devices.pop() if devices else "none")
 
 
-def dims_on_cluster(rung: Rung, gpus_per_node: int, nodes: int) -> ParallelDims:
+def dims_on_cluster(rung: Rung, gpus_per_node: int, nodes: int, experts: int | None = None) -> ParallelDims:
     """The rung's layout on `nodes` x `gpus_per_node` GPUs: tp and pp from its config, the data-parallel axes absorb
-    the rest (hybrid FSDP shards over one node's GPUs).
+    the rest (hybrid FSDP shards over one node's GPUs); an expert-parallel rung's ep for a model of `experts` experts
+    per MoE layer (hfdist.plan.expert_bytes.choose_ep).
 
     Raises:
         PlanError: the cluster cannot hold the rung's model-parallel group.
@@ -199,7 +201,9 @@ def dims_on_cluster(rung: Rung, gpus_per_node: int, nodes: int) -> ParallelDims:
             raise PlanError(f"hybrid sharding needs tp x pp = {mp} to divide the {gpus_per_node} GPUs of a node")
         shard = gpus_per_node // mp
         return ParallelDims(dp_replicate=dp // shard, dp_shard=shard, pp=d.pp, tp=d.tp, cp=d.cp)
-    return ParallelDims(dp_shard=dp, pp=d.pp, tp=d.tp, cp=d.cp)
+    takes_ep = d.ep > 1 or (rung.info is not None and rung.info.takes_ep)  # fsdp_ep, fsdp_tp
+    ep = choose_ep(experts, dp, gpus_per_node) if experts and takes_ep else 1
+    return ParallelDims(dp_shard=dp, pp=d.pp, tp=d.tp, cp=d.cp, ep=ep)
 
 
 @dataclass(frozen=True)
@@ -310,7 +314,9 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp
                     if w.qlora else None)
-    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, embed + head,
+    # An MoE layer's experts are gathered E / ep at a time (hfdist.plan.expert_bytes).
+    gathered = gathered_layer_params(shape.layer_linear_params, shape.moe, shape.hidden, shape.layers, tp, dims.ep)
+    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, gathered, embed + head,
                                                 trainable / max(params, 1), float8_params, layer_stored)
     if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
         buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)

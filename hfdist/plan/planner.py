@@ -113,7 +113,12 @@ class Plan:
         s = self.shape
         n = s.total_params
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        head = (f"hfdist plan: {self.model} ({size} params, {s.layers} layers, hidden "
+        size += " params"
+        if s.moe is not None:  # a mixture of experts: what a token uses too
+            a = s.active_params
+            size += (f" ({a / 1e9:.2f}B" if a >= 1e9 else f" ({a / 1e6:.1f}M") + \
+                f" active: {s.moe.experts} experts, top-{s.moe.top_k})"
+        head = (f"hfdist plan: {self.model} ({size}, {s.layers} layers, hidden "
                 f"{s.hidden}) on {self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.world} ranks, "
                 f"{self.gpu_mem_bytes / GB:g} GB each")
         cols = ("rung", "layout", "weights", "grads", "master", "optim", "activ", "buffers", "total", "fits")
@@ -155,7 +160,9 @@ class Plan:
         rec = self.recommended
         out: dict[str, Any] = {
             "model": {"spec": self.model, "params": self.shape.total_params, "trainable_params": self.trainable_params,
-                      "layers": self.shape.layers, "hidden": self.shape.hidden},
+                      "layers": self.shape.layers, "hidden": self.shape.hidden,
+                      **({"active_params": self.shape.active_params, "experts": self.shape.moe.experts,
+                          "top_k": self.shape.moe.top_k} if self.shape.moe else {})},
             "cluster": {"gpus_per_node": self.gpus_per_node, "nodes": self.nodes, "world": self.world,
                         "gpu_mem_bytes": self.gpu_mem_bytes},
             "workload": asdict(self.workload),
@@ -223,6 +230,8 @@ def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload
         parts += ["--attn-implementation", w.attention]
     if w.fp8:
         parts += ["--fp8", w.fp8]
+    if dims.ep > 1:
+        parts += ["--ep", str(dims.ep)]
     return shlex.join(parts)
 
 
@@ -243,7 +252,13 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
     try:
         if w.qlora:
             _check_takes_qlora(rung)
-        dims = dims_on_cluster(rung, gpus_per_node, nodes)
+        dims = dims_on_cluster(rung, gpus_per_node, nodes, shape.moe.experts if shape.moe else None)
+        if shape.moe is not None:
+            from hfdist.parallel.expert_check import moe_refusal
+
+            refusal = moe_refusal(rung)
+            if refusal:
+                raise PlanError(f"does not hold MoE models: {refusal}")
         if dims.tp > 1:
             from hfdist.parallel.tensor_check import validate_tp
 
@@ -270,16 +285,33 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
     if nodes > 1:
         note = "; ".join(x for x in (note, f"run the command on each of the {nodes} nodes with accelerate's "
                                      "--num_machines/--machine_rank/--main_process_ip") if x)
+    if shape.moe is not None:
+        note = "; ".join(x for x in (note, _moe_note(shape, dims, w)) if x)
     return RungPlan(rung.name, dims, b, b.total <= gpu_mem_bytes, _command(rung, model, gpus_per_node * nodes,
                                                                             dims, w), offload, note)
+
+
+def _moe_note(shape: ModelShape, dims: ParallelDims, w: Workload) -> str:
+    """An MoE model's routed experts on a rank (their model-state bytes) and, with ep, its all-to-all per micro-batch
+    (hfdist.plan.expert_bytes)."""
+    from hfdist.plan.expert_bytes import all_to_all_bytes_per_step, expert_bytes_per_rank
+
+    states = expert_bytes_per_rank(shape.moe, shape.hidden, dims, w.bytes_per_param_adam) / GB
+    sent = all_to_all_bytes_per_step(shape.moe, shape.hidden, dims, w.seq * w.micro_batch, 2 if w.dtype == "bf16"
+                                     else 4) / GB
+    where = f"E/ep = {shape.moe.experts // dims.ep} whole experts per ep rank" if dims.ep > 1 else "all experts"
+    return (f"routed experts: {states:.1f} GB of model states per rank ({where}, over dp_shard x tp = "
+            f"{dims.dp_shard * dims.tp} ranks)" + (f", all-to-all {sent:.2f} GB per micro-batch" if dims.ep > 1
+                                                   else ""))
 
 
 def _plan(config, rungs: list[Rung], model: str, gpus_per_node: int, nodes: int, gpu_mem_bytes: int,
           w: Workload) -> Plan:
     shape = ModelShape.from_config(config)
     trainable = shape.layers * shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora else shape.total_params
+    # An expert-parallel rung (fsdp_ep) is for MoE models only: left out of a dense model's plan.
     plans = tuple(_rung_plan(shape, config, r, model, gpus_per_node, nodes, gpu_mem_bytes, w)
-                  for r in plan_order(rungs))
+                  for r in plan_order(rungs) if shape.moe is not None or r.dims.ep == 1)
     return Plan(model, shape, trainable, gpus_per_node, nodes, gpu_mem_bytes, w, plans)
 
 
