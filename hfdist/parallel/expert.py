@@ -170,7 +170,12 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, divide_factor: int, **fsdp
 
     layers = moe_layers(model)
     for layer in layers:
-        fully_shard(layer.experts, mesh=mesh, **fsdp_kwargs)
+        # FSDP2 splits dim 0 (the experts) unless a rank's experts do not divide over the mesh (Llama 4 Scout: 16
+        # experts, ep 8, 8 ranks left: 2 experts over 8 ranks), where whole rows would leave most ranks empty and a
+        # few holding whole experts; there it splits dim 1 (2I or H wide), as torchtitan does.
+        local = _local(layer.experts.gate_up_proj).shape[0]
+        dim = 0 if local % mesh.size() == 0 else 1
+        fully_shard(layer.experts, mesh=mesh, shard_placement_fn=lambda param, d=dim: Shard(d), **fsdp_kwargs)
         layer.experts.hfdist_grad_scale = mesh.size() / divide_factor
     return len(layers)
 

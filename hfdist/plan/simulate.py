@@ -415,6 +415,14 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
                             "fsdp_hybrid / fsdp_tp.")
     if qlora:
         _check_qlora_simulation(rung, step_seq)
+    from hfdist.models.presets import load_config
+    from hfdist.parallel.expert_check import moe_facts
+
+    if step_seq is not None and moe_facts(load_config(model_spec)) is not None:
+        raise SimulateError(f"A simulated step runs on fake tensors, which hold no values, and {model_spec}'s MoE "
+                            "layers route each token by its router's values (how many rows go to each expert). "
+                            "Leave out --step for mixture-of-experts models: their state bytes are simulated all "
+                            "the same, and `hfdist plan` counts their activations.")
     start = time.perf_counter()
     dims = rung.dims
     template = meta_model(model_spec, attn_implementation=step_attention(attention))
