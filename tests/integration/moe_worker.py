@@ -3,13 +3,15 @@
 
 One launch of 4 gloo ranks trains every mixture-of-experts case through hfdist's recipe (hfdist.parallel.parallelize,
 the rung's own layout) against one process holding the whole global batch: Qwen3-MoE (one dense layer among its MoE
-layers) and Mixtral (8 experts, top-2) on fsdp_full_shard (ep 1), fsdp_ep at ep 2 and 4, fsdp_tp with tp 2 x ep 2,
-LoRA on fsdp_ep; Llama 4's text model (shared expert, top-1, interleaved dense layers) on fsdp_ep and fsdp_tp x ep.
-Per step (AdamW, 3 steps): the cross-entropy, the router's aux loss over the global batch and their sum as each
-rank's shares add up (every rank's share is all-reduced, as the Trainer's logged loss averages them), and the
-tokens routed to each expert; after building, the experts each rank holds (its E / ep, equal to the reference's
-rows). Every rank computes the single-process reference itself (no communication). Rank 0 writes the results; a
-case that raises is recorded with its traceback.
+layers) and Mixtral (8 experts, top-2) on fsdp_ep at ep 2 and 4 and on fsdp_tp with tp 2 x ep 2 (Qwen3-MoE's with the
+aux loss's coefficient at 1, so its gradient shows), Qwen3-MoE with LoRA on fsdp_ep, on fsdp_full_shard (the model's
+own MoE blocks under FSDP2) and on ddp (under DistributedDataParallel); Llama 4's text model (shared expert, top-1,
+interleaved dense layers) on fsdp_ep and, with LoRA on its attention, dense and shared-expert projections, on fsdp_tp
+x ep. Per step (AdamW, 2 steps: the second's losses show the first's gradients): the cross-entropy and the router's
+aux loss over the global batch as the ranks' shares add up (all-reduced, as the Trainer's logged loss averages them),
+and the tokens routed to each expert; after building, the experts each rank holds (its E / ep, equal to the
+reference's rows). Every rank computes the single-process reference itself (no communication). Rank 0 writes the
+results; a case that raises is recorded with its traceback.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from hfdist.models.moe import moe_layers
 from hfdist.models.router_stats import RouterRecorder
 from hfdist.parallel.parallelize import parallelize
 
-VOCAB, SEQ, ROWS, STEPS, LR = 1024, 32, 8, 3, 1e-3
+VOCAB, SEQ, ROWS, STEPS, LR = 1024, 32, 8, 2, 1e-3
 WORLD = 4
 
 
@@ -47,7 +49,7 @@ def make_batch() -> dict[str, torch.Tensor]:
 
 def build(spec: str, lora: bool, rung=None):
     """The model of `spec` (LoRA r=4 on every attention and dense projection), seeded as hfdist seeds it: whole in
-    this process, or through the rung's recipe."""
+    this process (wrapped in DDP for the ddp rung, as the Trainer wraps it), or through the rung's recipe."""
     meta = meta_model(spec, VOCAB)
     if lora:
         from peft import get_peft_model
@@ -56,10 +58,10 @@ def build(spec: str, lora: bool, rung=None):
 
         meta = get_peft_model(meta, moe_lora_config(meta, lora_config(4, 8)))
     plan = weight_plan(meta, None, seed=0)
-    if rung is None:
+    if rung is None or not rung.owns_sharding:
         materialize(meta, torch.device("cpu"))
         load_weights({**dict(meta.named_parameters()), **dict(meta.named_buffers())}, plan)
-        return meta
+        return meta if rung is None else torch.nn.parallel.DistributedDataParallel(meta)
     return parallelize(meta, rung, device=torch.device("cpu"), mixed_precision="no", activation_checkpointing=False,
                        weights=plan)
 
@@ -130,7 +132,7 @@ def recorder_of(model, coef: float | None, distributed: bool = True) -> RouterRe
 
 def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: dict, coef: float | None = None) -> dict:
     rank = dist.get_rank()
-    rung = load_rung(rung_name).with_num_processes(WORLD, ep=ep, tp=tp if tp > 1 else None)
+    rung = load_rung(rung_name).with_num_processes(WORLD, ep=ep if ep > 1 else None, tp=tp if tp > 1 else None)
     key = (spec, lora, coef)
     if key not in references:
         ref = build(spec, lora)
@@ -141,19 +143,20 @@ def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: di
     experts = held_experts(model, ref_model) if ep > 1 or tp > 1 else {}
     dp = WORLD // tp
     mine = {k: v.chunk(dp)[rank // tp] for k, v in make_batch().items()}
-    steps = shares_summed(train(model, mine, recorder_of(model, coef), scale=dp, tp=tp > 1), tp)
+    recorder = recorder_of(model.module if hasattr(model, "module") else model, coef)
+    steps = shares_summed(train(model, mine, recorder, scale=dp, tp=tp > 1), tp)
     return {"steps": steps, "reference": ref_steps, "experts": experts, "layout": rung.dims.describe(),
             "num_experts": moe_layers(ref_model)[0].facts.num_experts(ref_model.config), "ep": ep}
 
 
+# name -> (preset, rung, ep, tp, LoRA[, the aux loss's coefficient: 1.0 makes its gradient show in two steps]).
 CASES = {
+    "qwen3_moe/ddp": ("qwen3-moe-tiny", "ddp", 1, 1, False),
     "qwen3_moe/fsdp": ("qwen3-moe-tiny", "fsdp_full_shard", 1, 1, False),
     "qwen3_moe/ep2": ("qwen3-moe-tiny", "fsdp_ep", 2, 1, False),
     "qwen3_moe/ep4": ("qwen3-moe-tiny", "fsdp_ep", 4, 1, False),
-    "qwen3_moe/tp2_ep2": ("qwen3-moe-tiny", "fsdp_tp", 2, 2, False),
-    "qwen3_moe/ep2_lora": ("qwen3-moe-tiny", "fsdp_ep", 2, 1, True),
     "qwen3_moe/tp2_ep2_aux1": ("qwen3-moe-tiny", "fsdp_tp", 2, 2, False, 1.0),
-    "mixtral/fsdp": ("mixtral-tiny", "fsdp_full_shard", 1, 1, False),
+    "qwen3_moe/ep2_lora": ("qwen3-moe-tiny", "fsdp_ep", 2, 1, True),
     "mixtral/ep2": ("mixtral-tiny", "fsdp_ep", 2, 1, False),
     "mixtral/ep4": ("mixtral-tiny", "fsdp_ep", 4, 1, False),
     "mixtral/tp2_ep2": ("mixtral-tiny", "fsdp_tp", 2, 2, False),
