@@ -80,8 +80,7 @@ def check_checkpoint_files(folder: Path, config) -> None:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from hfdist.models.conversion import checkpoint_layout
-    from hfdist.models.load import hf_key
+    from hfdist.models.conversion import checkpoint_layout, hf_key
 
     found = checkpoint_headers(folder)
     with init_empty_weights(include_buffers=False):

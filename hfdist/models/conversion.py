@@ -26,7 +26,15 @@ from typing import Any
 
 from hfdist.models.presets import ModelSpecError
 
-__all__ = ["StackedSource", "CheckpointLayout", "checkpoint_layout", "saved_layout"]
+__all__ = ["StackedSource", "CheckpointLayout", "checkpoint_layout", "saved_layout", "hf_key"]
+
+_PEFT_PREFIX = "base_model.model."
+
+
+def hf_key(name: str) -> str:
+    """The name a parameter has in a HF checkpoint: a peft LoRA model's names without its wrapper prefix and
+    `.base_layer` (the adapters' own names keep their `lora_A.<adapter>` part)."""
+    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 @dataclass(frozen=True)

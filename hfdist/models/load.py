@@ -32,20 +32,13 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.futures import Future
 
-from hfdist.models.conversion import StackedSource
+from hfdist.models.conversion import StackedSource, hf_key
 from hfdist.models.init import InitRule, SeededInitReader, init_rule, initial_values
 
 __all__ = ["TensorSource", "WeightPlan", "weight_plan", "hf_key", "local_tensors", "load_weights", "load_gathered",
            "SafetensorsSliceReader", "StackedReader", "checkpoint_files", "read_rows"]
 
-_PEFT_PREFIX = "base_model.model."
 _INDEX = "model.safetensors.index.json"
-
-
-def hf_key(name: str) -> str:
-    """The name a parameter has in a HF checkpoint: a peft LoRA model's names without its wrapper prefix and
-    `.base_layer` (the adapters' own names keep their `lora_A.<adapter>` part)."""
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ the data path all read these facts instead of hard-coding Llama's. Llama, Mistra
 module layout (`model.embed_tokens`, `model.layers[i].{self_attn,mlp}`, `model.norm`, `model.rotary_emb`,
 `lm_head`), so an entry differs only in its layer class, projection biases, per-head norms and attention masks.
 The mixture-of-experts architectures (Qwen3-MoE, Mixtral, Llama 4's text model) add their MoE facts
-(hfdist.models.moe: router, stacked experts, shared expert, aux loss); their `colwise` / `rowwise` projections are
+(hfdist.models.moe_facts: router, stacked experts, shared expert, aux loss); their `colwise` / `rowwise` projections are
 the attention's, present in every layer (a dense layer's MLP is the MoE facts' to describe).
 An architecture not listed here is refused by name (`facts_for`), never guessed.
 """
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfdist.errors import HfdistError
-from hfdist.models.moe import LLAMA4_TEXT, MIXTRAL, QWEN3_MOE, MoeFacts
+from hfdist.models.moe_facts import LLAMA4_TEXT, MIXTRAL, QWEN3_MOE, MoeFacts
 
 __all__ = ["ModelFacts", "UnsupportedModelError", "REGISTRY", "LORA_TARGETS", "IGNORE_INDEX", "facts_for",
            "is_supported", "supported_types"]

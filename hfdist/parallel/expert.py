@@ -31,7 +31,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from hfdist.models.moe import MoeFacts, MoeLayer, causal_lm_of, moe_layers
+from hfdist.models.moe import MoeLayer, causal_lm_of, moe_layers
+from hfdist.models.moe_facts import MoeFacts
 from hfdist.models.registry import ModelFacts
 from hfdist.parallel.expert_check import ExpertParallelError, check_ep_degree
 from hfdist.parallel.expert_dispatch import routed_experts

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from hfdist.errors import HfdistError
-from hfdist.models.moe import MoeFacts
+from hfdist.models.moe_facts import MoeFacts
 
 __all__ = ["ExpertParallelError", "moe_facts", "moe_refusal", "check_ep_degree", "check_moe", "valid_ep_degrees"]
 
@@ -70,13 +70,15 @@ def _check_rung_holds_moe(config: Any, rung) -> None:
         f"rung that holds MoE models: {', '.join(rungs_where(moe=True))}.")
 
 
-def check_moe(config: Any, rung, seq_len: int | None = None, *, qlora: bool = False) -> None:
+def check_moe(config: Any, rung, seq_len: int | None = None, *, qlora: bool = False,
+              simulated_step: bool = False) -> None:
     """An MoE model against the rung and the options, and ep against a dense model, before any process starts.
 
     Raises:
         ExpertParallelError: ep on a dense model, or ep not dividing the experts or the FSDP ranks; a rung whose
         table entry does not hold MoE (hfdist.config.rungs: `moe`); --qlora on an MoE model; a Llama 4 sequence
-        longer than its chunked attention's chunk; router jitter under hfdist's experts.
+        longer than its chunked attention's chunk; router jitter under hfdist's experts; a step `hfdist simulate`
+        would run on fake tensors.
     """
     facts = moe_facts(config)
     ep = rung.dims.ep
@@ -89,6 +91,11 @@ def check_moe(config: Any, rung, seq_len: int | None = None, *, qlora: bool = Fa
         return
     _check_rung_holds_moe(config, rung)
     check_ep_degree(config, facts, ep)
+    if simulated_step:
+        raise ExpertParallelError(
+            "hfdist simulate --step runs on fake tensors, which hold no values, and an MoE layer routes each token by "
+            "its router's values (how many rows go to each expert). Leave out --step for mixture-of-experts models: "
+            "their state bytes are simulated all the same, and `hfdist plan` counts their activations.")
     if ep > 1 and rung.dims.dp_shard % ep:
         raise ExpertParallelError(
             f"--ep {ep} borrows its ranks from the {rung.dims.dp_shard} ranks FSDP2 shards over (dp_shard), which "

@@ -19,10 +19,9 @@ The representative rank of pipeline stage s is the one at mesh coordinates (dp 0
 ranks of a stage differ by at most one row per tensor where FSDP2's dim-0 split is uneven. Middle stages with the
 same number of layers hold the same shapes: one of them stands for all (`RoleBytes.stages`).
 
-Only hfdist's own rungs can be simulated. DeepSpeed rungs are refused: DeepSpeed's engine (and zero.Init) places
-its flat partitions in real memory and runs real collectives while it builds, neither of which the meta device
-and a fake group provide; DDP and the single process hold the whole model on every rank (`hfdist plan` counts
-them exactly).
+Only hfdist's own rungs can be simulated. DeepSpeed rungs are refused: its engine (and zero.Init) places its flat
+partitions in real memory and runs real collectives while it builds, which the meta device and a fake group do not
+provide; DDP and the single process hold the whole model on every rank (`hfdist plan` counts them exactly).
 """
 
 from __future__ import annotations
@@ -186,9 +185,6 @@ def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = No
 
         if rung.dims.tp > 1:
             validate_tp(model_config, rung.dims.tp)
-        from hfdist.parallel.expert_check import check_moe
-
-        check_moe(model_config, rung)
         check_pipeline(rung, rung.pipeline.n_microbatches if rung.pipeline else 1, model_config.num_hidden_layers)
     return rung
 
@@ -392,8 +388,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     from that step's real gradients and optimizer state. `attention`: the --attn-implementation the step stands
     for (`step_attention`: sdpa / eager hold their dense mask in the step and in the planner's figure).
 
-    A role that fails verification (a bug in the recipe, not bad input) is reported in `failure`; its bytes are
-    still read.
+    A role that fails verification (a bug in the recipe, not bad input) is reported in `failure` (bytes still read).
 
     `qlora`: the model QLoRA trains (4-bit projections, hfdist.models.quantize.quantize_meta, then LoRA r=`lora_r`),
     on the rungs that take --qlora, without pipeline stages or a simulated step; each rank also holds its 4-bit
@@ -405,6 +400,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     import torch
 
     from hfdist.models.build import meta_model
+    from hfdist.parallel.expert_check import check_moe
     from hfdist.parallel.parallelize import parallelize
     from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy
 
@@ -415,17 +411,10 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
                             "fsdp_hybrid / fsdp_tp.")
     if qlora:
         _check_qlora_simulation(rung, step_seq)
-    from hfdist.models.presets import load_config
-    from hfdist.parallel.expert_check import moe_facts
-
-    if step_seq is not None and moe_facts(load_config(model_spec)) is not None:
-        raise SimulateError(f"A simulated step runs on fake tensors, which hold no values, and {model_spec}'s MoE "
-                            "layers route each token by its router's values (how many rows go to each expert). "
-                            "Leave out --step for mixture-of-experts models: their state bytes are simulated all "
-                            "the same, and `hfdist plan` counts their activations.")
     start = time.perf_counter()
     dims = rung.dims
     template = meta_model(model_spec, attn_implementation=step_attention(attention))
+    check_moe(template.config, rung, simulated_step=step_seq is not None)  # an MoE model against the rung
 
     def fresh_model():
         """The role's own copy of the model (bitsandbytes' meta parameters cannot be deep-copied: built anew)."""
