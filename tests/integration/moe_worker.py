@@ -4,7 +4,8 @@
 One launch of 4 gloo ranks trains every mixture-of-experts case through hfdist's recipe (hfdist.parallel.parallelize,
 the rung's own layout) against one process holding the whole global batch: Qwen3-MoE (one dense layer among its MoE
 layers) and Mixtral (8 experts, top-2) on fsdp_ep at ep 2 and 4 and on fsdp_tp with tp 2 x ep 2 (Qwen3-MoE's with the
-aux loss's coefficient at 1, so its gradient shows), Qwen3-MoE with LoRA on fsdp_ep, on fsdp_full_shard (the model's
+aux loss's coefficient at 1, so its gradient shows), Qwen3-MoE with LoRA on fsdp_ep, with activation checkpointing
+at ep 4, on fsdp_full_shard (the model's
 own MoE blocks under FSDP2) and on ddp (under DistributedDataParallel); Llama 4's text model (shared expert, top-1,
 interleaved dense layers) on fsdp_ep and, with LoRA on its attention, dense and shared-expert projections, on fsdp_tp
 x ep. Per step (AdamW, 2 steps: the second's losses show the first's gradients): the cross-entropy and the router's
@@ -47,7 +48,7 @@ def make_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def build(spec: str, lora: bool, rung=None):
+def build(spec: str, lora: bool, rung=None, ac: bool = False):
     """The model of `spec` (LoRA r=4 on every attention and dense projection), seeded as hfdist seeds it: whole in
     this process (wrapped in DDP for the ddp rung, as the Trainer wraps it), or through the rung's recipe."""
     meta = meta_model(spec, VOCAB)
@@ -62,7 +63,7 @@ def build(spec: str, lora: bool, rung=None):
         materialize(meta, torch.device("cpu"))
         load_weights({**dict(meta.named_parameters()), **dict(meta.named_buffers())}, plan)
         return meta if rung is None else torch.nn.parallel.DistributedDataParallel(meta)
-    return parallelize(meta, rung, device=torch.device("cpu"), mixed_precision="no", activation_checkpointing=False,
+    return parallelize(meta, rung, device=torch.device("cpu"), mixed_precision="no", activation_checkpointing=ac,
                        weights=plan)
 
 
@@ -130,7 +131,8 @@ def recorder_of(model, coef: float | None, distributed: bool = True) -> RouterRe
     return recorder
 
 
-def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: dict, coef: float | None = None) -> dict:
+def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: dict, coef: float | None = None,
+         ac: bool = False) -> dict:
     rank = dist.get_rank()
     rung = load_rung(rung_name).with_num_processes(WORLD, ep=ep if ep > 1 else None, tp=tp if tp > 1 else None)
     key = (spec, lora, coef)
@@ -139,7 +141,7 @@ def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: di
         steps = train(ref, make_batch(), recorder_of(ref, coef, distributed=False), scale=1, tp=False)
         references[key] = (build(spec, lora), steps)  # fresh weights to compare the held experts with
     ref_model, ref_steps = references[key]
-    model = build(spec, lora, rung)
+    model = build(spec, lora, rung, ac)
     experts = held_experts(model, ref_model) if ep > 1 or tp > 1 else {}
     dp = WORLD // tp
     mine = {k: v.chunk(dp)[rank // tp] for k, v in make_batch().items()}
@@ -149,7 +151,8 @@ def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: di
             "num_experts": moe_layers(ref_model)[0].facts.num_experts(ref_model.config), "ep": ep}
 
 
-# name -> (preset, rung, ep, tp, LoRA[, the aux loss's coefficient: 1.0 makes its gradient show in two steps]).
+# name -> (preset, rung, ep, tp, LoRA[, the aux loss's coefficient: 1.0 makes its gradient show in two steps,
+# activation checkpointing: every layer's forward, its all-to-alls included, run again in backward]).
 CASES = {
     "qwen3_moe/ddp": ("qwen3-moe-tiny", "ddp", 1, 1, False),
     "qwen3_moe/fsdp": ("qwen3-moe-tiny", "fsdp_full_shard", 1, 1, False),
@@ -157,6 +160,7 @@ CASES = {
     "qwen3_moe/ep4": ("qwen3-moe-tiny", "fsdp_ep", 4, 1, False),
     "qwen3_moe/tp2_ep2_aux1": ("qwen3-moe-tiny", "fsdp_tp", 2, 2, False, 1.0),
     "qwen3_moe/ep2_lora": ("qwen3-moe-tiny", "fsdp_ep", 2, 1, True),
+    "qwen3_moe/ep4_ac": ("qwen3-moe-tiny", "fsdp_ep", 4, 1, False, None, True),
     "mixtral/ep2": ("mixtral-tiny", "fsdp_ep", 2, 1, False),
     "mixtral/ep4": ("mixtral-tiny", "fsdp_ep", 4, 1, False),
     "mixtral/tp2_ep2": ("mixtral-tiny", "fsdp_tp", 2, 2, False),

@@ -1,6 +1,7 @@
 """Mixture-of-experts training is the single process's on every layout hfdist runs it on: one 4-rank launch
 (moe_worker.py) trains Qwen3-MoE, Mixtral (8 experts, top-2) and Llama 4's text model through hfdist's recipe on
-ddp, fsdp_full_shard, fsdp_ep (ep 2 and 4), fsdp_tp (tp 2 x ep 2) and with LoRA, two AdamW steps each, against one
+ddp, fsdp_full_shard, fsdp_ep (ep 2 and 4, with activation checkpointing), fsdp_tp (tp 2 x ep 2) and with LoRA,
+two AdamW steps each, against one
 process holding the whole global batch: the cross-entropy, the router's aux loss over the global batch (with its
 coefficient raised to 1 on one case, so its gradient shows), the tokens routed to each expert, and the experts each
 rank holds.
@@ -19,7 +20,8 @@ from __future__ import annotations
 import pytest
 
 CASES = ["qwen3_moe/ddp", "qwen3_moe/fsdp", "qwen3_moe/ep2", "qwen3_moe/ep4", "qwen3_moe/tp2_ep2_aux1",
-         "qwen3_moe/ep2_lora", "mixtral/ep2", "mixtral/ep4", "mixtral/tp2_ep2", "llama4/ep2", "llama4/tp2_ep2_lora"]
+         "qwen3_moe/ep2_lora", "qwen3_moe/ep4_ac", "mixtral/ep2", "mixtral/ep4", "mixtral/tp2_ep2", "llama4/ep2",
+         "llama4/tp2_ep2_lora"]
 
 
 @pytest.fixture(scope="module")
