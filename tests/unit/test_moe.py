@@ -294,3 +294,16 @@ def test_lora_on_the_experts_is_refused_before_launch():
     cfg = FinetuneConfig(model="qwen3-moe-tiny", lora=True, lora_target_modules=("q_proj", "gate_proj"))
     with pytest.raises(ConfigError, match="--lora-target-modules gate_proj on this mixture-of-experts model"):
         check_lora(cfg, load_rung("fsdp_ep"), load_config("qwen3-moe-tiny"))
+
+
+def test_scheduler_state_follows_the_param_groups_across_layouts():
+    """transformers gives the experts of an ep layout param groups of their own (their own device mesh): a
+    checkpoint of fsdp_ep (3 groups) resumed on fsdp_full_shard (2) keeps its schedule (resumed by hand on 4 -> 2
+    ranks: steps 3 and 4 equal the uninterrupted run's to 7e-8); groups on different schedules are left to torch."""
+    from hfdist.checkpoint.trainer_hooks import _regrouped
+
+    saved = {"base_lrs": [3e-3] * 3, "_last_lr": [2e-3] * 3, "lr_lambdas": [None] * 3, "last_epoch": 2}
+    assert _regrouped(saved, 2) == {"base_lrs": [3e-3] * 2, "_last_lr": [2e-3] * 2, "lr_lambdas": [None] * 2,
+                                    "last_epoch": 2}
+    mixed = {**saved, "base_lrs": [3e-3, 1e-3, 3e-3]}
+    assert _regrouped(mixed, 2)["base_lrs"] == [3e-3, 1e-3, 3e-3]
