@@ -9,6 +9,8 @@ running forward and backward on `micro_batch` sequences at a time, `accumulation
                 for the rows one matmul sees (rate(M) = peak x M / (M + M_half): small matmuls run below peak)
     bubble    = compute x (pp - 1) / n under a pipeline of n micro-batches per schedule (1F1B's idle share)
     optimizer = the rank's trainable parameters x the bytes Adam reads and writes per parameter / memory bandwidth
+                (host memory's, when the rung offloads the optimizer, plus the gradients down and the updated
+                weights up over the host link; offloaded weights also come up the host link for every pass)
     comm      = for each collective, latency + (its algorithm's share of) its buffer / the group's bandwidth (inside
                 a node or across nodes, from where the mesh puts the group: tp innermost, then pp, cp, dp_shard,
                 dp_replicate, hfdist.config.dims). Data-parallel collectives (FSDP / ZeRO gathers and reductions,
@@ -58,6 +60,8 @@ class Hardware:
         intra_node_bandwidth / inter_node_bandwidth: bytes/s per rank of a ring collective inside a node / across
             nodes (NCCL's "bus bandwidth"; gloo's over loopback on a CPU host).
         latency: seconds every collective call costs whatever its size.
+        host_bandwidth: bytes/s between a device and host memory (PCIe): what offloading moves.
+        host_memory_bandwidth: bytes/s of host memory per device: an offloaded optimizer's step runs there.
         source: where the figures come from (a datasheet assumption, or `hfdist tune`'s probe of this machine).
     """
 
@@ -67,6 +71,8 @@ class Hardware:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     latency: float
+    host_bandwidth: float
+    host_memory_bandwidth: float
     source: str
 
     def matmul_rate(self, rows: float) -> float:
@@ -77,10 +83,10 @@ class Hardware:
 # What `hfdist plan` assumes when it cannot measure: an 8 x H100 SXM node (bf16 dense peak 989 TFLOP/s, of which
 # large training matmuls reach about 60%; 3.35 TB/s HBM3; NVLink 4 at 900 GB/s both ways, of which a ring collective
 # sees about 360 GB/s of bus bandwidth; one 400 Gb/s InfiniBand NIC per GPU, about 40 GB/s of bus bandwidth), and
-# matmuls at half rate below ~256 rows.
+# matmuls at half rate below ~256 rows; PCIe 5.0 x16 at ~50 GB/s each way and ~40 GB/s of a host's DDR5 per GPU.
 NOMINAL_HARDWARE = Hardware(matmul_flops=0.6 * 989e12, half_rate_rows=256.0, memory_bandwidth=3.35e12,
                             intra_node_bandwidth=360e9, inter_node_bandwidth=40e9, latency=20e-6,
-                            source="nominal H100 SXM node: 60% of the bf16 datasheet peak, NVLink ~360 GB/s and "
+                            host_bandwidth=50e9, host_memory_bandwidth=40e9, source="nominal H100 SXM node: 60% of the bf16 datasheet peak, NVLink ~360 GB/s and "
                                    "InfiniBand ~40 GB/s of bus bandwidth (not measured: `hfdist tune` measures)")
 
 
@@ -227,6 +233,22 @@ def step_collectives(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workl
     return out
 
 
+def _optimizer_seconds(rung: Rung, trainable: float, params: float, w: Workload, accumulation: int,
+                       hardware: Hardware) -> float:
+    """The optimizer step, and the host-link traffic of a rung that offloads (hfdist.plan.bytes.offload_device)."""
+    from hfdist.plan.bytes import offload_device
+
+    if offload_device(rung) == "none":
+        return trainable * ADAM_BYTES_PER_PARAM / hardware.memory_bandwidth
+    elem = 2 if w.dtype == "bf16" else 4
+    # fp32 gradients down and the updated weights up, the step in host memory
+    seconds = trainable * (4 + elem) / hardware.host_bandwidth + \
+        trainable * ADAM_BYTES_PER_PARAM / hardware.host_memory_bandwidth
+    if rung.offload_param != "none" or (rung.fsdp is not None and rung.fsdp.offload_params):
+        seconds += 2 * accumulation * params * elem / hardware.host_bandwidth  # the weights, for forward and backward
+    return seconds
+
+
 def step_cost(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, *, global_batch: int,
               hardware: Hardware, gpus_per_node: int, flops_per_token: float) -> StepCost:
     """Predicted time of one optimizer step of `rung` laid out as `dims` on `hardware` (module docstring).
@@ -248,7 +270,8 @@ def step_cost(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, *,
     bubble = compute * (dims.pp - 1) / n_micro if dims.pp > 1 else 0.0
     params, _, layers = _stage_params(shape, dims)
     shards = dims.dp_shard * dims.cp if rung.owns_sharding else (dims.dp_shard if rung.uses_deepspeed else 1)
-    optimizer = params * _trainable_fraction(shape, w) / shards * ADAM_BYTES_PER_PARAM / hardware.memory_bandwidth
+    trainable = params * _trainable_fraction(shape, w) / shards
+    optimizer = _optimizer_seconds(rung, trainable, params / shards, w, accumulation, hardware)
     collectives = step_collectives(shape, rung, dims, w, accumulation)
     hidden = critical = 0.0
     for c in collectives:
