@@ -209,6 +209,10 @@ class FinetuneConfig:
     # Output and checkpoints
     output_dir: str = option("outputs/finetune", "Where everything is written (default {default}).", group=OUTPUT)
     overwrite: bool = option(False, "Allow writing into a non-empty --output-dir.", group=OUTPUT)
+    save_model: bool = option(
+        True, "Save the trained model (or adapter) to --output-dir at the end and score the check batch it must "
+        "reproduce (default); --no-save-model leaves both out (a throughput run, `hfdist tune`'s probes).",
+        group=OUTPUT)
     save_steps: int = option(
         50, "Write OUTPUT_DIR/checkpoint-N every N optimizer steps (0: none; default {default}).", group=OUTPUT,
         type=non_negative_int)

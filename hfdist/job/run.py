@@ -151,6 +151,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.models.attention import resolve_attention
     from hfdist.models.presets import is_preset
     from hfdist.train.evaluation import EvaluationSchedule
+    from hfdist.train.injected_faults import injected_faults
     from hfdist.train.watchdog import StepWatchCallback
 
     on_gpu = torch.cuda.is_available()
@@ -200,6 +201,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
     if prepared.eval is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint
         callbacks.append(EvaluationSchedule(at_saves=cfg.load_best))
+    callbacks += injected_faults(int(os.environ.get("RANK", "0")), rung.name)  # tests: nothing unless HFDIST_INJECT_*
     # The job's callbacks replace the API's default metrics callback (print_table=False: the summary closes the run).
     trainer = strategy_trainer(Trainer, chosen)(
         model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval, data_collator=collator,
@@ -245,11 +247,13 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
         if cfg.load_best:
             watch.where("loading the best checkpoint")
             run.losses.best_step = run.trainer.load_best_checkpoint()
-        watch.where("scoring the check batch")
-        check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
-                                                         run.trainer.data_collator))
-        watch.where("saving the model")
-        saved = _save_measured(run, cfg.output_dir)
+        check_loss, saved = None, {}
+        if cfg.save_model:
+            watch.where("scoring the check batch")
+            check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
+                                                             run.trainer.data_collator))
+            watch.where("saving the model")
+            saved = _save_measured(run, cfg.output_dir)
     watch.stop()
 
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)

@@ -101,7 +101,7 @@ def write_job_file(cfg: FinetuneConfig) -> Path:
     return path
 
 
-def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | None, check_loss: float,
+def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | None, check_loss: float | None,
                    ranks: list[dict], resume_from: Path | None) -> None:
     """Rank 0: close the W&B run with the peaks, write OUTPUT_DIR/hfdist_summary.json and print the closing table."""
     summary = {
@@ -132,7 +132,9 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
           f"steps", flush=True)
     if summary["eval"] is not None:
         print(_evaluation_line(summary["eval"]), flush=True)
-    outputs = {"model": cfg.output_dir, "summary": str(Path(cfg.output_dir) / SUMMARY_NAME)}
+    outputs = {"summary": str(Path(cfg.output_dir) / SUMMARY_NAME)}
+    if cfg.save_model:
+        outputs = {"model": cfg.output_dir, **outputs}
     outputs.update({f"{label} run": location for label, location in where.items()})
     print(run.closing_table(outputs), flush=True)
 

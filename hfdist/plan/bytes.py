@@ -116,6 +116,9 @@ class Workload:
     # Preference training (DPO): a frozen reference copy of the model beside the policy, sharded like it; none under
     # LoRA, where the base with its adapters turned off is the reference.
     reference_model: bool = False
+    # What every rank holds besides the training state: a GPU's CUDA context and library workspaces (the 1 GiB
+    # default); 0 where hfdist tune measures a CPU process's training memory above the process it started in.
+    workspace: int = WORKSPACE_BYTES
 
     def __post_init__(self) -> None:
         if self.attention not in CHOICES and not is_hub_kernel(self.attention):
@@ -324,7 +327,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp
                     if w.qlora else None)
-    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, root,
+    buffers = w.workspace + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, root,
                                                 trainable / max(params, 1), float8_params, layer_stored)
     if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
         buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from hfdist.config.dims import ParallelDims
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.models.shape import ModelShape
-from hfdist.plan.bytes import Workload
+from hfdist.plan.bytes import WORKSPACE_BYTES, Workload
 
 __all__ = ["Hardware", "Collective", "StepCost", "NOMINAL_HARDWARE", "step_collectives", "step_cost",
            "group_crosses_nodes", "ADAM_BYTES_PER_PARAM"]
@@ -62,6 +62,8 @@ class Hardware:
         latency: seconds every collective call costs whatever its size.
         host_bandwidth: bytes/s between a device and host memory (PCIe): what offloading moves.
         host_memory_bandwidth: bytes/s of host memory per device: an offloaded optimizer's step runs there.
+        workspace_bytes: what a rank holds for training besides the model's tensors (a GPU's context and library
+            workspaces; a CPU process's kernels and scratch that a first training step touches).
         source: where the figures come from (a datasheet assumption, or `hfdist tune`'s probe of this machine).
     """
 
@@ -73,6 +75,7 @@ class Hardware:
     latency: float
     host_bandwidth: float
     host_memory_bandwidth: float
+    workspace_bytes: int
     source: str
 
     def matmul_rate(self, rows: float) -> float:
@@ -86,7 +89,8 @@ class Hardware:
 # matmuls at half rate below ~256 rows; PCIe 5.0 x16 at ~50 GB/s each way and ~40 GB/s of a host's DDR5 per GPU.
 NOMINAL_HARDWARE = Hardware(matmul_flops=0.6 * 989e12, half_rate_rows=256.0, memory_bandwidth=3.35e12,
                             intra_node_bandwidth=360e9, inter_node_bandwidth=40e9, latency=20e-6,
-                            host_bandwidth=50e9, host_memory_bandwidth=40e9, source="nominal H100 SXM node: 60% of the bf16 datasheet peak, NVLink ~360 GB/s and "
+                            host_bandwidth=50e9, host_memory_bandwidth=40e9, workspace_bytes=WORKSPACE_BYTES,
+                            source="nominal H100 SXM node: 60% of the bf16 datasheet peak, NVLink ~360 GB/s and "
                                    "InfiniBand ~40 GB/s of bus bandwidth (not measured: `hfdist tune` measures)")
 
 

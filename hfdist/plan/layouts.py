@@ -54,6 +54,7 @@ class Pins:
     cp: int | None = None
     micro_batch: int | None = None
     activation_checkpointing: bool | None = None
+    no_accumulation: bool = False  # the micro-batch is a rank's whole share of the global batch (the job's default)
 
     def degree(self, axis: str) -> int | None:
         """The pinned degree of `axis` ("tp", "pp" or "cp"), or None."""
@@ -179,6 +180,8 @@ def _micro_batches(rung: Rung, per_rank: int, pins: Pins) -> list[int]:
     options = [m for m in divisors(per_rank) if m % step == 0]
     if pins.micro_batch is not None:
         options = [m for m in options if m // step == pins.micro_batch]
+    if pins.no_accumulation:
+        options = [m for m in options if m == per_rank]
     return options
 
 

@@ -29,7 +29,8 @@ from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, offload_device
 from hfdist.plan.cost import NOMINAL_HARDWARE, Hardware, StepCost, step_cost
 from hfdist.plan.layouts import Cluster, Layout, Pins, rung_layouts
 
-__all__ = ["Plan", "RungPlan", "plan_rungs", "plan_layout", "plan_order", "Cluster", "Pins", "SPEED_TIE"]
+__all__ = ["Plan", "RungPlan", "Assessment", "plan_rungs", "plan_layout", "assess_layouts", "plan_order", "Cluster",
+           "Pins", "SPEED_TIE"]
 
 # Predicted speeds this close are a tie (the cost model leaves out overheads of this order), which the simpler rung
 # wins.
@@ -483,6 +484,28 @@ def plan_rungs(
     if rec is None or rec.offload != "none":
         plan = replace(plan, hint=_find_fix(ctx, loaded, pins, global_batch, avoid_offload=rec is not None))
     return plan
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """One layout for one workload: why it cannot run (empty when it can), else its bytes and predicted step."""
+
+    layout: Layout
+    refusal: str
+    bytes: RankBytes | None
+    cost: StepCost | None
+
+
+def assess_layouts(config, layouts: Iterable[Layout], cluster: Cluster, *, workload: Workload,
+                   hardware: Hardware = NOMINAL_HARDWARE) -> list[Assessment]:
+    """Each layout's refusal (the checks the job makes before launch), or its per-rank bytes and predicted step time
+    (hfdist tune's candidates)."""
+    ctx = _context(config, "model", cluster, 1, workload, hardware)
+    out = []
+    for layout in layouts:
+        why = _refusal(config, layout, workload)
+        out.append(Assessment(layout, why, *((None, None) if why else _evaluate(ctx, layout))))
+    return out
 
 
 def plan_layout(config, layout: Layout, cluster: Cluster, *, gpu_mem_bytes: int, workload: Workload,
