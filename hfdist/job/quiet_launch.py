@@ -32,6 +32,7 @@ def _record_failures(failures: dict[int, int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run `accelerate launch` with `argv`; returns the exit code of the failed rank (0 when every rank succeeded)."""
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from hfdist import console
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         _record_failures(codes)
         _, first = exc.get_first_failure()
         return first.exitcode if first.exitcode > 0 else 1
+    except SignalException as exc:  # the agent got a signal, forwarded it to the ranks and waited for them to stop
+        return 128 + int(exc.sigval)  # as a shell reports a process the signal ended (the hand-over reads the ranks')
     return 0
 
 

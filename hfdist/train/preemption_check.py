@@ -23,15 +23,20 @@ deadline to a process; no figure is assumed there.
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["PREEMPTED_EXIT_CODE", "DEFAULT_SIGNALS", "GRACE_ENV", "Grace", "signal_name", "preempt_signals",
-           "advertised_grace", "grace_lines", "preempted_line", "elastic_forwarding_env"]
+           "advertised_grace", "grace_lines", "preempted_line", "elastic_forwarding_env", "PREEMPTED_NOTE",
+           "leave_preempted_note", "preempted_note"]
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (module docstring)
+# Rank 0's closing line, left in the hand-over's folder (hfdist.errors.ERROR_DIR_ENV): the launcher, which may have got
+# the signal itself and stopped the ranks, then exits PREEMPTED_EXIT_CODE too (hfdist.job.launch).
+PREEMPTED_NOTE = "preempted.txt"
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")  # Kubernetes, torchrun and Slurm's end of job; Slurm's `--signal` notice
 GRACE_ENV = "HFDIST_PREEMPT_GRACE"
 TORCHRUN_SHUTDOWN_DEFAULT = 30.0  # torch.distributed.launcher.api.LaunchConfig's default shutdown_timeout
@@ -45,16 +50,16 @@ def signal_name(text: str) -> str:
     """argparse type of --preempt-signal: a signal by name (SIGUSR2, USR2) or number, as its canonical name.
 
     Raises:
-        ValueError: no such signal on this system, or one a process cannot catch (SIGKILL, SIGSTOP).
+        argparse.ArgumentTypeError: no such signal on this system, or one a process cannot catch (SIGKILL, SIGSTOP).
     """
     raw = text.strip().upper()
     try:
         sig = signal.Signals(int(raw)) if raw.isdigit() else signal.Signals[raw if raw.startswith("SIG") else f"SIG{raw}"]
     except (KeyError, ValueError):
-        raise ValueError(f"not a signal on this system: {text!r} (a name such as SIGUSR2 or USR2, or a number)") \
+        raise argparse.ArgumentTypeError(f"not a signal on this system: {text!r} (a name such as SIGUSR2 or USR2, or a number)") \
             from None
     if sig.name in _UNCATCHABLE:
-        raise ValueError(f"{sig.name} cannot be caught, so it cannot ask for a checkpoint; pick another "
+        raise argparse.ArgumentTypeError(f"{sig.name} cannot be caught, so it cannot ask for a checkpoint; pick another "
                          "(SIGUSR2, SIGINT, ...)")
     return sig.name
 
@@ -128,8 +133,9 @@ def grace_lines(save_seconds: float | None, step_seconds: float | None, grace: G
         return [f"hfdist: preemption: {sent} checkpoints at the next step and exits {PREEMPTED_EXIT_CODE}; {gives}; "
                 "the time a checkpoint takes is printed after the first one."]
     needed = save_seconds + (step_seconds or 0.0)
-    lines = [f"hfdist: preemption needs {needed:.1f} s after {sent}: {what} took {save_seconds:.1f} s to write, plus "
-             f"up to {step_seconds or 0.0:.1f} s to end the step in progress; {gives}."]
+    step = f"up to {step_seconds:.1f} s" if step_seconds is not None else "the time of a step"
+    lines = [f"hfdist: preemption needs {'' if step_seconds is not None else 'at least '}{needed:.1f} s after {sent}: "
+             f"{what} took {save_seconds:.1f} s to write, plus {step} to end the step in progress; {gives}."]
     if grace is not None and needed > grace.seconds:
         lines.append(f"hfdist: warning: a preempted run would be killed {needed - grace.seconds:.1f} s before its "
                      f"checkpoint lands, losing the steps since the previous one: raise the grace "
@@ -144,3 +150,22 @@ def preempted_line(rung: str, step: int, signal: str, ranks: Sequence[int], save
     took = f" in {save_seconds:.1f} s" if save_seconds is not None else ""
     return (f"hfdist: {rung} preempted at step {step} ({signal} on {who}): {checkpoint} written{took}; exit code "
             f"{PREEMPTED_EXIT_CODE}. Run the same command with --resume to continue from it.")
+
+
+def leave_preempted_note(line: str) -> None:
+    """Rank 0 of a preempted run under hfdist's hand-over: leave its closing line for the launcher."""
+    from hfdist.errors import ERROR_DIR_ENV
+
+    folder = os.environ.get(ERROR_DIR_ENV)
+    if folder and os.path.isdir(folder):
+        with open(os.path.join(folder, PREEMPTED_NOTE), "w", encoding="utf-8") as note:
+            note.write(line)
+
+
+def preempted_note(folder: str | os.PathLike) -> str | None:
+    """The closing line a preempted run's rank 0 left in the hand-over's `folder`, or None."""
+    path = os.path.join(folder, PREEMPTED_NOTE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as note:
+        return note.read()
