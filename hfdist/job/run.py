@@ -221,6 +221,10 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     Returns:
         The process exit code.
     """
+    if cfg.launcher == "ray" and not os.environ.get(HANDED_OVER_ENV):  # this process is Ray's driver
+        from hfdist.job.ray_launch import ray_launch
+
+        return ray_launch(cfg)
     # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
     rung = resolve_rung(cfg)
     micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)

@@ -14,8 +14,11 @@ Rank 0 prints the grace a preemption needs (the last checkpoint's measured write
 environment advertises: at the start (a resumed run: its checkpoint's recorded write time) and after this run's first
 checkpoint, with a warning when it does not fit.
 
-Tests only: HFDIST_TEST_PREEMPT_AT=RANK:STEP[:SIGNAL] makes rank RANK send itself SIGNAL (default SIGTERM) as step
-STEP begins, so a test preempts a run at a known step without timing a kill from outside.
+Tests only: HFDIST_TEST_PREEMPT_AT=RANK:STEP[:SIGNAL[:FLAGS]] makes rank RANK send SIGNAL (default SIGTERM) as step
+STEP begins to itself, or with the flag `launcher` to the process that handed over to accelerate (the rank's
+launcher's parent: what Kubernetes signals, a container's first process); with `fresh`, only in a run that did not
+resume (a worker killed once, then restarted from a checkpoint). FLAGS is a comma-separated list. So a test preempts
+or kills a run at a known step without timing a signal from outside.
 """
 
 from __future__ import annotations
@@ -116,14 +119,30 @@ class PreemptionWatch:
         return {"preempt_signal": self.received[0], "preempt_signal_time": self.received[1]} if self.received else {}
 
 
-def _test_delivery(rank: int, step: int) -> None:
-    """HFDIST_TEST_PREEMPT_AT=RANK:STEP[:SIGNAL]: this rank sends itself the signal as that step begins."""
+def _parent_of(pid: int) -> int:
+    """The parent process id of `pid` (Linux /proc)."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _test_delivery(watch: PreemptionWatch, rank: int, step: int, resumed: bool) -> None:
+    """HFDIST_TEST_PREEMPT_AT=RANK:STEP[:SIGNAL[:FLAGS]]: this rank sends the signal, as that step begins, to itself
+    or to the hand-over's process (module docstring), and then waits until the launchers have forwarded it back to
+    this rank, so that the run stops at this step whatever the launchers' delay."""
     spec = os.environ.get(TEST_PREEMPT_ENV)
     if not spec:
         return
-    target_rank, target_step, *name = spec.split(":")
-    if int(target_rank) == rank and int(target_step) == step:
-        os.kill(os.getpid(), signal.Signals[name[0] if name else "SIGTERM"])
+    target_rank, target_step, *rest = spec.split(":")
+    flags = rest[1].split(",") if len(rest) > 1 else []
+    if int(target_rank) != rank or int(target_step) != step or ("fresh" in flags and resumed):
+        return
+    sig = signal.Signals[rest[0] if rest else "SIGTERM"]
+    if "launcher" not in flags:
+        os.kill(os.getpid(), sig)
+        return
+    os.kill(_parent_of(os.getppid()), sig)
+    deadline = time.time() + 120
+    while watch.received is None and time.time() < deadline:
+        time.sleep(0.01)
 
 
 class PreemptionCallback(TrainerCallback):
@@ -153,7 +172,8 @@ class PreemptionCallback(TrainerCallback):
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._step_started = time.perf_counter()
-        _test_delivery(args.process_index, state.global_step + 1)
+        _test_delivery(self.trainer.preemption, args.process_index, state.global_step + 1,
+                       self.trainer.resumed_from is not None)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -185,24 +205,24 @@ class PreemptionMixin:
         super().__init__(*args, **kwargs)
         self.preemption = PreemptionWatch(preempt_signals)
         self.preempted: Preempted | None = None
-        self._resumed_from: str | None = None
+        self.resumed_from: str | None = None  # the checkpoint this training resumed from
         self.add_callback(PreemptionCallback(self))
 
     def resumed_save_seconds(self) -> tuple[float | None, str]:
         """The write time recorded by the checkpoint this run resumed from (None: not resumed, or none recorded: a
         checkpoint of an older hfdist), and the checkpoint's name."""
-        if self._resumed_from is None:
+        if self.resumed_from is None:
             return None, ""
         from hfdist.checkpoint.format import CheckpointError, read_marker
 
-        checkpoint = Path(self._resumed_from)
+        checkpoint = Path(self.resumed_from)
         try:
             return read_marker(checkpoint).get("save_seconds"), checkpoint.name
         except CheckpointError:
             return None, checkpoint.name
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
-        self._resumed_from = resume_from_checkpoint
+        self.resumed_from = resume_from_checkpoint
         return super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
 
     def _save_checkpoint(self, model, trial) -> None:
