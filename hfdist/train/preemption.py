@@ -15,8 +15,9 @@ environment advertises: at the start (a resumed run: its checkpoint's recorded w
 checkpoint, with a warning when it does not fit.
 
 Tests only: HFDIST_TEST_PREEMPT_AT=RANK:STEP[:SIGNAL[:FLAGS]] makes rank RANK send SIGNAL (default SIGTERM) as step
-STEP begins to itself, or with the flag `launcher` to the process that handed over to accelerate (the rank's
-launcher's parent: what Kubernetes signals, a container's first process); with `fresh`, only in a run that did not
+STEP begins to itself, or with the flag `launcher` to its launchers: the process that handed over to accelerate (what
+Kubernetes signals, a container's first process) and accelerate's agent (which that one forwards it to, so the agent
+gets it twice, as under Slurm, which signals every process of a job); with `fresh`, only in a run that did not
 resume (a worker killed once, then restarted from a checkpoint). FLAGS is a comma-separated list. So a test preempts
 or kills a run at a known step without timing a signal from outside.
 """
@@ -139,6 +140,7 @@ def _test_delivery(watch: PreemptionWatch, rank: int, step: int, resumed: bool) 
     if "launcher" not in flags:
         os.kill(os.getpid(), sig)
         return
+    os.kill(os.getppid(), sig)
     os.kill(_parent_of(os.getppid()), sig)
     deadline = time.time() + 120
     while watch.received is None and time.time() < deadline:
