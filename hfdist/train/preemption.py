@@ -84,9 +84,11 @@ class PreemptionWatch:
         if dist.is_available() and dist.is_initialized() and self._group is None and self.signals:
             # The agreement reduces a CPU tensor: on the world group where it has a CPU backend (gloo), else on a gloo
             # group of its own (a CUDA tensor under NCCL would synchronise the device every step).
+            from hfdist.checkpoint.background import world_timeout
+
             backend = str(dist.get_backend())
             self._group = dist.group.WORLD if "gloo" in backend else dist.new_group(
-                backend="gloo", group_desc="hfdist_preemption")
+                backend="gloo", timeout=world_timeout(), group_desc="hfdist_preemption")
         if threading.current_thread() is not threading.main_thread():
             return
         for name in self.signals:
@@ -158,10 +160,11 @@ class PreemptionCallback(TrainerCallback):
         self._grace_printed = False
 
     def _print_grace(self, save_seconds: float | None, what: str) -> None:
+        from hfdist.job.launch import HANDED_OVER_ENV
         from hfdist.job.world import launcher_argv
 
         watch = self.trainer.preemption
-        grace = advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get("HFDIST_HANDED_OVER")))
+        grace = advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get(HANDED_OVER_ENV)))
         signals = watch.signals if watch.armed else ()
         if signals:
             print("\n".join(grace_lines(save_seconds, self._step_seconds, grace, signals, what)), flush=True)
