@@ -27,7 +27,8 @@ pytestmark = pytest.mark.multiproc
 
 EXIT_PREEMPTED = 75  # docs/clusters.md; hfdist.train.preemption_check.PREEMPTED_EXIT_CODE
 RTOL = 1e-6  # same layout and ranks as the uninterrupted run: resumed steps are bit-identical in practice (measured 0)
-FOUR = ("--config", "fsdp_full_shard", "--num-processes", "4", "--max-steps", "6", "--save-steps", "2")
+# Background writes asked for explicitly (the in-flight case needs one, whatever the default on CPU).
+FOUR = ("--config", "fsdp_full_shard", "--num-processes", "4", "--max-steps", "6", "--save-steps", "2", "--save-async")
 PREEMPT_ENV = "HFDIST_TEST_PREEMPT_AT"
 WRITE_ENV = "HFDIST_TEST_SIGNAL_IN_WRITE_OF"
 # Imported by every process of a run that sets WRITE_ENV (PYTHONPATH): rank 1, inside its background write of the
