@@ -78,7 +78,8 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[int, dict | None, str,
     """{(example, config): (exit code, trainer_state.json or None, console, output folder)}."""
     root = tmp_path_factory.mktemp("examples")
     data = _datasets(root)
-    return side_by_side({key: (lambda key=key, n=n: _launch(*key, n, data[key[0]], root / "-".join(key)))
+    return side_by_side({key: (lambda key=key, n=n: _launch(*key, n, data["dpo" if key[0] == "dpo" else "sft"],
+                                                            root / "-".join(key)))
                          for key, n in LAUNCHES.items()})
 
 
