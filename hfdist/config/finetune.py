@@ -104,6 +104,9 @@ class FinetuneConfig:
         type=non_negative_int, metavar="N")
     tp: int | None = option(None, "Tensor-parallel degree (overrides the YAML's).", group=STRATEGY, type=positive_int)
     pp: int | None = option(None, "Pipeline stages (overrides the YAML's).", group=STRATEGY, type=positive_int)
+    cp: int | None = option(
+        None, "Context-parallel degree: ranks that each hold 1/cp of every sequence (overrides the YAML's; "
+        "docs/long-context.md).", group=STRATEGY, type=positive_int)
     dp_replicate: int | None = option(
         None, "Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).",
         group=STRATEGY, type=positive_int)
