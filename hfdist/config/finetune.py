@@ -23,8 +23,9 @@ from hfdist.config.job_file import CommandParser, job_yaml, parse_with_job_file
 from hfdist.config.options import OptionGroup, add_options, dataclass_from_namespace, option
 from hfdist.config.rungs import RUNG_INFO
 from hfdist.errors import HfdistError
+from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE, signal_name
 
-__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "PP_SCHEDULES", "USAGE", "LR_SCHEDULERS",
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "LAUNCHERS", "PP_SCHEDULES", "USAGE", "LR_SCHEDULERS",
            "TRACKERS", "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args",
            "parse_command", "job_text", "optimisation_arguments", "evaluation_arguments", "lora_settings",
            "non_negative_int", "positive_int"]
@@ -52,6 +53,8 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # SchedulerType values; tests/unit/test_job_file.py builds each).
 # torch.distributed.pipelining's schedules --pp-schedule takes, by torch's class names minus "Schedule"
 # (hfdist.parallel.pipeline.plan.SCHEDULES maps them to the classes).
+# What starts the ranks (--launcher): accelerate's launch (hfdist's hand-over, or a world torchrun started) or Ray Train.
+LAUNCHERS = ("accelerate", "ray")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
@@ -89,6 +92,16 @@ class FinetuneConfig:
     num_processes: int | None = option(
         None, "Processes to run; the data-parallel axis absorbs the change. Default: one per GPU of this node on a "
         "GPU machine, the YAML's num_processes on CPU.", group=STRATEGY, type=positive_int)
+    launcher: str = option(
+        "accelerate", "What starts the processes: accelerate (default: hfdist hands over to accelerate launch, or "
+        "joins the world torchrun or Slurm started) or ray (Ray Train's TorchTrainer, one worker per GPU of the Ray "
+        "cluster or --num-processes on CPU; RAY_ADDRESS names the cluster, else a local one starts; "
+        "docs/clusters.md).", group=STRATEGY, choices=LAUNCHERS)
+    max_failures: int = option(
+        0, "Under --launcher ray: how many times Ray Train restarts the worker group after a lost worker, each time "
+        "from the latest checkpoint (default {default}; torchrun's --max-restarts does this for a world it starts).",
+        group=STRATEGY,
+        type=non_negative_int, metavar="N")
     tp: int | None = option(None, "Tensor-parallel degree (overrides the YAML's).", group=STRATEGY, type=positive_int)
     pp: int | None = option(None, "Pipeline stages (overrides the YAML's).", group=STRATEGY, type=positive_int)
     cp: int | None = option(
@@ -225,6 +238,11 @@ class FinetuneConfig:
     resume: bool = option(
         False, "Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has none); "
         "use it under launchers that restart failed jobs.", group=OUTPUT)
+    preempt_signal: str | None = option(
+        None, "A signal that preempts the run besides SIGTERM and SIGUSR1 (a name such as SIGUSR2, or a number): "
+        "received by any rank, every rank writes a checkpoint at the end of the step in progress and the job exits "
+        f"{PREEMPTED_EXIT_CODE}; --resume continues it (docs/clusters.md).", group=OUTPUT, type=signal_name,
+        metavar="SIGNAL")
     collective_timeout: float = option(
         300.0, "How long a rank waits in one collective before the job stops with a report naming the ranks that "
         "never joined (default {default}; docs/troubleshooting.md).", group=OUTPUT, type=timeout_seconds,

@@ -314,12 +314,21 @@ def _check_gpu_settings(rung: Rung) -> None:
     refuse_on_gpu(read_accelerate_yaml(rung.yaml_path), rung.owns_sharding, rung.yaml_path)
 
 
+def _check_launcher(cfg: FinetuneConfig) -> None:
+    """--max-failures is Ray Train's restarts; torchrun has its own."""
+    if cfg.max_failures and cfg.launcher != "ray":
+        raise ConfigError(f"--max-failures {cfg.max_failures} restarts Ray Train's worker group, so it needs --launcher "
+                          "ray. Without Ray, launch with torchrun --max-restarts N and pass --resume (each restart "
+                          "continues from the latest checkpoint; docs/multi-node.md), or drop --max-failures.")
+
+
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
     from hfdist.checkpoint.resume import resume_point
     from hfdist.models.build import check_checkpoint_weights
     from hfdist.models.presets import load_config
 
+    _check_launcher(cfg)
     _check_output_dir(cfg)
     check_evaluation(cfg)
     check_trackers(cfg)

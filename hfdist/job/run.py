@@ -27,6 +27,7 @@ from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import preflight
 from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_job_file, write_summary
 from hfdist.job.world import resolve_rung
+from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE, preempt_signals
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.api import Strategy
@@ -206,7 +207,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     trainer = strategy_trainer(Trainer, chosen)(
         model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval, data_collator=collator,
         processing_class=tokenizer, callbacks=callbacks, metrics=False, checkpoint_identity=checkpoint_identity(cfg, rung),
-        loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async)
+        loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async,
+        preempt_signals=preempt_signals(cfg.preempt_signal))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
@@ -221,6 +223,10 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     Returns:
         The process exit code.
     """
+    if cfg.launcher == "ray" and not os.environ.get(HANDED_OVER_ENV):  # this process is Ray's driver
+        from hfdist.job.ray_launch import ray_launch
+
+        return ray_launch(cfg)
     # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
     rung = resolve_rung(cfg)
     micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
@@ -244,11 +250,12 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
         print(resume_line(resume_from, cfg, rung), flush=True)
     with watch.watching():  # a collective timeout: every surviving rank reports who never joined, and leaves
         train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        if cfg.load_best:
+        preempted = run.trainer.preempted  # a checkpoint of the last step is written: no more work in the grace
+        check_loss, saved = None, {}
+        if cfg.load_best and preempted is None:
             watch.where("loading the best checkpoint")
             run.losses.best_step = run.trainer.load_best_checkpoint()
-        check_loss, saved = None, {}
-        if cfg.save_model:
+        if cfg.save_model and preempted is None:
             watch.where("scoring the check batch")
             check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
                                                              run.trainer.data_collator))
@@ -259,12 +266,13 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
                                                   "precision": precision, **_compile_record(cfg, rung, run),
-                                                  **_fp8_record(run)})
+                                                  **_fp8_record(run), **run.trainer.preemption.rank_record()})
     with watch.alone("writing the summary", "SUMMARY"):  # and finishing W&B's run (an upload, online)
         if _is_rank0():
-            write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
+            write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from,
+                          preempted.record() if preempted else None)
     _leave_process_group()
-    return 0
+    return PREEMPTED_EXIT_CODE if preempted else 0
 
 
 def _compile_record(cfg: FinetuneConfig, rung: Rung, run: Run) -> dict[str, Any]:

@@ -35,7 +35,7 @@ from hfdist.config.ladder import (
     resolve_deepspeed_json,
 )
 
-__all__ = ["Node", "WorldError", "resolve_rung", "rung_from_launcher_env", "launcher_config_file"]
+__all__ = ["Node", "WorldError", "resolve_rung", "rung_from_launcher_env", "launcher_argv", "launcher_config_file"]
 
 
 class WorldError(LadderError):
@@ -158,16 +158,20 @@ def _deepspeed_rung_from_env(world: int) -> Rung:
     return replace(rung, name=twin.name, yaml_path=twin.yaml_path, info=twin.info) if twin else rung
 
 
-def launcher_config_file() -> Path | None:
-    """The --config_file of the `accelerate launch` that started this rank, from the launcher's command line.
-
-    accelerate starts the ranks from its own process (torch's elastic agent runs inside it), so on Linux the
-    parent's /proc cmdline holds it. None when not found (another launcher, another OS).
-    """
+def launcher_argv() -> list[str]:
+    """The command line of the process that started this one (torchrun, or `accelerate launch`: torch's elastic
+    agent runs inside it and starts the ranks), from /proc on Linux; [] where it cannot be read."""
     try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
-        return None
+        return []
+
+
+def launcher_config_file() -> Path | None:
+    """The --config_file of the `accelerate launch` that started this rank, from the launcher's command line
+    (launcher_argv). None when not found (another launcher, another OS).
+    """
+    argv = launcher_argv()
     for i, arg in enumerate(argv):
         value = argv[i + 1] if arg == "--config_file" and i + 1 < len(argv) else None
         if arg.startswith("--config_file="):
