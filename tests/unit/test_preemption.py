@@ -138,8 +138,9 @@ def test_ray_missing_is_refused_in_one_paragraph(tmp_path, monkeypatch, capsys):
 
 
 def test_unreachable_ray_cluster_is_refused_in_one_paragraph(tmp_path, monkeypatch, capsys):
-    from helpers import free_port
     from hfdist.cli.finetune import MODULE_ENTRY, run_finetune
+
+    from helpers import free_port
 
     monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{free_port()}")  # nothing listens there
     code = run_finetune(["--launcher", "ray", "--output-dir", str(tmp_path / "out")], MODULE_ENTRY)
