@@ -20,6 +20,7 @@ from hfdist.config.arg_types import (
     trackers,
 )
 from hfdist.config.job_file import CommandParser, job_yaml, parse_with_job_file
+from hfdist.parallel.context_check import CP_METHODS
 from hfdist.errors import HfdistError
 
 __all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "USAGE", "LR_SCHEDULERS",
@@ -100,6 +101,8 @@ class FinetuneConfig:
     num_processes: int | None = None
     tp: int | None = None
     pp: int | None = None
+    cp: int | None = None
+    cp_method: str = "auto"
     dp_replicate: int | None = None
     nvme_path: str | None = None
     activation_checkpointing: bool = False
@@ -140,7 +143,7 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Strategy", "Which rung of the ladder, on how many processes, with which degrees.")
     g.add_argument("--config", default=d.config,
                    help="Rung name (ddp, zero1, fsdp_full_shard, zero2, fsdp_hybrid, zero3, pp, fsdp_tp, zero2_tp, 3d, "
-                        "fsdp_cp, zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
+                        "fsdp_cp, fsdp_tp_cp, zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
                         "YAML (FSDP1 keys are translated), or 'single'. Default: the world `accelerate launch "
                         "--config_file` started, else one process.")
     g.add_argument("--num-processes", type=positive_int, default=d.num_processes,
@@ -148,6 +151,15 @@ def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
                         "node on a GPU machine, the YAML's num_processes on CPU.")
     g.add_argument("--tp", type=positive_int, default=d.tp, help="Tensor-parallel degree (overrides the YAML's).")
     g.add_argument("--pp", type=positive_int, default=d.pp, help="Pipeline stages (overrides the YAML's).")
+    g.add_argument("--cp", type=positive_int, default=d.cp,
+                   help="Context-parallel degree: ranks that split every sequence (overrides the YAML's; fsdp_cp, "
+                        "fsdp_tp_cp, 3d and the other FSDP2 rungs).")
+    g.add_argument("--cp-method", default=d.cp_method, choices=CP_METHODS,
+                   help="How the cp ranks split attention: ulysses (all-to-all over heads; cp x tp must divide "
+                        "them), ring (keys and values around the cp ranks; any head count), hybrid (Ulysses inside "
+                        "groups, ring across), or auto (default: ulysses where the heads allow, else hybrid, else "
+                        "ring; the summary says why). Refused before launch where it cannot run "
+                        "(docs/long-context.md).")
     g.add_argument("--dp-replicate", type=positive_int, default=d.dp_replicate,
                    help="Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).")
     g.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
