@@ -1,5 +1,7 @@
 """Context parallelism's pure parts: the cp axis in ParallelDims and the mesh, the sequence sharding (labels shifted
-before the cut), the kv-head repeats for GQA, the checks before launch, the planner's activation term."""
+before the cut; contiguous under Ulysses, head-tail under a ring), the kv-head repeats for GQA, the method auto chooses
+and why, the refusals before launch (--cp-method, --cp, the sequence length, the attention), the planner's
+activation term."""
 
 from __future__ import annotations
 
@@ -12,7 +14,8 @@ from hfdist.config.dims import ParallelDims
 from hfdist.config.ladder import load_rung
 from hfdist.errors import HfdistError
 from hfdist.models.presets import load_config
-from hfdist.parallel.context import check_cp, kv_repeats, shard_batch
+from hfdist.parallel.context import CpPlan, check_cp, kv_repeats, shard_batch
+from hfdist.parallel.context_check import plan_cp
 
 from helpers import fake_world
 
@@ -40,7 +43,8 @@ def test_shard_batch_shifts_labels_before_the_cut():
     labels = ids.clone()
     labels[:, :2] = -100
     batch = {"input_ids": ids, "labels": labels, "position_ids": ids % 5, "attention_mask": torch.ones(2, 1, 12, 12)}
-    parts = [shard_batch(batch, r, 3) for r in range(3)]
+    ulysses = CpPlan("ulysses", 3, 3)
+    parts = [shard_batch(batch, r, ulysses) for r in range(3)]
     assert torch.equal(torch.cat([p["input_ids"] for p in parts], 1), ids)
     assert torch.equal(torch.cat([p["position_ids"] for p in parts], 1), ids % 5)
     shifted = torch.cat([p["shift_labels"] for p in parts], 1)
@@ -49,7 +53,21 @@ def test_shard_batch_shifts_labels_before_the_cut():
     assert parts[1]["labels"][0, -1] == ids[0, 8]  # a chunk's last token predicts the next chunk's first
     assert parts[0]["attention_mask"].shape == (2, 1, 12, 12)  # attention inputs stay whole
     with pytest.raises(HfdistError, match="multiple of 5"):
-        shard_batch(batch, 0, 5)
+        shard_batch(batch, 0, CpPlan("ulysses", 5, 5))
+
+
+def test_a_ring_holds_head_and_tail_chunks_with_their_shifted_labels():
+    """Ring cp=3 on rows of 12: 6 chunks of 2, rank r holds chunks r and 5 - r (equal causal work), each token with
+    the label of the next token of the whole row; pipeline stages also get the whole rows' position ids."""
+    ids = torch.arange(24).reshape(2, 12)
+    batch = {"input_ids": ids, "labels": ids.clone(), "position_ids": ids % 5}
+    ring = CpPlan("ring", 3, 1)
+    parts = [shard_batch(batch, r, ring, row_positions=True) for r in range(3)]
+    assert parts[0]["input_ids"][0].tolist() == [0, 1, 10, 11] and parts[2]["input_ids"][0].tolist() == [4, 5, 6, 7]
+    assert parts[0]["labels"][0].tolist() == [1, 2, 11, -100]
+    assert all(torch.equal(p["row_position_ids"], ids % 5) for p in parts)
+    with pytest.raises(HfdistError, match="multiple of 6"):
+        shard_batch({**batch, "input_ids": torch.zeros(1, 9, dtype=torch.long)}, 0, ring)
 
 
 @pytest.mark.parametrize("kv, cp, repeats", [(8, 2, 1), (8, 8, 1), (2, 4, 2), (1, 4, 4), (6, 4, 2)])
@@ -58,24 +76,88 @@ def test_kv_heads_repeated_only_as_much_as_cp_needs(kv, cp, repeats):
     assert (kv * repeats) % cp == 0
 
 
-def test_check_cp_names_heads_and_sequence():
-    tiny = load_config("llama-tiny")  # 4 heads
-    check_cp(tiny, 4, 512)
-    with pytest.raises(HfdistError, match="4 attention heads do not divide by cp=3") as err:
-        check_cp(tiny, 3, 512)
-    assert "divisor of 4 (2, 4)" in str(err.value)
-    with pytest.raises(HfdistError, match="/ tp=2 do not divide by cp=4"):
-        check_cp(tiny, 4, 512, tp=2)
-    with pytest.raises(HfdistError, match="--seq-len 513 does not divide by 2"):
-        check_cp(tiny, 2, 513)
+@pytest.mark.parametrize("heads, kv, tp, cp, seq, method, ulysses", [
+    (32, 8, 1, 8, 32768, "ulysses", 8),  # Llama-3.1-8B, cp inside a node: the heads allow Ulysses
+    (4, 2, 2, 2, 512, "ulysses", 2),  # llama-tiny at tp 2 x cp 2
+    (64, 8, 8, 4, 131072, "ulysses", 4),  # Llama-3.1-70B, tp 8 x cp 4: 8 heads per tp rank
+    (64, 8, 8, 16, 131072, "hybrid", 8),  # ... tp 8 x cp 16: Ulysses over 8, a ring of 2
+    (6, 2, 1, 4, 512, "hybrid", 2),  # 6 heads, cp 4: Ulysses over 2, a ring of 2
+    (6, 2, 2, 2, 512, "ring", 1),  # 3 heads per tp rank, cp 2
+    (32, 8, 1, 64, 65536, "hybrid", 32),  # cp past the heads: a ring of 2 groups of 32
+    (6, 2, 1, 4, 516, "hybrid", 2),  # hybrid cuts rows into multiples of lcm(2 x 2, 4) = 4 (a ring alone: 8)
+])
+def test_auto_chooses_ulysses_then_hybrid_then_ring_and_says_why(heads, kv, tp, cp, seq, method, ulysses):
+    plan = plan_cp(heads, kv, tp, cp, seq)
+    assert (plan.method, plan.ulysses, plan.ring) == (method, ulysses, cp // ulysses)
+    assert plan.reason.startswith("auto:") and f"cp={cp}" in plan.reason
+    assert seq % plan.seq_multiple == 0
 
 
-def test_preflight_refuses_cp_with_pipeline_stages():
-    from hfdist.parallel.fit import check_context_parallel
+def test_asked_methods_run_where_they_can():
+    assert (plan_cp(32, 8, 1, 8, 4096, "ring").method, plan_cp(32, 8, 1, 8, 4096, "ring").ulysses) == ("ring", 1)
+    assert plan_cp(32, 8, 1, 8, 4096, "hybrid").ulysses == 4  # the largest Ulysses degree that leaves a ring
+    assert plan_cp(32, 8, 1, 8, 4096, "ulysses").reason == "asked for (--cp-method ulysses)"
 
-    rung = load_rung("3d")
-    with pytest.raises(HfdistError, match="supports no pipeline schedule with cp"):
-        check_context_parallel(load_config("llama-tiny"), replace(rung, dims=replace(rung.dims, cp=2)), 64)
+
+@pytest.mark.parametrize("args, said", [
+    ((4, 2, 1, 3, 512, "ulysses"), "4 attention heads do not divide by cp=3. Use --cp-method ring"),
+    ((6, 2, 2, 2, 512, "ulysses"), "3 attention heads per tp rank (the model has 6, tp=2) do not divide by cp=2"),
+    ((6, 2, 1, 4, 512, "ulysses"), "--cp-method hybrid (Ulysses over 2 ranks, a ring of 2)"),
+    ((6, 2, 2, 2, 512, "hybrid"), "gcd(3, 2) = 1 leaves none. Use --cp-method ring"),
+    ((2, 2, 1, 2, 512, "hybrid"), "leaves none. Use --cp-method ring or ulysses"),
+    ((4, 2, 1, 2, 511, "auto"), "--seq-len must be a multiple of 2, and 511 is not. Use --seq-len 510 or 512"),
+    ((4, 2, 1, 2, 514, "ring"), "2 x 2 chunks (each ring member holds a head and a tail chunk"),
+    ((4, 2, 1, 2, 512, "zigzag"), "use one of auto, ulysses, ring, hybrid"),
+])
+def test_methods_that_cannot_run_are_refused_naming_what_would(args, said):
+    with pytest.raises(HfdistError) as err:
+        plan_cp(*args)
+    assert said in str(err.value)
+
+
+def test_check_cp_reads_the_config_and_refuses_rings_over_sliding_windows():
+    tiny = load_config("llama-tiny")  # 4 heads, 2 kv
+    assert check_cp(tiny, 1) is None and check_cp(tiny, 4, 512).method == "ulysses"
+    assert check_cp(tiny, 3, 516).method == "ring"
+    with pytest.raises(HfdistError, match=r"2 attention heads per tp rank \(the model has 4, tp=2\) do not divide by cp=4"):
+        check_cp(tiny, 4, 512, tp=2, method="ulysses")
+    mistral = load_config("mistral-tiny")  # every layer slides a 32-token window
+    assert check_cp(mistral, 2, 512).method == "ulysses"
+    with pytest.raises(HfdistError, match="slide a window of 32 tokens"):
+        check_cp(mistral, 2, 512, method="ring")
+
+
+def test_rings_need_the_batchs_document_boundaries():
+    from hfdist.parallel.context_check import check_cp_attention
+
+    check_cp_attention(CpPlan("ulysses", 2, 2), "sdpa")  # Ulysses attends with the dense mask
+    check_cp_attention(CpPlan("ring", 2, 1), "hfdist_documents")
+    check_cp_attention(CpPlan("ring", 2, 1), "flash_attention_2")
+    with pytest.raises(HfdistError, match="--attn-implementation sdpa does not give the batch"):
+        check_cp_attention(CpPlan("hybrid", 4, 2), "sdpa")
+
+
+def test_cp_degree_and_method_from_the_command_line():
+    """--cp rescales like --tp / --pp (the data-parallel axis absorbs it) on the FSDP2 rungs, 3d included; it and
+    --cp-method are refused where there is no cp axis; a pipeline rung with cp plans like any other."""
+    from hfdist.parallel.fit import plan_context
+
+    assert load_rung("fsdp_cp").with_num_processes(8, cp=4).dims == ParallelDims(dp_shard=2, cp=4)
+    tp_cp = load_rung("fsdp_tp_cp")
+    assert (tp_cp.dims.cp, tp_cp.dims.tp, tp_cp.num_processes) == (2, 2, 4)
+    assert tp_cp.with_num_processes(32, tp=8).dims == ParallelDims(dp_shard=2, cp=2, tp=8)
+    three = load_rung("3d").with_num_processes(8, cp=2)
+    assert three.dims == ParallelDims(dp_shard=1, cp=2, pp=2, tp=2) and three.uses_fsdp
+    planned = plan_context(load_config("llama-tiny-6h"), three.with_context("ring"), 512)
+    assert (planned.context.method, planned.context.ulysses) == ("ring", 1)
+    auto = plan_context(load_config("llama-tiny-6h"), load_rung("fsdp_cp").with_num_processes(4, cp=4), 512)
+    assert (auto.context.method, auto.context.ulysses) == ("hybrid", 2) and auto.context.reason.startswith("auto:")
+    with pytest.raises(HfdistError, match="--cp 2 cannot apply to ddp"):
+        load_rung("ddp").with_num_processes(4, cp=2)
+    with pytest.raises(HfdistError, match="context parallelism runs on its FSDP2 mesh"):
+        load_rung("zero2").with_num_processes(4, cp=2)
+    with pytest.raises(HfdistError, match="--cp-method ring applies to rungs with context parallelism"):
+        load_rung("fsdp_tp").with_context("ring")
 
 
 def test_planner_activations_divide_by_cp():

@@ -437,8 +437,8 @@ def test_cli_json_on_local_checkpoint(tmp_path, capsys):
     assert data["recommended"]["name"] == "ddp" and str(tmp_path) in data["recommended"]["command"]
     for rung in data["rungs"]:
         assert {"name", "fits", "per_rank_bytes"} <= set(rung)
-        if rung["name"] == "3d":  # tp x pp = 4 model-parallel ranks cannot fit on 2 GPUs: said, not planned
-            assert rung["per_rank_bytes"] is None and not rung["fits"] and "tp x pp = 4" in rung["note"]
+        if rung["name"] in ("3d", "fsdp_tp_cp"):  # 4 model-parallel ranks cannot fit on 2 GPUs: said, not planned
+            assert rung["per_rank_bytes"] is None and not rung["fits"] and "= 4 to divide the 2 GPUs" in rung["note"]
             continue
         assert {"weights", "grads", "master", "optimizer", "activations", "total"} <= set(rung["per_rank_bytes"])
     ddp = data["rungs"][0]["per_rank_bytes"]
