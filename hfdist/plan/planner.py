@@ -251,7 +251,7 @@ def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node:
         if dims.cp > 1:
             from hfdist.parallel.context_check import check_cp
 
-            check_cp(config, dims.cp, w.seq, tp=dims.tp)
+            check_cp(config, dims.cp, w.seq, tp=dims.tp, method=w.cp_method)
         if w.fp8:
             check_fp8(w.fp8, replace(rung, dims=dims), config, seq_len=w.seq, lora=w.lora)
         if w.reference_model and dims.pp > 1:
