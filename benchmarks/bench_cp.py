@@ -147,11 +147,11 @@ def markdown(args: argparse.Namespace, rows: list[dict], load: str) -> str:
             f = r["by_seq"][seq]
             ulysses = next((u["by_seq"][seq] for u in rows if u["cp"] == r["cp"] and u["method"] == "ulysses"), None)
             method = r["method"] + (f" ({r['ulysses']} x {r['cp'] // r['ulysses']})" if r["method"] == "hybrid" else "")
+            memory = f"{f['step_peak'] / one[seq]['step_peak']:.2f}" if one[seq] else "-"
+            speed = f"{f['tokens_per_second'] / ulysses['tokens_per_second']:.2f}" if ulysses else "-"
             lines.append(f"| {r['cp']} | {method} | {f['saved_bytes'] / MIB:,.1f} | "
-                         f"{f['predicted_activation_bytes'] / MIB:,.1f} | {f['step_peak'] / MIB:,.1f} | "
-                         f"{f['step_peak'] / one[seq]['step_peak'] if one[seq] else float('nan'):.2f} | "
-                         f"{f['tokens_per_second']:,.0f} | "
-                         f"{f['tokens_per_second'] / ulysses['tokens_per_second'] if ulysses else float('nan'):.2f} |")
+                         f"{f['predicted_activation_bytes'] / MIB:,.1f} | {f['step_peak'] / MIB:,.1f} | {memory} | "
+                         f"{f['tokens_per_second']:,.0f} | {speed} |")
         lines.append("")
     if args.max_seq:
         lines += [f"Longest sequence under {args.cap_mib:g} MiB saved per rank ({args.min_seq} doubling to "

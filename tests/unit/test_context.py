@@ -160,20 +160,48 @@ def test_cp_degree_and_method_from_the_command_line():
         load_rung("fsdp_tp").with_context("ring")
 
 
-def test_planner_activations_divide_by_cp():
+def test_planner_activations_divide_by_cp_plus_the_methods_own():
+    """A cp rank's activations are one process's / cp, plus what its method holds in flight (Ulysses: the
+    exchanged copies of q, k, v; hfdist.plan.context_bytes); the chunked loss's one chunk of logits does not divide."""
     from hfdist.models.shape import ModelShape
     from hfdist.plan.bytes import Workload, rung_rank_bytes
+    from hfdist.plan.context_bytes import cp_layer_costs
 
     rung = load_rung("fsdp_cp")
     shape = ModelShape.from_config(load_config("llama-3.1-8b"))
     w = Workload(seq=32768, micro_batch=1, dtype="bf16", loss_chunk_size=None)  # the whole sequence's logits
+    exchanged = cp_layer_costs(shape, 32768 // 2, 2, 1, CpPlan("ulysses", 2, 2))
+    assert exchanged.saved == 0 and exchanged.in_flight == 2 * 16384 * 128 * (32 + 2 * 8) * 2
     one = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=4), w)
     two = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=2, cp=2), w)
-    assert two.activations == pytest.approx(one.activations / 2, rel=1e-6)
+    assert two.activations - exchanged.in_flight == pytest.approx(one.activations / 2, rel=1e-6)
     assert two.weights == one.weights  # states sharded over dp_shard x cp: the same 4 ranks
-    # The chunked loss (default) holds one 512-position chunk of logits on every cp rank: that term does not divide.
     chunked = Workload(seq=32768, micro_batch=1, dtype="bf16")
     chunk_logits = 512 * shape.vocab * (4 + 2)  # fp32 logits and the bf16 copy of their gradient (fused loss)
     one = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=4), chunked).activations - chunk_logits
     two = rung_rank_bytes(shape, rung, ParallelDims(dp_shard=2, cp=2), chunked).activations - chunk_logits
-    assert two == pytest.approx(one / 2, rel=1e-6)
+    assert two - exchanged.in_flight == pytest.approx(one / 2, rel=1e-6)
+
+
+def test_each_methods_bytes_in_flight_and_sent():
+    """hfdist.plan.context_bytes on Llama-3.1-8B per tp rank (32 heads, 8 kv, head dim 128), 4,096 tokens per rank,
+    bf16: the ring holds two key/value blocks + three fp32 kv-gradient blocks in flight + the fp32 query gradient,
+    O(tokens per rank) whatever cp; Ulysses sends (cp - 1)/cp of q, k, v and the output each way; the ring sends its
+    keys and values r - 1 times each way and their fp32 gradients r times; hybrid adds the two on its shares."""
+    from hfdist.models.shape import ModelShape
+    from hfdist.plan.context_bytes import cp_layer_costs, cp_step_send_bytes
+
+    shape = ModelShape.from_config(load_config("llama-3.1-8b"))
+    t, d = 4096, 128
+    block = t * 8 * d
+    ring = cp_layer_costs(shape, t, 2, 1, CpPlan("ring", 8, 1))
+    assert ring.saved == 0 and ring.in_flight == 4 * block * 2 + 6 * block * 4 + t * 32 * d * 4
+    assert cp_layer_costs(shape, t, 2, 1, CpPlan("ring", 64, 1)).in_flight == ring.in_flight  # O(S / cp)
+    assert (ring.sent_forward, ring.sent_backward) == (2 * 7 * block * 2, 2 * 7 * block * 2 + 2 * 8 * block * 4)
+    ulysses = cp_layer_costs(shape, t, 2, 1, CpPlan("ulysses", 8, 8))
+    assert ulysses.sent_forward == ulysses.sent_backward == 7 * t * d * (2 * 32 + 2 * 8) * 2 // 8
+    hybrid = cp_layer_costs(shape, t, 2, 1, CpPlan("hybrid", 64, 32))  # kv 8 repeated to 32 for 32 ranks
+    assert hybrid.saved == 2 * t * d * (32 - 8) * 2
+    assert hybrid.sent_backward > hybrid.sent_forward > 0
+    assert cp_step_send_bytes(shape, 32, t, 2, 1, CpPlan("ring", 8, 1), activation_checkpointing=True) == \
+        32 * (2 * ring.sent_forward + ring.sent_backward)
