@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hfdist.parallel.context_check import CP_METHODS
+from hfdist.config.finetune import CP_METHODS
 
 __all__ = ["VERB"]
 
@@ -61,9 +61,10 @@ def run(args: argparse.Namespace) -> int:
     from hfdist.models.presets import load_config
     from hfdist.plan.simulate import simulate, simulation_rung
 
-    rung = simulation_rung(args.config, args.num_processes, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
+    rung = simulation_rung(args.config, args.num_processes, tp=args.tp, pp=args.pp, cp=args.cp,
+                           dp_replicate=args.dp_replicate,
                            pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-                           gpus_per_node=args.gpus_per_node, model_config=load_config(args.model), cp=args.cp,
+                           gpus_per_node=args.gpus_per_node, model_config=load_config(args.model),
                            cp_method=args.cp_method)
     sim = simulate(args.model, rung, mixed_precision=args.mixed_precision,
                    activation_checkpointing=args.activation_checkpointing, gpus_per_node=args.gpus_per_node,

@@ -146,8 +146,8 @@ class Rung:
         return self.owns_sharding and not (self.uses_pipeline and self.dims.dp * self.dims.cp == 1)
 
     def with_num_processes(self, num_processes: int, *, tp: int | None = None, pp: int | None = None,
-                           dp_replicate: int | None = None, node_size: int | None = None,
-                           cp: int | None = None) -> "Rung":
+                           cp: int | None = None, dp_replicate: int | None = None,
+                           node_size: int | None = None) -> "Rung":
         """The same rung on `num_processes` processes, with the tp / pp / cp / dp_replicate degrees given (None: the
         rung's own; precedence CLI > YAML). The data-parallel axis absorbs the rest.
 
@@ -159,7 +159,7 @@ class Rung:
         """
         d = self.dims
         tp, pp, cp = tp or d.tp, pp or d.pp, cp or d.cp
-        self._check_degrees_apply(tp, pp, dp_replicate, cp)
+        self._check_degrees_apply(tp, pp, cp, dp_replicate)
         model_parallel = tp * pp * cp
         if num_processes < 1 or num_processes % model_parallel:
             what, sizes = ("tensor x pipeline", f"tp x pp = {tp} x {pp}") if cp == 1 else \
@@ -228,24 +228,22 @@ class Rung:
                               "--cp-method.")
         return replace(self, context=ContextSettings(method))
 
-    def _check_degrees_apply(self, tp: int, pp: int, dp_replicate: int | None, cp: int = 1) -> None:
+    def _check_degrees_apply(self, tp: int, pp: int, cp: int, dp_replicate: int | None) -> None:
         """Degrees the rung's strategy has no axis for are refused (a silently ignored --tp is a wrong run)."""
         asked = [f"{flag} {v}" for flag, v, base in (("--tp", tp, self.dims.tp), ("--pp", pp, self.dims.pp),
-                                                     ("--cp", cp, self.dims.cp)) if v != base] + \
-            ([f"--dp-replicate {dp_replicate}"] if dp_replicate is not None else [])
+                                                     ("--cp", cp, self.dims.cp))
+                 if v != base] + ([f"--dp-replicate {dp_replicate}"] if dp_replicate is not None else [])
         if not asked:
             return
         what = ", ".join(asked)
         if self.kind in (StrategyKind.SINGLE, StrategyKind.DDP):
             raise LadderError(f"{what} cannot apply to {self.name}, which replicates the whole model on every rank. "
-                              "Pick a rung with those axes: fsdp_tp (--tp), pp (--pp), 3d (both), fsdp_hybrid "
-                              "(--dp-replicate), fsdp_cp / fsdp_tp_cp (--cp).")
-        if self.uses_deepspeed and cp > 1:
-            raise LadderError(f"{what} cannot apply to {self.name}: hfdist's context parallelism runs on its FSDP2 "
-                              "mesh, not under DeepSpeed. Use fsdp_cp, fsdp_tp_cp or 3d for --cp.")
-        if self.uses_deepspeed and (pp > 1 or dp_replicate is not None):
-            raise LadderError(f"{what} cannot apply to {self.name}: DeepSpeed's ZeRO has no pipeline stages or "
-                              "replica groups for an HF model here. Use pp / 3d / fsdp_hybrid for those axes.")
+                              "Pick a rung with those axes: fsdp_tp (--tp), pp (--pp), 3d (both), fsdp_cp (--cp), "
+                              "fsdp_hybrid (--dp-replicate).")
+        if self.uses_deepspeed and (pp > 1 or cp > 1 or dp_replicate is not None):
+            raise LadderError(f"{what} cannot apply to {self.name}: DeepSpeed's ZeRO has no pipeline stages, context "
+                              "parallelism or replica groups for an HF model here. Use pp / 3d / fsdp_cp / "
+                              "fsdp_hybrid for those axes.")
         if self.uses_deepspeed and tp > 1 and self.zero_stage == 3:
             raise LadderError(f"--tp {tp} cannot apply to {self.name}: DeepSpeed's AutoTP does not compose with ZeRO-3 "
                               "(DeepSpeed 0.19). Use zero2_tp (ZeRO-2 + AutoTP) or fsdp_tp.")

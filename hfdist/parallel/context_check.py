@@ -23,13 +23,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from hfdist.config.finetune import CP_METHODS
 from hfdist.errors import HfdistError
 
 __all__ = ["ContextParallelError", "CP_METHODS", "CpPlan", "plan_cp", "check_cp", "check_cp_attention", "kv_repeats",
            "seq_multiple"]
-
-CP_METHODS = ("auto", "ulysses", "ring", "hybrid")
-
 
 class ContextParallelError(HfdistError, ValueError):
     """Context-parallel degree or method that does not fit the model, the sequence or the other axes."""

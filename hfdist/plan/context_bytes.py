@@ -1,6 +1,6 @@
 """What each context-parallel method costs one rank: activations beyond a plain layer's, buffers in flight, and
 bytes sent per step. Torch-free: hfdist.plan.bytes adds the first two to a cp rung's activations, and the planner
-reports the third.
+prices the third (hfdist.plan.cost: the all-to-alls on the Ulysses group, the ring's point-to-point messages).
 
 Per decoder layer on one rank, with t = the rank's tokens (seq x micro-batch / cp), per tp rank H query heads, KV kv
 heads (each at least 1), head dim D, e bytes per activation element, and a plan of Ulysses degree u and ring r
@@ -42,8 +42,20 @@ class CpLayerCosts:
 
     saved: int  # activations saved for backward beyond the plain layer's (hfdist.models.shape)
     in_flight: int  # buffers that exist while the layer's attention runs: exchanged copies, key/value blocks
-    sent_forward: int  # bytes this rank sends in the layer's forward
-    sent_backward: int  # ... and in its backward
+    ulysses: int  # ranks of the all-to-all group (1: none)
+    exchanged: int  # the tensors the all-to-alls exchange in one forward (q, k, v, output), again in backward
+    ring_forward: int  # bytes sent point-to-point around the ring in one forward
+    ring_backward: int  # ... and in one backward
+
+    @property
+    def sent_forward(self) -> int:
+        """Bytes this rank sends in the layer's forward: (u - 1) / u of the exchanged tensors, and the ring's."""
+        return (self.ulysses - 1) * self.exchanged // self.ulysses + self.ring_forward
+
+    @property
+    def sent_backward(self) -> int:
+        """Bytes this rank sends in the layer's backward."""
+        return (self.ulysses - 1) * self.exchanged // self.ulysses + self.ring_backward
 
 
 def _heads(shape: ModelShape, tp: int) -> tuple[int, int]:
@@ -61,20 +73,17 @@ def cp_layer_costs(shape: ModelShape, tokens: int, elem: int, tp: int, plan: CpP
     """The module docstring's terms for one layer: `tokens` this rank holds, `elem` bytes per element."""
     heads, kv = _heads(shape, tp)
     dim, u, r = shape.head_dim, plan.ulysses, plan.ring
-    saved = in_flight = forward = backward = 0
+    saved = in_flight = exchanged = ring_forward = ring_backward = 0
     kv_wide = kv
     if u > 1:
         kv_wide = kv * kv_repeats(kv, u)
         saved = 2 * tokens * dim * (kv_wide - kv) * elem
         in_flight = 2 * tokens * dim * (heads + 2 * kv_wide) * elem
-        exchanged = (u - 1) * tokens * dim * (2 * heads + 2 * kv_wide) * elem // u
-        forward, backward = exchanged, exchanged
+        exchanged = tokens * dim * (2 * heads + 2 * kv_wide) * elem
     if r > 1:
         ring_flight, ring_forward, ring_backward = _ring(u * tokens, heads // u, kv_wide // u, dim, elem, r)
         in_flight += ring_flight
-        forward += ring_forward
-        backward += ring_backward
-    return CpLayerCosts(saved, in_flight, forward, backward)
+    return CpLayerCosts(saved, in_flight, u, exchanged, ring_forward, ring_backward)
 
 
 def cp_step_send_bytes(shape: ModelShape, layers: int, tokens: int, elem: int, tp: int, plan: CpPlan,

@@ -154,7 +154,7 @@ def test_cp_degree_and_method_from_the_command_line():
     assert (auto.context.method, auto.context.ulysses) == ("hybrid", 2) and auto.context.reason.startswith("auto:")
     with pytest.raises(HfdistError, match="--cp 2 cannot apply to ddp"):
         load_rung("ddp").with_num_processes(4, cp=2)
-    with pytest.raises(HfdistError, match="context parallelism runs on its FSDP2 mesh"):
+    with pytest.raises(HfdistError, match="no pipeline stages, context parallelism or replica groups"):
         load_rung("zero2").with_num_processes(4, cp=2)
     with pytest.raises(HfdistError, match="--cp-method ring applies to rungs with context parallelism"):
         load_rung("fsdp_tp").with_context("ring")
@@ -205,3 +205,39 @@ def test_each_methods_bytes_in_flight_and_sent():
     assert hybrid.sent_backward > hybrid.sent_forward > 0
     assert cp_step_send_bytes(shape, 32, t, 2, 1, CpPlan("ring", 8, 1), activation_checkpointing=True) == \
         32 * (2 * ring.sent_forward + ring.sent_backward)
+
+
+def test_70b_at_128k_plans_fsdp_tp_cp_layouts_the_job_accepts():
+    """`hfdist plan --model llama-3.1-70b --gpus-per-node 8 --nodes 4 --gpu-mem-gb 80 --activation-checkpointing --seq
+    131072`: fsdp_tp_cp has layouts that fit, each cp layout names its method, and the recommended command for it is
+    one the job parses and lays out exactly so (degrees and method)."""
+    import shlex
+
+    from hfdist.config.finetune import parse_args
+    from hfdist.job.preflight import plan_context_parallel
+    from hfdist.job.world import Node, resolve_rung
+    from hfdist.models.presets import preset_shape
+    from hfdist.plan import GB, plan_rungs
+
+    plan = plan_rungs(preset_shape("llama-3.1-70b"), gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB, seq=131072,
+                      global_batch=32, micro_batch=None, activation_checkpointing=True, model="llama-3.1-70b")
+    row = next(r for r in plan.rungs if r.name == "fsdp_tp_cp")
+    assert row.fits and row.layout.dims.tp > 1 and row.layout.dims.cp > 1
+    assert f"--cp-method {row.layout.rung.context.method}" in row.command
+    argv = shlex.split(row.command)
+    cfg = parse_args(argv[argv.index("scripts/finetune.py") + 1:])
+    rung = plan_context_parallel(cfg, resolve_rung(cfg, Node(gpus=8, world=32, local_world=8)))
+    assert rung.dims == row.layout.dims and rung.context.method == row.layout.rung.context.method
+
+
+def test_the_search_plans_rings_where_tp_x_cp_exceeds_the_heads():
+    """Llama-3.1-8B (32 heads) on 8 nodes of 8: tp 8 x cp 8 = 64 ranks split the sequence past the heads, so its
+    layouts run hybrid (Ulysses over the 4 heads per tp rank, a ring of 2) or ring, never Ulysses alone."""
+    from hfdist.config.ladder import load_rung
+    from hfdist.models.presets import preset_shape
+    from hfdist.plan.layouts import Cluster, Pins, rung_layouts
+
+    layouts, _ = rung_layouts(load_rung("fsdp_tp_cp"), preset_shape("llama-3.1-8b"), Cluster(8, 8), global_batch=64,
+                              seq=131072, pins=Pins(tp=8, cp=8, micro_batch=1, activation_checkpointing=True))
+    planned = {(lay.rung.context.method, lay.rung.context.ulysses) for lay in layouts}
+    assert planned == {("hybrid", 4), ("ring", 1)}
