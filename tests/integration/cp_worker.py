@@ -188,6 +188,24 @@ def document_logit_error(model, reference, batch, rows: slice, cp_rank: int) -> 
     return worst
 
 
+def whole_logit_error(model, reference, batch, rows: slice) -> float:
+    """Largest |logit difference| between the cp model made to return whole outputs on every rank (a Trainer's own
+    loss: hfdist.parallel.whole_outputs cuts the rows by the plan's layout and gathers them back) and the reference
+    on the same rows (a user's trainer hands the model its rows and position ids)."""
+    from hfdist.parallel.whole_outputs import whole_outputs
+
+    inputs = {k: v for k, v in local_rows(batch, rows).items() if k != "labels"}
+    handles = whole_outputs(model)
+    try:
+        with torch.no_grad():  # the cp model rebuilds the attention inputs from the position ids itself
+            got = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"]).logits
+            want = reference(**inputs, use_cache=False).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    return float((got - want).abs().max())
+
+
 def cp_rung(name: str, dims: ParallelDims, method: str):
     """A cp rung of these degrees: fsdp_cp's FSDP2 settings (3d's pipeline, 2 micro-batches, under pp)."""
     base = load_rung("3d" if dims.pp > 1 else "fsdp_cp")
@@ -220,6 +238,7 @@ def case(name: str, dims: ParallelDims, lora: bool, implementation: str, preset:
            "mask_in_batch": "attention_mask" in local_rows(batch, rows)}
     if dims.pp == 1:
         out["doc_logit_err"] = document_logit_error(model, reference, batch, rows, cp_rank)
+        out["whole_logit_err"] = whole_logit_error(model, reference, batch, rows)
         # A forward without backward leaves FSDP2's root (embedding, norm, lm_head) unsharded: the optimizer must
         # be made on the sharded parameters.
         model.reshard()

@@ -57,6 +57,13 @@ def test_documents_kept_apart(cp_results, name):
     assert _case(cp_results, name)["doc_logit_err"] < LOGIT_ATOL
 
 
+@pytest.mark.parametrize("name", UNPIPELINED)
+def test_whole_outputs_follow_the_plans_layout(cp_results, name):
+    """A Trainer's own loss reads whole outputs (hfdist.parallel.whole_outputs): the rows cut by the plan's layout
+    (contiguous under Ulysses, head-tail under a ring) and gathered back give the one-process logits."""
+    assert _case(cp_results, name)["whole_logit_err"] < LOGIT_ATOL
+
+
 def test_lora_trains_adapters_only(cp_results):
     full = _case(cp_results, "fsdp_cp")["trainable"]
     assert _case(cp_results, "lora_fsdp_cp")["trainable"] < full / 10
