@@ -12,7 +12,8 @@ attention (the CPU default: the batch carries the whole rows' boundaries) unless
 - cp=2 x tp=2 (Megatron TP with sequence parallel and the vocab-parallel loss, FSDP2 over the cp axis);
 - HSDP: dp_replicate=2 x cp=2 (FSDP2 replicated over dp_replicate, sharded over cp), sdpa with its dense mask;
 on llama-tiny-6h (6 heads, 2 kv: cp=4, or cp=2 under tp=2, cannot split the heads):
-- ring_cp4: cp=4 by ring attention (asked for);
+- ring_cp4: cp=4 by ring attention (asked for), with activation checkpointing (the ring's forward runs again in
+  backward);
 - hybrid_cp4_lora: cp=4, auto: Ulysses over 2 ranks x a ring of 2, LoRA;
 - tp_cp_ring: tp=2 x cp=2 (fsdp_tp_cp), auto: ring (3 heads per tp rank);
 - pp_cp_ring: pp=2 x cp=2 by ring (the 3d rung's pipeline: the batch cut before stage 0, each stage's micro-batches
@@ -93,9 +94,10 @@ def local_rows(batch: dict, rows: slice) -> dict[str, torch.Tensor]:
     return {**local, **attention_inputs(local["position_ids"], batch["implementation"])}
 
 
-def build(lora: bool, implementation: str, rung=None, preset: str = "llama-tiny"):
+def build(lora: bool, implementation: str, rung=None, preset: str = "llama-tiny", recompute: bool = False):
     """The model as hfdist builds it: meta structure (+ LoRA), then either the whole model in this process or
-    `rung`'s parallelised shards, filled from the same seeded plan (identical starting weights)."""
+    `rung`'s parallelised shards (each decoder layer recomputed in backward under `recompute`), filled from the same
+    seeded plan (identical starting weights)."""
     torch.manual_seed(0)
     model = meta_model(preset, vocab_size=VOCAB, attn_implementation=implementation)
     if lora:
@@ -103,7 +105,7 @@ def build(lora: bool, implementation: str, rung=None, preset: str = "llama-tiny"
     plan = weight_plan(model, None, 0)
     if rung is not None:
         model = parallelize(model, rung, device=torch.device("cpu"), mixed_precision="no",
-                            activation_checkpointing=False, weights=plan)
+                            activation_checkpointing=recompute, weights=plan)
     else:
         materialize(model, torch.device("cpu"))
         load_weights({**dict(model.named_parameters()), **dict(model.named_buffers())}, plan)
@@ -214,14 +216,15 @@ def cp_rung(name: str, dims: ParallelDims, method: str):
                    context=ContextSettings(method))
 
 
-def case(name: str, dims: ParallelDims, lora: bool, implementation: str, preset: str, method: str) -> dict:
+def case(name: str, dims: ParallelDims, lora: bool, implementation: str, preset: str, method: str,
+         recompute: bool = False) -> dict:
     rank = dist.get_rank()
     rung = cp_rung(name, dims, method)
     batch = packed_batch(implementation)
     dp_rank = rank // dims.ranks_per_batch
     per_dp = ROWS // dims.dp
     rows = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
-    model = build(lora, implementation, rung, preset)
+    model = build(lora, implementation, rung, preset, recompute)
     reference = build(lora, implementation, preset=preset)
     verify_strategy(rung, model, model, lora, implementation)  # the run-time check passes on the real layout...
     spec = cp_spec_of(model)
@@ -298,7 +301,7 @@ def main(out_path: str) -> None:
              "lora_fsdp_cp": (ParallelDims(dp_shard=2, cp=2), True, doc, "llama-tiny", "auto"),
              "tp_cp": (ParallelDims(cp=2, tp=2), False, doc, "llama-tiny", "auto"),
              "hsdp_cp": (ParallelDims(dp_replicate=2, cp=2), False, "sdpa", "llama-tiny", "auto"),
-             "ring_cp4": (ParallelDims(cp=4), False, doc, six, "ring"),
+             "ring_cp4": (ParallelDims(cp=4), False, doc, six, "ring", True),  # recomputed: the ring runs again
              "hybrid_cp4_lora": (ParallelDims(cp=4), True, doc, six, "auto"),
              "tp_cp_ring": (ParallelDims(cp=2, tp=2), False, doc, six, "auto"),
              "pp_cp_ring": (ParallelDims(cp=2, pp=2), False, doc, six, "ring")}

@@ -2,9 +2,11 @@
 documents, against the single-process run:
 - Ulysses on llama-tiny (4 heads): fsdp_cp (dp_shard=2 x cp=2), cp=4 with fewer kv heads than cp (GQA, eager
   attention), LoRA on dp_shard=2 x cp=2, cp=2 x tp=2, HSDP dp_replicate=2 x cp=2 (sdpa);
-- on llama-tiny-6h (6 heads, 2 kv), which Ulysses alone cannot split at these degrees: ring cp=4, hybrid cp=4
-  (Ulysses 2 x ring 2) with LoRA, fsdp_tp_cp's tp=2 x cp=2 (3 heads per tp rank: ring), and pp=2 x cp=2 (ring);
-and checks each document's logits under cp with the document run alone. Without a named attention the cases run
+- on llama-tiny-6h (6 heads, 2 kv), which Ulysses alone cannot split at these degrees: ring cp=4 (recomputing
+  each layer in backward), hybrid cp=4 (Ulysses 2 x ring 2) with LoRA, fsdp_tp_cp's tp=2 x cp=2 (3 heads per tp
+  rank: ring), and pp=2 x cp=2 (ring);
+and checks each document's logits under cp with the document run alone, and the whole outputs a Trainer's own loss
+reads (hfdist.parallel.whole_outputs) under each plan's layout. Without a named attention the cases run
 hfdist's document attention (the CPU default), whose batches carry the documents' boundaries and no mask. And cp=4
 trains one packed row of 32,768 tokens (Ulysses) with no rank creating anything S x S, and one of 65,536 tokens by
 ring with no rank creating a tensor longer than S / cp along any dimension.

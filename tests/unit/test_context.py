@@ -5,8 +5,6 @@ activation term."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 
