@@ -2,7 +2,7 @@
 ring, hybrid) at each cp degree and sequence length, beside one process and the planner's predictions; optionally the
 longest sequence each fits under a per-rank cap.
 
-    python benchmarks/bench_cp.py       # llama-tiny, cp 1 / 2 / 4 x each method, 16K and 32K: results/<hardware>/context_parallel.*
+    python benchmarks/bench_cp.py       # llama-tiny, cp 1 / 2 / 4, each method, 16K and 32K: results/<hardware>/
     python benchmarks/bench_cp.py --seq 2048 --cp 1 2 --steps 1 --out /tmp/cp   # a quick check
     python benchmarks/bench_cp.py --seq 65536 --cp 1 4 --methods ring --steps 1   # the longest rows
 

@@ -17,8 +17,9 @@ optimizer bytes next to the planner's prediction. Seconds on a laptop for Llama-
 
 Example: hfdist simulate --model llama-3.1-70b --config 3d --num-processes 512 --tp 8 --pp 4
 
-Mesh rungs only (fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp, fsdp_tp_cp); DeepSpeed rungs are refused (their engine needs
-real memory and collectives), use `hfdist plan` for them. Exit code 1 when verification fails.
+Mesh rungs only (fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp, fsdp_tp_cp); DeepSpeed rungs are
+refused (their engine needs real memory and collectives), use `hfdist plan` for them. Exit code 1 when
+verification fails.
 """
 
 

@@ -24,10 +24,10 @@ from hfdist.config.options import OptionGroup, add_options, dataclass_from_names
 from hfdist.config.rungs import RUNG_INFO
 from hfdist.errors import HfdistError
 
-__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "PP_SCHEDULES", "CP_METHODS", "USAGE", "LR_SCHEDULERS",
-           "TRACKERS", "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args",
-           "parse_command", "job_text", "optimisation_arguments", "evaluation_arguments", "lora_settings",
-           "non_negative_int", "positive_int"]
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "PP_SCHEDULES", "CP_METHODS",
+           "USAGE", "LR_SCHEDULERS", "TRACKERS", "add_finetune_arguments", "build_parser", "config_from_namespace",
+           "parse_args", "parse_command", "job_text", "optimisation_arguments", "evaluation_arguments",
+           "lora_settings", "non_negative_int", "positive_int"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 

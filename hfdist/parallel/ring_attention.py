@@ -84,6 +84,11 @@ def _piece(t: torch.Tensor, row: int, a: int, b: int) -> torch.Tensor:
     return t[row:row + 1, :, a:b]
 
 
+def _pieces(q: torch.Tensor, block: tuple[torch.Tensor, ...], row: int, s: Segment) -> tuple[torch.Tensor, ...]:
+    """A segment's queries, and its keys and values of the block at hand (views)."""
+    return _piece(q, row, s.q0, s.q1), _piece(block[0], row, s.k0, s.k1), _piece(block[1], row, s.k0, s.k1)
+
+
 class RingAttention(torch.autograd.Function):
     """out = causal document attention of this member's queries over the whole ring's keys (module docstring).
     q (B, H, Sq, D); k, v (B, KV, Sk, D) of this member; returns (B, H, Sq, D) in q's dtype."""
@@ -97,7 +102,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(blocks.ring):
             rotation = _Rotation(block, blocks) if step < blocks.ring - 1 else None
             for row, s in blocks.segments[(blocks.member - step) % blocks.ring]:
-                qp, kp, vp = _piece(q, row, s.q0, s.q1), _piece(block[0], row, s.k0, s.k1), _piece(block[1], row, s.k0, s.k1)
+                qp, kp, vp = _pieces(q, block, row, s)
                 if s.kind == "self":
                     part = attend_self(qp, kp, vp, blocks.scale)
                 else:
@@ -122,7 +127,7 @@ class RingAttention(torch.autograd.Function):
             dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
             dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
             for row, s in blocks.segments[(blocks.member - step) % blocks.ring]:
-                qp, kp, vp = _piece(q, row, s.q0, s.q1), _piece(block[0], row, s.k0, s.k1), _piece(block[1], row, s.k0, s.k1)
+                qp, kp, vp = _pieces(q, block, row, s)
                 args = (_piece(dout, row, s.q0, s.q1), qp, kp, vp, _piece(out, row, s.q0, s.q1),
                         lse[row:row + 1, :, s.q0:s.q1])
                 if s.kind == "self":

@@ -136,7 +136,8 @@ def block_segments(q_ranges: list[Range], k_ranges: list[Range], starts: list[in
     return out
 
 
-def ring_segments(cu_seq_lens: list[int], rows: int, seq: int, ring: int, member: int) -> list[list[tuple[int, Segment]]]:
+def ring_segments(cu_seq_lens: list[int], rows: int, seq: int, ring: int,
+                  member: int) -> list[list[tuple[int, Segment]]]:
     """For every source member s (index s), the (row, segment) pairs where member `member`'s queries attend member
     s's keys, for rows of `seq` tokens whose documents the flattened `cu_seq_lens` bound.
 

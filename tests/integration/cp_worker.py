@@ -237,7 +237,8 @@ def case(name: str, dims: ParallelDims, lora: bool, implementation: str, preset:
             refused = str(exc)
         model.config._attn_implementation = CP_ATTENTIONS[spec.plan.method]
     cp_rank = dist.get_rank(spec.group)
-    out = {"refused_without_cp": refused, "attn": model.config._attn_implementation, "method": spec.plan.method, "ulysses": spec.plan.ulysses, "cp_rank": cp_rank,
+    out = {"refused_without_cp": refused, "attn": model.config._attn_implementation,
+           "method": spec.plan.method, "ulysses": spec.plan.ulysses, "cp_rank": cp_rank,
            "mask_in_batch": "attention_mask" in local_rows(batch, rows)}
     if dims.pp == 1:
         out["doc_logit_err"] = document_logit_error(model, reference, batch, rows, cp_rank)
