@@ -1,7 +1,7 @@
 """End-to-end: the context-parallel rungs through scripts/finetune.py on packed blocks of 512 tokens (several
-documents each), against the single-process run: fsdp_cp (dp_shard=2 x cp=2, 4 processes; auto plans Ulysses) and
-fsdp_tp_cp (cp=2 x tp=2, 4 processes, by ring attention: --cp-method ring); and bad cp settings refused before any
-process starts.
+documents each), against the single-process run: fsdp_cp (dp_shard=2 x cp=2, 4 processes; auto plans Ulysses),
+fsdp_tp_cp (cp=2 x tp=2, 4 processes, by ring attention: --cp-method ring) and cp on pipeline stages (the pp rung
+with --cp 2 --cp-method ring, 4 processes); and bad cp settings refused before any process starts.
 
 What must hold: losses, the post-training batch loss and the eval loss on held-out data equal one process's (fp32,
 rel 1e-5), full fine-tune and LoRA, and the eval loss a one-process evaluation of the saved model's; the summary
@@ -34,7 +34,9 @@ def cp_runs(tmp_path_factory, shared_runs):
     root = tmp_path_factory.mktemp("cp_job")
     jobs = {"single": (), "lora_single": ("--lora",),
             **{n: ("--config", n, *METHOD.get(n, ())) for n in RUNGS},
-            **{f"lora_{n}": ("--config", n, "--lora", *METHOD.get(n, ())) for n in LORA}}
+            **{f"lora_{n}": ("--config", n, "--lora", *METHOD.get(n, ())) for n in LORA},
+            # cp on pipeline stages (the Trainer's batch cut before stage 0, the schedule's loss and scoring)
+            "pp_cp": ("--config", "pp", "--num-processes", "4", "--cp", "2", "--cp-method", "ring")}
     held_out = eval_args(shared_runs.root)  # the other rungs' held-out conversations, evaluated at step 2 and 3
     runs = finetune_all({name: (root / name, (*CP_ARGS, *extra, *held_out), {"via": "python"})
                          for name, extra in jobs.items()})
@@ -44,7 +46,7 @@ def cp_runs(tmp_path_factory, shared_runs):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "pp_cp"])
 def test_cp_losses_match_single_process(cp_runs, name):
     ref = cp_runs["lora_single" if name.startswith("lora") else "single"]
     got = cp_runs[name]
@@ -62,14 +64,15 @@ def test_cp_eval_loss_equals_a_one_process_evaluation_of_the_saved_model(cp_runs
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name, degrees, method", [("fsdp_cp", (2, 2, 1), "ulysses"), ("fsdp_tp_cp", (1, 2, 2), "ring")])
+@pytest.mark.parametrize("name, degrees, method", [("fsdp_cp", (2, 2, 1, 1), "ulysses"),
+                                                   ("fsdp_tp_cp", (1, 2, 2, 1), "ring"), ("pp_cp", (1, 2, 1, 2), "ring")])
 def test_cp_recorded_with_its_method_and_tokens_counted_once(cp_runs, name, degrees, method):
     """The summary records the degrees, the method and why (auto's reasoning, or that it was asked for)."""
     s = cp_runs[name]["strategy"]
-    assert (s["dp_shard"], s["cp"], s["tp"], s["world_size"]) == (*degrees, 4)
+    assert (s["dp_shard"], s["cp"], s["tp"], s["pp"], s["world_size"]) == (*degrees, 4)
     assert s["cp_method"] == method and s["cp_method_reason"].startswith("auto:" if name == "fsdp_cp" else "asked")
     ranks = cp_runs[name]["ranks"]
-    assert sum(r["tokens"] for r in ranks) == cp_runs["single"]["ranks"][0]["tokens"] * (s["tp"])
+    assert sum(r["tokens"] for r in ranks) == cp_runs["single"]["ranks"][0]["tokens"] * s["tp"] * s["pp"]
 
 
 @pytest.mark.multiproc
