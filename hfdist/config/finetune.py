@@ -25,10 +25,10 @@ from hfdist.config.rungs import RUNG_INFO
 from hfdist.errors import HfdistError
 from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE, signal_name
 
-__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "LAUNCHERS", "PP_SCHEDULES", "USAGE", "LR_SCHEDULERS",
-           "TRACKERS", "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args",
-           "parse_command", "job_text", "optimisation_arguments", "evaluation_arguments", "lora_settings",
-           "non_negative_int", "positive_int"]
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "LAUNCHERS", "PP_SCHEDULES",
+           "CP_METHODS", "USAGE", "LR_SCHEDULERS", "TRACKERS", "add_finetune_arguments", "build_parser",
+           "config_from_namespace", "parse_args", "parse_command", "job_text", "optimisation_arguments",
+           "evaluation_arguments", "lora_settings", "non_negative_int", "positive_int"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 
@@ -56,6 +56,8 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # What starts the ranks (--launcher): accelerate's launch (hfdist's hand-over, or a world torchrun started) or Ray Train.
 LAUNCHERS = ("accelerate", "ray")
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+# How context-parallel ranks split attention (--cp-method; hfdist.parallel.context_check.plan_cp), auto first.
+CP_METHODS = ("auto", "ulysses", "ring", "hybrid")
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 
@@ -107,6 +109,11 @@ class FinetuneConfig:
     cp: int | None = option(
         None, "Context-parallel degree: ranks that each hold 1/cp of every sequence (overrides the YAML's; "
         "docs/long-context.md).", group=STRATEGY, type=positive_int)
+    cp_method: str = option(
+        "auto", "How the cp ranks split attention: ulysses (all-to-all over heads; cp x tp must divide them), ring "
+        "(keys and values passed around the cp ranks; any head count), hybrid (Ulysses inside groups, a ring across), "
+        "or auto (default: ulysses where the heads allow, else hybrid, else ring; the run says why). Refused before "
+        "launch where it cannot run (docs/long-context.md).", group=STRATEGY, choices=CP_METHODS)
     dp_replicate: int | None = option(
         None, "Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).",
         group=STRATEGY, type=positive_int)

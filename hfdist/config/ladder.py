@@ -28,6 +28,7 @@ __all__ = [
     "Rung",
     "FsdpSettings",
     "PipelineSettings",
+    "ContextSettings",
     "LadderError",
     "CONFIG_ROOT",
     "RUNG_INFO",
@@ -88,6 +89,16 @@ class PipelineSettings:
 
 
 @dataclass(frozen=True)
+class ContextSettings:
+    """How the cp ranks split attention (--cp-method; hfdist.parallel.context_check.plan_cp): the method asked for,
+    and once planned for the model and --seq-len, the method chosen, its Ulysses degree and why."""
+
+    method: str = "auto"
+    ulysses: int | None = None  # None: not planned yet
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Rung:
     """One launchable strategy: where its configs are and what it does to the model."""
 
@@ -104,6 +115,7 @@ class Rung:
     offload_optimizer: str = "none"
     fsdp: FsdpSettings | None = None
     pipeline: PipelineSettings | None = None
+    context: ContextSettings = ContextSettings()
     info: RungInfo | None = None
     notes: tuple[str, ...] = ()  # what hfdist translated from the config file, printed once by the run
 
@@ -129,8 +141,9 @@ class Rung:
 
     @property
     def uses_fsdp(self) -> bool:
-        """hfdist applies FSDP2: every mesh rung, except a pipeline with one data-parallel rank."""
-        return self.owns_sharding and not (self.uses_pipeline and self.dims.dp == 1)
+        """hfdist applies FSDP2: every mesh rung, except a pipeline with one data-parallel rank and no cp (FSDP2
+        reduces the cp ranks' gradients)."""
+        return self.owns_sharding and not (self.uses_pipeline and self.dims.dp * self.dims.cp == 1)
 
     def with_num_processes(self, num_processes: int, *, tp: int | None = None, pp: int | None = None,
                            cp: int | None = None, dp_replicate: int | None = None,
@@ -200,6 +213,20 @@ class Rung:
                               "no pipeline stages (pp=1). Use --config pp.yaml or 3d.yaml, or drop these options.")
         given = {k: v for k, v in (("schedule", schedule), ("n_microbatches", n_microbatches)) if v is not None}
         return replace(self, pipeline=replace(self.pipeline, **given))
+
+    def with_context(self, method: str) -> "Rung":
+        """The rung with --cp-method applied ("auto" keeps the rung's own choice: planned per model).
+
+        Raises:
+            ConfigError: a method given for a rung without context parallelism.
+        """
+        if method == "auto":
+            return self
+        if self.dims.cp == 1:
+            raise ConfigError(f"--cp-method {method} applies to rungs with context parallelism, and {self.name} has "
+                              "none (cp=1). Use --config fsdp_cp / fsdp_tp_cp, or --cp N on a mesh rung, or drop "
+                              "--cp-method.")
+        return replace(self, context=ContextSettings(method))
 
     def _check_degrees_apply(self, tp: int, pp: int, cp: int, dp_replicate: int | None) -> None:
         """Degrees the rung's strategy has no axis for are refused (a silently ignored --tp is a wrong run)."""

@@ -18,11 +18,27 @@ from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_fp8, effective_mixed_precision
 from hfdist.job.world import Node
-from hfdist.parallel.fit import check_model_fits
+from hfdist.parallel.context_check import check_cp_attention
+from hfdist.parallel.fit import check_context_parallel, check_model_fits, plan_context
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["check_deepspeed_json", "plan_check", "check_nvme_offload", "check_qlora", "check_attention",
+__all__ = ["plan_context_parallel", "check_deepspeed_json", "plan_check", "check_nvme_offload", "check_qlora", "check_attention",
            "check_dense_mask", "check_evaluation", "check_lora", "check_trackers", "preflight"]
+
+
+def plan_context_parallel(cfg: FinetuneConfig, rung: Rung) -> Rung:
+    """The rung with its context parallelism planned for the job's model and --seq-len (hfdist.parallel.fit
+    .plan_context: --cp-method, or auto's choice and why); the rung itself without cp. Run by the launcher and by
+    every rank, so all apply the plan checked before launch.
+
+    Raises:
+        ContextParallelError: a method that cannot split the model or cut --seq-len, naming what would work.
+    """
+    if rung.dims.cp == 1:
+        return rung
+    from hfdist.models.presets import load_config
+
+    return plan_context(load_config(cfg.model), rung, cfg.seq_len)
 
 
 def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum: int) -> None:
@@ -343,6 +359,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     _check_seq_len(config, cfg.seq_len)
     check_qlora(cfg, rung, config)
     check_model_fits(config, rung, cfg.seq_len)
+    check_cp_attention(check_context_parallel(config, rung, cfg.seq_len), attention)
     on_gpu = torch.cuda.is_available()
     fp8 = effective_fp8(rung, on_gpu, cfg.fp8)
     if fp8 is not None:

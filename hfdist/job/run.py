@@ -24,7 +24,7 @@ from hfdist.config.finetune import FinetuneConfig, evaluation_arguments, lora_se
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation, effective_fp8, settle_mixed_precision
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
-from hfdist.job.preflight import preflight
+from hfdist.job.preflight import plan_context_parallel, preflight
 from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_job_file, write_summary
 from hfdist.job.world import resolve_rung
 from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE, preempt_signals
@@ -162,6 +162,9 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     translation = cpu_translation(rung, on_gpu, cfg.mixed_precision, cfg.fp8)
     if translation is not None and rung.kind is not StrategyKind.SINGLE and _is_rank0():
         print(translation.line(rung), flush=True)
+    if rung.dims.cp > 1 and _is_rank0():
+        print(f"hfdist: context parallelism cp={rung.dims.cp} by {rung.context.method}: {rung.context.reason}",
+              flush=True)
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
     attention = resolve_attention(cfg.attn_implementation, on_gpu=on_gpu, cp=rung.dims.cp)
     args = _training_arguments(cfg, chosen)
@@ -188,7 +191,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
                 "compile": cfg.compile, "fp8": fp8, "attn_implementation": attention,
-                "device": "cuda" if on_gpu else "cpu"}
+                **_context_record(rung), "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
@@ -228,7 +231,7 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
 
         return ray_launch(cfg)
     # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
-    rung = resolve_rung(cfg)
+    rung = plan_context_parallel(cfg, resolve_rung(cfg))  # every rank applies the plan the launcher checked
     micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
     if not os.environ.get(HANDED_OVER_ENV):
         # Before hand-over, or on every rank of a world another launcher started (nothing is written before these
@@ -273,6 +276,13 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
                           preempted.record() if preempted else None)
     _leave_process_group()
     return PREEMPTED_EXIT_CODE if preempted else 0
+
+
+def _context_record(rung: Rung) -> dict[str, Any]:
+    """How the cp ranks split attention, and why (the summary's strategy; None without cp)."""
+    context = rung.context if rung.dims.cp > 1 else None
+    return {"cp_method": context and context.method, "cp_ulysses": context and context.ulysses,
+            "cp_method_reason": context and context.reason}
 
 
 def _compile_record(cfg: FinetuneConfig, rung: Rung, run: Run) -> dict[str, Any]:

@@ -5,8 +5,8 @@ Process count, in precedence order (CLI > YAML > default):
     the world a launcher already started (torchrun, `accelerate launch --config_file`, Slurm)
     on a GPU machine: the GPUs of this node (one process per GPU)
     on CPU: the YAML's num_processes (what each shipped rung is tested with)
---tp / --pp / --dp-replicate override the YAML's degrees; the data-parallel axis absorbs the rest, and a hybrid
-(HSDP) rung shards over the processes of one node. More processes on a node than it has GPUs is refused before any
+--tp / --pp / --cp / --dp-replicate override the YAML's degrees (--cp-method: how cp splits attention); the
+data-parallel axis absorbs the rest, and a hybrid (HSDP) rung shards over the processes of one node. More processes on a node than it has GPUs is refused before any
 process starts (a rank past the last GPU would die in set_device).
 
 A world started by `accelerate launch --config_file X.yaml` without --config is read back from the launcher: its
@@ -125,7 +125,7 @@ def resolve_rung(cfg: FinetuneConfig, node: Node | None = None) -> Rung:
     except LadderError as exc:
         raise WorldError(f"{exc} (The process count {count} comes from {origin}.)") from exc
     _check_gpus(rung, node)
-    return rung.with_pipeline(cfg.pp_schedule, cfg.pp_microbatches)
+    return rung.with_pipeline(cfg.pp_schedule, cfg.pp_microbatches).with_context(cfg.cp_method)
 
 
 def _env_flag(name: str) -> bool:

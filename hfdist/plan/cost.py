@@ -101,7 +101,7 @@ class Collective:
 
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv
     axis: str  # the mesh group (group_crosses_nodes): dp_shard_cp (FSDP2), dp_shard (ZeRO), dp_replicate (DDP,
-    # HSDP's replicas), tp, cp, pp
+    # HSDP's replicas), tp, cp_ulysses (the Ulysses all-to-alls) / cp (the ring's messages), pp
     group: int  # ranks in the group
     buffer_bytes: float
     calls: float
@@ -144,12 +144,14 @@ class StepCost:
         return self.tokens_per_second / self.world
 
 
-def group_crosses_nodes(dims: ParallelDims, axis: str, gpus_per_node: int) -> bool:
+def group_crosses_nodes(dims: ParallelDims, axis: str, gpus_per_node: int, group: int | None = None) -> bool:
     """Whether the ranks of one `axis` group span nodes. The mesh lays out dp_replicate x dp_shard x cp x pp x tp
     (tp innermost, hfdist.config.dims), so a group's ranks lie `stride` apart (the product of the axes inside it)
     and one group covers stride x size consecutive ranks. "dp_shard_cp" is FSDP2's flattened group (cp and dp_shard
-    are neighbouring axes)."""
+    are neighbouring axes); "cp_ulysses" the `group` innermost ranks of the cp axis (hfdist.parallel.context: a
+    hybrid's all-to-alls); a ring over the cp axis is "cp" (a message crosses nodes where the cp group does)."""
     stride, size = {"tp": (1, dims.tp), "pp": (dims.tp, dims.pp), "cp": (dims.tp * dims.pp, dims.cp),
+                    "cp_ulysses": (dims.tp * dims.pp, group or dims.cp),
                     "dp_shard": (dims.tp * dims.pp * dims.cp, dims.dp_shard),
                     "dp_shard_cp": (dims.tp * dims.pp, dims.cp * dims.dp_shard),
                     "dp_replicate": (dims.tp * dims.pp * dims.cp * dims.dp_shard, dims.dp_replicate)}[axis]
@@ -221,13 +223,21 @@ def step_collectives(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workl
         act = tokens * shape.hidden * elem
         out.append(Collective("all_gather", "tp", dims.tp, act * calls, calls, False))
         out.append(Collective("reduce_scatter", "tp", dims.tp, act * calls, calls, False))
-    if dims.cp > 1:
-        # Ulysses: q, k, v and the attention output exchanged per layer, in forward and in backward
-        q = shape.heads * shape.head_dim / dims.tp
-        kv = max(shape.kv_heads, dims.cp) * shape.head_dim / dims.tp
-        calls = layers * passes
-        out.append(Collective("all_to_all", "cp", dims.cp, tokens * (2 * q + 2 * kv) * elem * calls, 4 * calls,
-                              False))
+    if dims.cp > 1:  # the cp method's exchanges per layer (hfdist.plan.context_bytes)
+        from hfdist.parallel.context_check import plan_cp
+        from hfdist.plan.context_bytes import cp_layer_costs
+
+        plan = plan_cp(shape.heads, shape.kv_heads, dims.tp, dims.cp, w.seq, w.cp_method)
+        costs = cp_layer_costs(shape, tokens, elem, dims.tp, plan)
+        if plan.ulysses > 1:  # q, k, v and the attention output exchanged, in forward (again) and in backward
+            calls = layers * passes
+            out.append(Collective("all_to_all", "cp_ulysses", plan.ulysses, costs.exchanged * calls, 4 * calls,
+                                  False))
+        if plan.ring > 1:  # keys and values to the next member every ring step, their gradients too in backward
+            forwards, backwards = accumulation * recompute, accumulation
+            sent = layers * (forwards * costs.ring_forward + backwards * costs.ring_backward)
+            steps = layers * (forwards * 2 * (plan.ring - 1) + backwards * (2 * (plan.ring - 1) + 2 * plan.ring))
+            out.append(Collective("send_recv", "cp", plan.ring, sent, steps, False))
     if dims.pp > 1:
         # each micro-batch's activations forward and their gradients back across every stage boundary a rank has
         n_micro = rung.pipeline.n_microbatches if rung.pipeline is not None else 1
@@ -279,7 +289,7 @@ def step_cost(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, *,
     collectives = step_collectives(shape, rung, dims, w, accumulation)
     hidden = critical = 0.0
     for c in collectives:
-        bandwidth = (hardware.inter_node_bandwidth if group_crosses_nodes(dims, c.axis, gpus_per_node)
+        bandwidth = (hardware.inter_node_bandwidth if group_crosses_nodes(dims, c.axis, gpus_per_node, c.group)
                      else hardware.intra_node_bandwidth)
         seconds = c.calls * hardware.latency + c.moved_bytes / bandwidth
         if c.overlapped:

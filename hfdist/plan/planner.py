@@ -306,7 +306,8 @@ class _Context:
 
 def _evaluate(ctx: _Context, layout: Layout) -> tuple[RankBytes, StepCost]:
     w = replace(ctx.workload, micro_batch=layout.pipeline_micro_batch,
-                activation_checkpointing=layout.activation_checkpointing)
+                activation_checkpointing=layout.activation_checkpointing,
+                cp_method=layout.rung.context.method if layout.dims.cp > 1 else "auto")
     fp8 = float8_params_per_layer(ctx.config, layout.dims.tp) if w.fp8 else 0.0
     b = rung_rank_bytes(ctx.shape, layout.rung, layout.dims, w, fp8)
     cost = step_cost(ctx.shape, layout.rung, layout.dims, w, global_batch=layout.global_batch,
@@ -435,6 +436,7 @@ def plan_rungs(
     tp: int | None = None,
     pp: int | None = None,
     cp: int | None = None,
+    cp_method: str | None = None,
     lora: bool = False,
     lora_r: int = 16,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
@@ -456,8 +458,9 @@ def plan_rungs(
         rungs: Rung objects or names; default every shipped rung (hfdist.config.ladder.known_rung_names()).
         global_batch: sequences per optimizer step over all ranks, the same for every layout; None: each layout runs
             `micro_batch` per rank with no accumulation (its global batch follows its data-parallel degree).
-        micro_batch, activation_checkpointing, tp, pp, cp: pinned settings; None searches them (hfdist.plan.layouts;
-            micro_batch is a pipeline stage's micro-batch, what one forward holds).
+        micro_batch, activation_checkpointing, tp, pp, cp, cp_method: pinned settings; None searches them
+            (hfdist.plan.layouts; micro_batch is a pipeline stage's micro-batch, what one forward holds; every cp
+            method that can split the model at a cp degree is a layout of its own).
         model: the --model value, used in the launch commands.
         hardware: the rates the cost model predicts step times with (default: nominal H100 figures).
         Others: see Workload and the module docstring.
@@ -474,7 +477,8 @@ def plan_rungs(
     _check_cluster(gpus_per_node, nodes, gpu_mem_bytes)
     w = _workload(seq, micro_batch, lora, lora_r, qlora, lora_targets, activation_checkpointing, dtype,
                   bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model)
-    pins = Pins(tp, pp, cp, micro_batch, activation_checkpointing)
+    pins = Pins(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
+                cp_method=cp_method)
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}.")
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]

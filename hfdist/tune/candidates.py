@@ -40,6 +40,8 @@ class Candidate:
         d = self.layout.dims
         parts = [self.layout.rung.name] + [f"{axis}{getattr(d, axis)}" for axis in
                                             ("dp_replicate", "dp_shard", "cp", "pp", "tp") if getattr(d, axis) > 1]
+        if d.cp > 1:
+            parts.append(self.layout.rung.context.method)
         parts.append(f"mb{self.layout.micro_batch}")
         parts += ["ac"] * self.layout.activation_checkpointing + ["compile"] * self.compile
         parts += [f"fp8{self.fp8}"] if self.fp8 else []
@@ -99,7 +101,8 @@ def tune_candidates(cfg: FinetuneConfig, opts: TuneOptions, config, cluster: Clu
 
     consider = set(opts.consider)
     searched = "micro-batch" in consider
-    pins = Pins(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, micro_batch=None if searched else cfg.micro_batch_size,
+    pins = Pins(tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, cp_method=cfg.cp_method,
+                micro_batch=None if searched else cfg.micro_batch_size,
                 activation_checkpointing=None if "recompute" in consider else cfg.activation_checkpointing,
                 no_accumulation=not searched and cfg.micro_batch_size is None)
     compiles = (False, True) if "compile" in consider else (cfg.compile,)

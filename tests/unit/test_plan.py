@@ -496,8 +496,8 @@ def test_cli_json_on_local_checkpoint(tmp_path, capsys):
     assert data["recommended"]["name"] == "ddp" and str(tmp_path) in data["recommended"]["command"]
     for rung in data["rungs"]:
         assert {"name", "fits", "per_rank_bytes"} <= set(rung)
-        if rung["name"] in ("3d", "pp"):  # 3d's tp x pp cannot fit on 2 GPUs, pp's 4 micro-batches of 2 do not
-            # split a rank's 4 sequences: said, not planned
+        if rung["name"] in ("3d", "pp", "fsdp_tp_cp"):  # 3d's tp x pp and fsdp_tp_cp's tp x cp cannot fit on 2 GPUs,
+            # pp's 4 micro-batches of 2 do not split a rank's 4 sequences: said, not planned
             assert rung["per_rank_bytes"] is None and not rung["fits"] and "cannot run here" in rung["note"]
             continue
         assert {"weights", "grads", "master", "optimizer", "activations", "total"} <= set(rung["per_rank_bytes"])
