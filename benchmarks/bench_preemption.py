@@ -33,7 +33,7 @@ MEASURED_ON = None  # results/<hardware> names the GPUs where there are any: the
 
 FINETUNE = REPO / "scripts" / "finetune.py"
 RUNGS = ("single", "ddp", "fsdp_full_shard", "fsdp_tp", "pp", "zero3")
-EXIT_PREEMPTED = 75  # hfdist.train.preemption_check.PREEMPTED_EXIT_CODE
+EXIT_PREEMPTED = 75  # hfdist.config.preemption.PREEMPTED_EXIT_CODE
 
 
 def _run(rung: str, args, out: Path) -> dict:

@@ -90,7 +90,7 @@ class MlflowSink(TrackerSink):
 
     def finish(self, exit_code: int = 0) -> None:
         """Mark the run finished, killed (preempted: it checkpointed and stopped) or failed."""
-        from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE
+        from hfdist.config.preemption import PREEMPTED_EXIT_CODE
 
         run, self._closed = self._run, True
         status = {0: "FINISHED", PREEMPTED_EXIT_CODE: "KILLED"}.get(exit_code, "FAILED")

@@ -21,11 +21,11 @@ from hfdist.config.arg_types import (
 )
 from hfdist.config.job_file import CommandParser, job_yaml, parse_with_job_file
 from hfdist.config.options import OptionGroup, add_options, dataclass_from_namespace, option
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, signal_name
 from hfdist.config.rungs import RUNG_INFO
 from hfdist.errors import HfdistError
-from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE, signal_name
 
-__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "LAUNCHERS", "PP_SCHEDULES",
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "LAUNCHERS", "MODULE_ENTRY", "PP_SCHEDULES",
            "CP_METHODS", "USAGE", "LR_SCHEDULERS", "TRACKERS", "add_finetune_arguments", "build_parser",
            "config_from_namespace", "parse_args", "parse_command", "job_text", "optimisation_arguments",
            "evaluation_arguments", "lora_settings", "non_negative_int", "positive_int"]
@@ -55,6 +55,8 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # (hfdist.parallel.pipeline.plan.SCHEDULES maps them to the classes).
 # What starts the ranks (--launcher): accelerate's launch (hfdist's hand-over, or a world torchrun started) or Ray Train.
 LAUNCHERS = ("accelerate", "ray")
+# What a hand-over starts in each rank (hfdist.job.launch.ensure_world): `hfdist finetune`, as a module.
+MODULE_ENTRY = ["-m", "hfdist.cli", "finetune"]
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 # How context-parallel ranks split attention (--cp-method; hfdist.parallel.context_check.plan_cp), auto first.
 CP_METHODS = ("auto", "ulysses", "ring", "hybrid")

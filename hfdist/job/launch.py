@@ -13,7 +13,7 @@ launch fails, and the hand-over prints each distinct paragraph once, last.
 
 Preemption (hfdist.train.preemption): the process that hands over forwards the preemption signals it receives to the
 launch (Kubernetes signals a container's first process only), whose torch elastic agent forwards them to the ranks and
-waits for them (hfdist.train.preemption_check.elastic_forwarding_env); a run whose ranks stopped for a preemption
+waits for them (hfdist.config.preemption.elastic_forwarding_env); a run whose ranks stopped for a preemption
 exits PREEMPTED_EXIT_CODE, whichever process got the signal.
 """
 
@@ -34,9 +34,9 @@ from hfdist import console
 from hfdist.config.finetune import FinetuneConfig
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, elastic_forwarding_env, preempt_signals, preempted_note
 from hfdist.errors import ERROR_DIR_ENV, HfdistError, collected_errors
 from hfdist.job.world import Node
-from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE, elastic_forwarding_env, preempt_signals, preempted_note
 
 __all__ = ["LaunchError", "accelerate_command", "single_gpu_env", "ensure_world", "HANDED_OVER_ENV"]
 

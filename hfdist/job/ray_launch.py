@@ -29,8 +29,8 @@ from urllib.parse import urlsplit
 from hfdist import console
 from hfdist.config.finetune import FinetuneConfig
 from hfdist.config.ladder import Rung
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE
 from hfdist.errors import HfdistError
-from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE
 
 __all__ = ["RayLaunchError", "ray_launch", "worker_env"]
 
@@ -123,7 +123,7 @@ def _worker(config: dict[str, Any]) -> None:
     """One rank, in a Ray Train worker (a thread of its actor): the job, as a rank of the world Ray made."""
     if config["deepspeed"]:
         os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"  # as accelerate's launch sets it for a ZeRO rung
-    from hfdist.cli.finetune import MODULE_ENTRY
+    from hfdist.config.finetune import MODULE_ENTRY
     from hfdist.job.run import finetune
 
     cfg: FinetuneConfig = config["cfg"]

@@ -23,11 +23,11 @@ from hfdist.config.dims import batch_layout
 from hfdist.config.finetune import FinetuneConfig, evaluation_arguments, lora_settings, optimisation_arguments
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation, effective_fp8, settle_mixed_precision
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, advertised_grace, preempt_signals
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import plan_context_parallel, preflight
 from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_job_file, write_summary
-from hfdist.job.world import resolve_rung
-from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE, preempt_signals
+from hfdist.job.world import launcher_argv, resolve_rung
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.api import Strategy
@@ -211,7 +211,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
         model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval, data_collator=collator,
         processing_class=tokenizer, callbacks=callbacks, metrics=False, checkpoint_identity=checkpoint_identity(cfg, rung),
         loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async,
-        preempt_signals=preempt_signals(cfg.preempt_signal))
+        preempt_signals=preempt_signals(cfg.preempt_signal),
+        preempt_grace=advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get(HANDED_OVER_ENV))))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
@@ -226,10 +227,6 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     Returns:
         The process exit code.
     """
-    if cfg.launcher == "ray" and not os.environ.get(HANDED_OVER_ENV):  # this process is Ray's driver
-        from hfdist.job.ray_launch import ray_launch
-
-        return ray_launch(cfg)
     # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
     rung = plan_context_parallel(cfg, resolve_rung(cfg))  # every rank applies the plan the launcher checked
     micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from hfdist.config.finetune import FinetuneConfig, job_text
 from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung
-from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE, leave_preempted_note, preempted_line
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, leave_preempted_note, preempted_line
 
 if TYPE_CHECKING:
     from hfdist.callbacks.trackers import Trackers

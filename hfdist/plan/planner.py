@@ -16,7 +16,7 @@ it (so the advice is true of the planner).
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
@@ -25,6 +25,7 @@ from hfdist.models.attention import AUTO, uses_dense_mask
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import check_fp8, float8_params_per_layer
+from hfdist.plan import render
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, offload_device, rung_rank_bytes
 from hfdist.plan.cost import NOMINAL_HARDWARE, Hardware, StepCost, step_cost
 from hfdist.plan.layouts import Cluster, Layout, Pins, rung_layouts
@@ -92,148 +93,20 @@ class Plan:
 
     def assumptions(self) -> list[str]:
         """The accounting behind the numbers, one line each (shown under the table and in the JSON)."""
-        w = self.workload
-        if w.dtype == "fp32":
-            states = "fp32: 4 weight + 4 grad + 8 Adam B/param (DeepSpeed adds a 4 B fp32 partition copy)"
-        elif w.bytes_per_param_adam == 16:
-            states = "bf16 mixed precision, Adam 16 B/param: 2 weight + 2 grad + 4 fp32 master + 8 Adam"
-        else:
-            states = ("bf16 mixed precision, Adam 20 B/param (DeepSpeed's accounting): 2 weight + 2 grad + 4 fp32 "
-                      "grad + 4 fp32 master + 8 Adam")
-        frozen = "4 B (fp32; DeepSpeed: 2 B)" if w.dtype == "bf16" else "4 B"
-        targets = ",".join(t.removesuffix("_proj") for t in w.lora_targets)
-        if w.qlora:
-            train = (f"QLoRA r={w.lora_r} on {targets}: decoder projections in 4-bit NF4 (0.5 B/param, sharded "
-                     "like weights) + their double-quantised states (~1/64 B/param, whole on every rank), the rest "
-                     f"of the frozen base at {frozen}/param; adapters ({self.trainable_params:,} params) carry grads "
-                     "+ optimizer; one projection dequantised at a time (bf16) under buffers; rungs that do not take "
-                     "--qlora are n/a")
-        elif w.lora:
-            train = (f"LoRA r={w.lora_r} on {targets}: frozen base weights only, at {frozen}/param as hfdist holds "
-                     f"them; adapters ({self.trainable_params:,} params) carry grads + optimizer")
-        else:
-            train = f"full fine-tune ({self.trainable_params:,} trainable params)"
-        if w.reference_model:
-            train += ("; DPO: a frozen reference copy of the weights beside the policy, sharded like it, at the frozen "
-                      "rate" if not w.lora else "; DPO: the reference is the base with the adapters off (no copy)")
-        logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
-                  if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
-        attention = {"sdpa": "sdpa with a dense S x S document mask (the mask + its bias saved per layer counted)",
-                     "eager": "eager with a dense S x S document mask (the mask + every head's S x S weights saved "
-                              "per layer counted)"}.get(
-            w.attention, f"{w.attention} attention (document boundaries or a BlockMask: nothing S x S)")
-        return [
-            states,
-            train,
-            f"activations: seq {w.seq} x each layout's micro-batch, {attention}, with or without recompute as the "
-            f"layout says, fp32 logits of {logits}; PP: 1F1B with pp micro-batches in flight",
-            "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers"
-            + (f"; --fp8 {w.fp8}: decoder projections in float8, gathered at 1 B/param where FSDP2 shards them "
-               "(tensorwise); model states and activations as without" if w.fp8 else ""),
-            "offload rungs count GPU bytes only; 1 GB = 1e9 bytes; allocator fragmentation not modelled",
-            f"speed (hfdist.plan.cost): FLOPs over the matmul rate, collectives' bytes over the bandwidth, the "
-            f"optimizer's traffic and the pipeline bubble, on {self.hardware.source}",
-        ]
+        return render.assumptions(self)
 
     def table(self) -> str:
         """The human-readable plan: one row per rung (its best layout), the recommendation and its command."""
-        s = self.shape
-        n = s.total_params
-        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        head = (f"hfdist plan: {self.model} ({size} params, {s.layers} layers, hidden "
-                f"{s.hidden}) on {self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.world} ranks, "
-                f"{self.gpu_mem_bytes / GB:g} GB each")
-        cols = ("rung", "best layout", "weights", "grads", "master", "optim", "activ", "buffers", "total", "fits",
-                "tok/s/GPU")
-        rows = []
-        for r in self.rungs:
-            layout = r.layout.describe() if r.layout else "-"
-            if r.bytes is None:
-                rows.append((r.name, layout, *["-"] * 7, "n/a", "-"))
-                continue
-            b = r.bytes
-            nums = (b.weights, b.grads, b.master, b.optimizer, b.activations, b.buffers, b.total)
-            fits = f"yes ({r.fitting}/{r.layouts})" if r.fits else f"no (0/{r.layouts})"
-            if r.offload != "none":
-                fits += f" +{b.offloaded / GB:.1f} on {r.offload}"
-            rows.append((r.name, layout, *[f"{n / GB:.1f}" for n in nums], fits,
-                         f"{r.cost.tokens_per_second_per_device:,.0f}"))
-        widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
-        fmt = "  ".join([f"{{:<{widths[0]}}}", f"{{:<{widths[1]}}}"]
-                        + [f"{{:>{wd}}}" for wd in widths[2:-2]] + [f"{{:<{widths[-2]}}}", f"{{:>{widths[-1]}}}"])
-        lines = [head, "", fmt.format(*cols).rstrip(), *(fmt.format(*row).rstrip() for row in rows),
-                 "", "per-rank GB on the GPU (worst pipeline stage) of each rung's best layout: its fastest predicted "
-                 "that fits (fits: layouts that fit / considered), else its leanest. Assumptions:"]
-        lines += [f"  - {a}" for a in self.assumptions()]
-        lines.append("")
-        rec = self.recommended
-        if rec is None:
-            lines.append(self.failure_message())
-        else:
-            lines.append(f"Recommended: {rec.name}, {rec.layout.describe()} ({rec.bytes.total / GB:.1f} of "
-                         f"{self.gpu_mem_bytes / GB:g} GB per GPU; predicted fastest, "
-                         f"{rec.cost.tokens_per_second_per_device:,.0f} tokens/s per GPU)")
-            lines.append(f"  {rec.command}")
-            if rec.note:
-                lines.append(f"  note: {rec.note}")
-            lines.append("  `hfdist tune` measures the candidates on your own machine.")
-        if self.hint and rec is not None:  # without a recommendation the failure message carries the fix
-            lines.append(f"Hint: {self.hint}")
-        return "\n".join(lines)
+        return render.table(self)
 
     def to_json(self) -> dict[str, Any]:
         """{"rungs": [{"name", "fits", "layout", "per_rank_bytes", "predicted", ...}, ...], "recommended": {"name",
         "command"} | None} plus the inputs, the assumptions and any hint."""
-        rec = self.recommended
-        out: dict[str, Any] = {
-            "model": {"spec": self.model, "params": self.shape.total_params, "trainable_params": self.trainable_params,
-                      "layers": self.shape.layers, "hidden": self.shape.hidden},
-            "cluster": {"gpus_per_node": self.gpus_per_node, "nodes": self.nodes, "world": self.world,
-                        "gpu_mem_bytes": self.gpu_mem_bytes},
-            "workload": asdict(self.workload),
-            "hardware": asdict(self.hardware),
-            "assumptions": self.assumptions(),
-            "rungs": [_rung_json(r) for r in self.rungs],
-            "recommended": {"name": rec.name, "command": rec.command} if rec else None,
-        }
-        if rec is None:
-            out["error"] = self.failure_message()
-        if self.hint:
-            out["hint"] = self.hint
-        return out
+        return render.to_json(self)
 
     def failure_message(self) -> str:
         """One paragraph for when no rung fits: what is too big, and the fix."""
-        sized = [r for r in self.rungs if r.bytes is not None]
-        if not sized:
-            return ("Nothing fits: no rung can run on this cluster (see the notes per rung). Fix: change "
-                    "--gpus-per-node / --nodes so the rungs' tensor/pipeline degrees divide them.")
-        best = min(sized, key=lambda r: r.bytes.total)
-        b = best.bytes
-        parts = {"activations": b.activations, "model states": b.model_states, "buffers": b.buffers}
-        big = max(parts, key=parts.get)
-        fix = self.hint or "use GPUs with more memory, or a shorter --seq."
-        return (f"Nothing fits: even the leanest layout, {best.name} at {best.layout.describe()}, needs "
-                f"{b.total / GB:.1f} GB per GPU ({big} {parts[big] / GB:.1f} GB of it) but each GPU has "
-                f"{self.gpu_mem_bytes / GB:g} GB. Fix: {fix}")
-
-
-def _rung_json(r: RungPlan) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": r.name, "fits": r.fits, "per_rank_bytes": r.bytes.to_json() if r.bytes else None,
-                           "dims": r.dims.to_dict() if r.dims else None, "offload": r.offload, "command": r.command,
-                           "layouts": r.layouts, "fitting": r.fitting}
-    if r.layout is not None:
-        out["layout"] = {"micro_batch": r.layout.micro_batch, "global_batch": r.layout.global_batch,
-                         "activation_checkpointing": r.layout.activation_checkpointing,
-                         "options": r.layout.job_options()}
-    if r.cost is not None:
-        out["predicted"] = {"step_seconds": r.cost.seconds, "tokens_per_second": r.cost.tokens_per_second,
-                            "tokens_per_second_per_device": r.cost.tokens_per_second_per_device,
-                            "compute_seconds": r.cost.compute, "bubble_seconds": r.cost.bubble,
-                            "optimizer_seconds": r.cost.optimizer, "exposed_comm_seconds": r.cost.exposed_comm}
-    if r.note:
-        out["note"] = r.note
-    return out
+        return render.failure_message(self)
 
 
 def plan_order(rungs: Iterable[Rung]) -> list[Rung]:
@@ -353,10 +226,9 @@ def _rung_plan(ctx: _Context, rung: Rung, layouts: list[Layout], reason: str) ->
 
 
 def _context(config, model: str, cluster: Cluster, gpu_mem_bytes: int, w: Workload, hardware: Hardware) -> _Context:
-    from hfdist.metrics.flops import flops_per_token
-
     shape = ModelShape.from_config(config)
-    fpt = flops_per_token(config, w.seq, lora=w.lora, lora_r=w.lora_r, lora_targets=w.lora_targets)
+    lora = shape.layers * shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora else 0
+    fpt = shape.training_flops_per_token(w.seq, lora_params=lora, trainable_fraction=0.0 if w.lora else 1.0)
     return _Context(config, shape, model, cluster, gpu_mem_bytes, w, hardware, fpt)
 
 

@@ -11,18 +11,14 @@ torch's `fake` process group (collectives are no-ops, ranks and meshes exist):
     AdamW(params).step()                  on the sharded meta parameters, gradients shaped as FSDP2 leaves them
                                           (the parameter's local shard): Adam's state as torch allocates it
 
-and reads the rank's bytes from the local shards: parameters, gradients, Adam's moments (its step counters, a
-few bytes per tensor, left out as the planner leaves them out). Next to them, hfdist.plan.predict_state_bytes
-for the same stage: what `hfdist plan` and the run summaries compare against.
+and reads the rank's bytes from the local shards (parameters, gradients, Adam's moments; its step counters left
+out, as the planner leaves them out), next to hfdist.plan.predict_state_bytes for the same stage.
 
-The representative rank of pipeline stage s is the one at mesh coordinates (dp 0, stage s, tp 0) = s x tp; other
-ranks of a stage differ by at most one row per tensor where FSDP2's dim-0 split is uneven. Middle stages with the
-same number of layers hold the same shapes: one of them stands for all (`RoleBytes.stages`).
+Stage s is represented by the rank at (dp 0, stage s, tp 0) = s x tp (others differ by at most one row per tensor
+where FSDP2's dim-0 split is uneven); middle stages with as many layers hold the same shapes (`RoleBytes.stages`).
 
-Only hfdist's own rungs can be simulated. DeepSpeed rungs are refused: DeepSpeed's engine (and zero.Init) places
-its flat partitions in real memory and runs real collectives while it builds, neither of which the meta device
-and a fake group provide; DDP and the single process hold the whole model on every rank (`hfdist plan` counts
-them exactly).
+Only hfdist's own rungs can be simulated: DeepSpeed's engine places its flat partitions in real memory and runs
+real collectives while it builds; DDP and the single process hold the whole model (`hfdist plan` counts them).
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from unittest import mock
 
 from hfdist.config.ladder import LadderError, Rung, StrategyKind, load_rung
 from hfdist.errors import HfdistError
@@ -204,17 +201,12 @@ def _fake_rank(rank: int, world_size: int, local_world_size: int):
     if dist.is_initialized():
         raise SimulateError("hfdist simulate needs a process without a process group; this one already has one. "
                             "Run it as its own command (hfdist simulate ...).")
-    saved = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
-    dist.init_process_group("fake", rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        if saved is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": str(local_world_size)}):
+        dist.init_process_group("fake", rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def _local(t):
@@ -225,8 +217,7 @@ def _local(t):
 
 
 def _local_bytes(t) -> int:
-    local = _local(t)
-    return local.numel() * local.element_size()
+    return _local(t).numel() * _local(t).element_size()
 
 
 def _state_bytes(params: list, optimizer, extra: list = ()) -> tuple[int, int, int]:

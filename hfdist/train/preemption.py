@@ -7,7 +7,7 @@ every optimizer step all ranks agree on the flags with one small collective (a m
 group: a CPU tensor, no device synchronisation); when one is set, every rank saves a checkpoint of that step (at once,
 not in the background: nothing trains after it; a background write still in flight lands first) and the Trainer
 stops. The trainer's `preempted` then says where and why; hfdist's job records it in hfdist_summary.json and the
-trackers and exits with PREEMPTED_EXIT_CODE (hfdist.train.preemption_check), and `--resume` continues from that
+trackers and exits with PREEMPTED_EXIT_CODE (hfdist.config.preemption), and `--resume` continues from that
 checkpoint as from any other.
 
 Rank 0 prints the grace a preemption needs (the last checkpoint's measured write + a step) against what the
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from transformers.trainer_callback import TrainerCallback
 
-from hfdist.train.preemption_check import DEFAULT_SIGNALS, advertised_grace, grace_lines
+from hfdist.config.preemption import DEFAULT_SIGNALS, Grace, advertised_grace, grace_lines
 
 __all__ = ["Preempted", "PreemptionWatch", "PreemptionCallback", "PreemptionMixin", "TEST_PREEMPT_ENV"]
 
@@ -64,7 +64,7 @@ class PreemptionWatch:
     """This rank's preemption signals (handlers installed while it trains) and the step boundary's agreement.
 
     Args:
-        signals: signal names (hfdist.train.preemption_check.preempt_signals); empty: never preempted.
+        signals: signal names (hfdist.config.preemption.preempt_signals); empty: never preempted.
     """
 
     def __init__(self, signals: Sequence[str] = DEFAULT_SIGNALS) -> None:
@@ -160,11 +160,8 @@ class PreemptionCallback(TrainerCallback):
         self._grace_printed = False
 
     def _print_grace(self, save_seconds: float | None, what: str) -> None:
-        from hfdist.job.launch import HANDED_OVER_ENV
-        from hfdist.job.world import launcher_argv
-
         watch = self.trainer.preemption
-        grace = advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get(HANDED_OVER_ENV)))
+        grace = self.trainer.preempt_grace
         signals = watch.signals if watch.armed else ()
         if signals:
             print("\n".join(grace_lines(save_seconds, self._step_seconds, grace, signals, what)), flush=True)
@@ -204,10 +201,14 @@ class PreemptionMixin:
 
     Args:
         preempt_signals: the signal names that preempt the run (default SIGTERM, SIGUSR1; empty: none).
+        preempt_grace: the grace the environment advertises (hfdist.config.preemption.advertised_grace: the job
+            reads its launcher's); default: what the environment variables say.
     """
 
-    def __init__(self, *args, preempt_signals: Sequence[str] = DEFAULT_SIGNALS, **kwargs) -> None:
+    def __init__(self, *args, preempt_signals: Sequence[str] = DEFAULT_SIGNALS, preempt_grace: Grace | None = None,
+                 **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.preempt_grace = preempt_grace if preempt_grace is not None else advertised_grace()
         self.preemption = PreemptionWatch(preempt_signals)
         self.preempted: Preempted | None = None
         self.resumed_from: str | None = None  # the checkpoint this training resumed from

@@ -402,7 +402,7 @@ def _on_a_volume(argv: list[str], mounts: set[str], where: str) -> None:
 def _check_pod(spec: dict, where: str, job: dict | None) -> None:
     """A pod's containers launch commands the docs check accepts, onto a mounted volume, within the pod's grace; a
     Job whose first process is `hfdist finetune` does not count its preemptions (exit 75) as failures."""
-    from hfdist.train.preemption_check import PREEMPTED_EXIT_CODE
+    from hfdist.config.preemption import PREEMPTED_EXIT_CODE
 
     grace = spec.get("terminationGracePeriodSeconds", 30)
     for container in spec["containers"]:

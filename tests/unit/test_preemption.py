@@ -1,6 +1,6 @@
 """Preemption's pieces in one process: the signals and their refusals, the grace each environment advertises, the
 grace lines, the agreement without a process group, the hand-over's forwarding, and the Ray launcher's refusals
-(tests/e2e/test_preemption.py and test_ray.py launch the real thing)."""
+(tests/e2e/test_preemption_job.py and test_ray.py launch the real thing)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from hfdist.train.preemption_check import (
+from hfdist.config.preemption import (
     PREEMPTED_EXIT_CODE,
     advertised_grace,
     elastic_forwarding_env,

@@ -25,7 +25,7 @@ from helpers import FINETUNE, REPO, SHARED_SAVE_STEPS, TINY_ARGS, eval_args, run
 
 pytestmark = pytest.mark.multiproc
 
-EXIT_PREEMPTED = 75  # docs/clusters.md; hfdist.train.preemption_check.PREEMPTED_EXIT_CODE
+EXIT_PREEMPTED = 75  # docs/clusters.md; hfdist.config.preemption.PREEMPTED_EXIT_CODE
 RTOL = 1e-6  # same layout and ranks as the uninterrupted run: resumed steps are bit-identical in practice (measured 0)
 # Background writes asked for explicitly (the in-flight case needs one, whatever the default on CPU).
 FOUR = ("--config", "fsdp_full_shard", "--num-processes", "4", "--max-steps", "6", "--save-steps", "2", "--save-async")
