@@ -159,8 +159,8 @@ def _world() -> tuple[int, int | None]:
 
 def _rung_of_degrees(world: int, dp_replicate: int, dp_shard: int | None, tp: int, pp: int, cp: int) -> Rung:
     """The shipped mesh rung with these axes (its FSDP settings and name), with exactly these degrees."""
-    name = ("3d" if pp > 1 and tp > 1 else "pp" if pp > 1 else "fsdp_cp" if cp > 1 else "fsdp_tp" if tp > 1
-            else "fsdp_hybrid" if dp_replicate > 1 else "fsdp_full_shard")
+    name = ("3d" if pp > 1 and tp > 1 else "pp" if pp > 1 else "fsdp_tp_cp" if cp > 1 and tp > 1 else "fsdp_cp"
+            if cp > 1 else "fsdp_tp" if tp > 1 else "fsdp_hybrid" if dp_replicate > 1 else "fsdp_full_shard")
     rest = dp_replicate * tp * pp * cp
     try:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard or max(world // rest, 1), tp=tp, pp=pp, cp=cp)
@@ -177,7 +177,7 @@ def _rung_of_degrees(world: int, dp_replicate: int, dp_shard: int | None, tp: in
 def resolve_strategy(config: str | None = None, *, dp_replicate: int | None = None, dp_shard: int | None = None,
                      tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
                      pp_schedule: str | None = None, pp_microbatches: int | None = None,
-                     mixed_precision: str = "auto") -> Strategy:
+                     mixed_precision: str = "auto", cp_method: str = "auto") -> Strategy:
     """The strategy a script asked for, fitted to the world its launcher started.
 
     Args:
@@ -188,6 +188,8 @@ def resolve_strategy(config: str | None = None, *, dp_replicate: int | None = No
         ep: a mixture-of-experts model's expert-parallel degree on fsdp_ep / fsdp_tp (docs/moe.md).
         pp_schedule, pp_microbatches: a pipeline rung's schedule and micro-batches per step.
         mixed_precision: "auto" (the rung's on a GPU, fp32 on a CPU), "bf16" or "no".
+        cp_method: how the cp ranks split attention, as `hfdist finetune --cp-method` ("auto": Ulysses where the
+            heads allow, else hybrid, else ring; planned for the model by prepare_model).
 
     Raises:
         StrategyRefused: a config or degrees that do not fit the world, or settings hfdist cannot honour; the
@@ -206,13 +208,13 @@ def resolve_strategy(config: str | None = None, *, dp_replicate: int | None = No
             else:
                 rung = _rung_of_degrees(world, dp_replicate or 1, dp_shard, tp or 1, pp or 1, cp or 1)
         else:
-            if dp_shard is not None or cp is not None:
-                raise StrategyRefused("dp_shard and cp are degrees of a config of your own (config=None); a named "
-                                      f"rung ({config}) takes --tp / --pp / --dp-replicate overrides only, the "
+            if dp_shard is not None:
+                raise StrategyRefused("dp_shard is a degree of a config of your own (config=None); a named rung "
+                                      f"({config}) takes tp / pp / cp / dp_replicate overrides only, the "
                                       "data-parallel axis absorbing the rest. Pass config=None with the degrees.")
-            rung = load_rung(config).with_num_processes(world, tp=tp, pp=pp, dp_replicate=dp_replicate,
+            rung = load_rung(config).with_num_processes(world, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate,
                                                         node_size=node, ep=ep)
-        rung = rung.with_pipeline(pp_schedule, pp_microbatches)
+        rung = rung.with_pipeline(pp_schedule, pp_microbatches).with_context(cp_method)
     except LadderError as exc:
         raise StrategyRefused(f"{exc} (The launched world has {world} processes.)") from exc
     if rung.kind is StrategyKind.SINGLE and world > 1:

@@ -26,6 +26,7 @@ from hfdist.callbacks.progress import MetricsProgressCallback, rank_table
 from hfdist.callbacks.rank_metrics import aggregate_ranks, gather_records, slowest_rank, straggler_line
 from hfdist.callbacks.throughput import ThroughputMeter
 from hfdist.metrics.flops import TokenFlops, mfu, model_token_flops, tflops_per_device
+from hfdist.metrics.memory import ddp_bucket_bytes
 from hfdist.metrics.peaks import PeakFlops, device_peak_flops
 from hfdist.models.registry import UnsupportedModelError
 
@@ -39,7 +40,7 @@ _ROUTER_KEYS = ("expert_tokens_min", "expert_tokens_max")
 # What one logging window reports per rank, in the order the gathered vector carries them.
 WINDOW_KEYS = (*_RATE_KEYS, *PEAK_KEYS, *_STATE_KEYS, *COUNT_KEYS, *_ROUTER_KEYS)
 # What the whole run reports per rank (`.ranks`, hfdist_summary.json).
-RUN_KEYS = (*WINDOW_KEYS, "steps", "setup_peak_memory_bytes")
+RUN_KEYS = (*WINDOW_KEYS, "steps", "setup_peak_memory_bytes", "training_peak_bytes")
 _LOW_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -143,8 +144,8 @@ class DistributedMetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._settle(args, state, model)
+        trainer = find_caller(Trainer)
         if not self._fixed_replica:
-            trainer = find_caller(Trainer)
             self.ranks_per_replica = trainer.get_tp_size() if trainer is not None else 1
         self._device = args.device
         self._distributed = args.world_size > 1
@@ -153,7 +154,8 @@ class DistributedMetricsCallback(TrainerCallback):
                   "process (each rank alone, on its own data). On a machine without GPUs, pass use_cpu=True to "
                   "TrainingArguments or set ACCELERATE_USE_CPU=1 for data-parallel training over CPU processes.")
         self._memory, self._throughput = MemoryMeter(), ThroughputMeter()  # a new run per train() call
-        self._memory.start(model, optimizer, args.device)
+        self._memory.start(model, optimizer, args.device,
+                           held_outside=ddp_bucket_bytes(trainer.model_wrapped) if trainer is not None else 0)
         self._throughput.start(model, args.device)
         self._throughput.idle()
         self._running = True

@@ -4,9 +4,9 @@ The world is factored as dp_replicate x dp_shard x cp x pp x tp (outermost to in
 accelerate's ParallelismConfig use: tp innermost so its frequent collectives stay between neighbouring ranks (one
 node), data parallelism outermost so its once-per-step collectives may cross nodes. cp (context parallelism: the
 ranks holding one sequence's chunks, hfdist.parallel.context) sits next to dp_shard, so FSDP2 can shard over the
-flattened dp_shard x cp axis; cp and pp do not compose yet (hfdist.job.preflight refuses it), so their relative
-order is moot. ep (expert parallelism) is no axis of the world: it borrows its ranks from dp_shard, which the MoE
-layers' experts see as dp_shard_mod_ep x ep (hfdist.parallel.expert).
+flattened dp_shard x cp axis; under pipeline stages the batch is cut over cp before stage 0, and each stage's cp
+group holds the same layers. ep (expert parallelism) is no axis of the world: it borrows its ranks from dp_shard,
+which the MoE layers' experts see as dp_shard_mod_ep x ep (hfdist.parallel.expert).
 """
 
 from __future__ import annotations

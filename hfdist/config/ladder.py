@@ -28,6 +28,7 @@ __all__ = [
     "Rung",
     "FsdpSettings",
     "PipelineSettings",
+    "ContextSettings",
     "LadderError",
     "CONFIG_ROOT",
     "RUNG_INFO",
@@ -88,6 +89,16 @@ class PipelineSettings:
 
 
 @dataclass(frozen=True)
+class ContextSettings:
+    """How the cp ranks split attention (--cp-method; hfdist.parallel.context_check.plan_cp): the method asked for,
+    and once planned for the model and --seq-len, the method chosen, its Ulysses degree and why."""
+
+    method: str = "auto"
+    ulysses: int | None = None  # None: not planned yet
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Rung:
     """One launchable strategy: where its configs are and what it does to the model."""
 
@@ -104,6 +115,7 @@ class Rung:
     offload_optimizer: str = "none"
     fsdp: FsdpSettings | None = None
     pipeline: PipelineSettings | None = None
+    context: ContextSettings = ContextSettings()
     info: RungInfo | None = None
     notes: tuple[str, ...] = ()  # what hfdist translated from the config file, printed once by the run
 
@@ -129,14 +141,15 @@ class Rung:
 
     @property
     def uses_fsdp(self) -> bool:
-        """hfdist applies FSDP2: every mesh rung, except a pipeline with one data-parallel rank."""
-        return self.owns_sharding and not (self.uses_pipeline and self.dims.dp == 1)
+        """hfdist applies FSDP2: every mesh rung, except a pipeline with one data-parallel rank and no cp (FSDP2
+        reduces the cp ranks' gradients)."""
+        return self.owns_sharding and not (self.uses_pipeline and self.dims.dp * self.dims.cp == 1)
 
     def with_num_processes(self, num_processes: int, *, tp: int | None = None, pp: int | None = None,
-                           dp_replicate: int | None = None, node_size: int | None = None,
-                           ep: int | None = None) -> "Rung":
-        """The same rung on `num_processes` processes, with the tp / pp / dp_replicate / ep degrees given (None: the
-        rung's own; precedence CLI > YAML). The data-parallel axis absorbs the rest; ep borrows from it.
+                           cp: int | None = None, dp_replicate: int | None = None,
+                           node_size: int | None = None, ep: int | None = None) -> "Rung":
+        """The same rung on `num_processes` processes, with the tp / pp / cp / dp_replicate / ep degrees given (None:
+        the rung's own; precedence CLI > YAML). The data-parallel axis absorbs the rest; ep borrows from it.
 
         A hybrid (HSDP) rung shards over the ranks of one node: `node_size` // (tp x pp) when the node is known (a
         GPU node, or a launched world), else its configured dp_shard (the CPU runs' simulated node).
@@ -145,16 +158,16 @@ class Rung:
             LadderError: degrees that do not divide the processes, or that the rung's strategy does not have.
         """
         d = self.dims
-        tp, pp, ep = tp or d.tp, pp or d.pp, ep or d.ep
-        self._check_degrees_apply(tp, pp, dp_replicate)
-        self._check_ep_applies(ep)
-        model_parallel = tp * pp * d.cp
+        tp, pp, cp, ep = tp or d.tp, pp or d.pp, cp or d.cp, ep or d.ep
+        self._check_degrees_apply(tp, pp, cp, dp_replicate)
+        self._check_ep_applies(ep, cp)
+        model_parallel = tp * pp * cp
         if num_processes < 1 or num_processes % model_parallel:
-            what, sizes = ("tensor x pipeline", f"tp x pp = {tp} x {pp}") if d.cp == 1 else \
-                ("tensor x pipeline x context", f"tp x pp x cp = {tp} x {pp} x {d.cp}")
+            what, sizes = ("tensor x pipeline", f"tp x pp = {tp} x {pp}") if cp == 1 else \
+                ("tensor x pipeline x context", f"tp x pp x cp = {tp} x {pp} x {cp}")
             raise LadderError(f"{self.name} cannot run on {num_processes} processes: its {what} degrees {sizes} = "
                               f"{model_parallel} must divide the processes. Use a multiple of {model_parallel} "
-                              "processes, or other --tp / --pp.")
+                              "processes, or other --tp / --pp / --cp.")
         dp = num_processes // model_parallel
         hybrid = self.fsdp is not None and self.fsdp.hybrid
         if self.kind is StrategyKind.SINGLE:
@@ -187,7 +200,7 @@ class Rung:
                                   f"({num_processes} processes / tp x pp x cp = {model_parallel}), which it does not "
                                   f"divide. Use an --ep dividing {dp // replicate}, or a multiple of "
                                   f"{ep * model_parallel * replicate} processes.")
-            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp, cp=d.cp, ep=ep)
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp, cp=cp, ep=ep)
         pipeline = (self.pipeline or PipelineSettings()) if dims.pp > 1 else None
         fsdp = replace(self.fsdp, hybrid=hybrid or dims.dp_replicate > 1) if self.fsdp is not None else None
         return replace(self, num_processes=num_processes, dims=dims, pipeline=pipeline, fsdp=fsdp)
@@ -207,31 +220,47 @@ class Rung:
         given = {k: v for k, v in (("schedule", schedule), ("n_microbatches", n_microbatches)) if v is not None}
         return replace(self, pipeline=replace(self.pipeline, **given))
 
-    def _check_ep_applies(self, ep: int) -> None:
+    def with_context(self, method: str) -> "Rung":
+        """The rung with --cp-method applied ("auto" keeps the rung's own choice: planned per model).
+
+        Raises:
+            ConfigError: a method given for a rung without context parallelism.
+        """
+        if method == "auto":
+            return self
+        if self.dims.cp == 1:
+            raise ConfigError(f"--cp-method {method} applies to rungs with context parallelism, and {self.name} has "
+                              "none (cp=1). Use --config fsdp_cp / fsdp_tp_cp, or --cp N on a mesh rung, or drop "
+                              "--cp-method.")
+        return replace(self, context=ContextSettings(method))
+
+    def _check_ep_applies(self, ep: int, cp: int) -> None:
         """--ep only where the rung table says the rung splits experts (its `takes_ep`; a YAML of the user's: an
         FSDP2 mesh without pipeline or context parallelism, fsdp_ep's and fsdp_tp's shapes)."""
-        plain_mesh = self.kind is StrategyKind.MESH and not self.uses_pipeline and self.dims.cp == 1
-        if ep == 1 or (self.info.takes_ep if self.info is not None else plain_mesh):
+        plain_mesh = self.kind is StrategyKind.MESH and not self.uses_pipeline and cp == 1
+        if ep == 1 or (plain_mesh and (self.info is None or self.info.takes_ep)):
             return
         takers = ", ".join(n for n, i in RUNG_INFO.items() if i.takes_ep)
         raise LadderError(f"--ep {ep} cannot apply to {self.name}: expert parallelism splits a mixture-of-experts "
-                          f"model's experts over FSDP2's ranks on {takers} only. Use --config fsdp_ep (or fsdp_tp) "
-                          "with --ep, or drop --ep.")
+                          f"model's experts over FSDP2's ranks on {takers} only, without pipeline or context "
+                          "parallelism. Use --config fsdp_ep (or fsdp_tp) with --ep, or drop --ep.")
 
-    def _check_degrees_apply(self, tp: int, pp: int, dp_replicate: int | None) -> None:
+    def _check_degrees_apply(self, tp: int, pp: int, cp: int, dp_replicate: int | None) -> None:
         """Degrees the rung's strategy has no axis for are refused (a silently ignored --tp is a wrong run)."""
-        asked = [f"{flag} {v}" for flag, v, base in (("--tp", tp, self.dims.tp), ("--pp", pp, self.dims.pp))
+        asked = [f"{flag} {v}" for flag, v, base in (("--tp", tp, self.dims.tp), ("--pp", pp, self.dims.pp),
+                                                     ("--cp", cp, self.dims.cp))
                  if v != base] + ([f"--dp-replicate {dp_replicate}"] if dp_replicate is not None else [])
         if not asked:
             return
         what = ", ".join(asked)
         if self.kind in (StrategyKind.SINGLE, StrategyKind.DDP):
             raise LadderError(f"{what} cannot apply to {self.name}, which replicates the whole model on every rank. "
-                              "Pick a rung with those axes: fsdp_tp (--tp), pp (--pp), 3d (both), fsdp_hybrid "
-                              "(--dp-replicate).")
-        if self.uses_deepspeed and (pp > 1 or dp_replicate is not None):
-            raise LadderError(f"{what} cannot apply to {self.name}: DeepSpeed's ZeRO has no pipeline stages or "
-                              "replica groups for an HF model here. Use pp / 3d / fsdp_hybrid for those axes.")
+                              "Pick a rung with those axes: fsdp_tp (--tp), pp (--pp), 3d (both), fsdp_cp (--cp), "
+                              "fsdp_hybrid (--dp-replicate).")
+        if self.uses_deepspeed and (pp > 1 or cp > 1 or dp_replicate is not None):
+            raise LadderError(f"{what} cannot apply to {self.name}: DeepSpeed's ZeRO has no pipeline stages, context "
+                              "parallelism or replica groups for an HF model here. Use pp / 3d / fsdp_cp / "
+                              "fsdp_hybrid for those axes.")
         if self.uses_deepspeed and tp > 1 and self.zero_stage == 3:
             raise LadderError(f"--tp {tp} cannot apply to {self.name}: DeepSpeed's AutoTP does not compose with ZeRO-3 "
                               "(DeepSpeed 0.19). Use zero2_tp (ZeRO-2 + AutoTP) or fsdp_tp.")

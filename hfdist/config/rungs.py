@@ -151,6 +151,14 @@ RUNG_INFO: dict[str, RungInfo] = {
                         "a node", "--seq-len 32768",
                         plan_order=110, compile=_COMPILE_CP, fp8=_FP8_CP, qlora=True, e2e="context_parallel",
                         tested_with=frozenset({"lora", "qlora"}), moe=_MOE_CP),
+    "fsdp_tp_cp": RungInfo(4, "long-context fine-tune of a model that needs TP (70B at 32K-128K tokens)",
+                           "every matrix over tp (Megatron TP, sequence parallel) x every sequence's tokens over cp "
+                           "(Ulysses, ring or hybrid attention) x params + grads + optimizer state over dp_shard x cp "
+                           "(FSDP2)", "the weights need tp and the activations at this length need cp; tp inside a "
+                           "node, cp across (the ring passes keys and values point-to-point)",
+                           "--seq-len 32768 --activation-checkpointing",
+                           plan_order=115, compile=_COMPILE_CP, fp8=_FP8_CP, qlora=_QLORA_TP, e2e="context_parallel",
+                           moe=_MOE_CP),
     "fsdp_ep": RungInfo(4, "mixture-of-experts fine-tune (Qwen3-30B-A3B, Mixtral, Llama 4 Scout)",
                         "each MoE layer's experts whole over ep ranks (tokens dispatched by all-to-all), FSDP2 over "
                         "the rest; attention and dense layers FSDP2 over all ranks",

@@ -19,12 +19,13 @@ MFU = achieved model FLOP/s per device / dense peak FLOP/s of the device (no 2:4
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
+
+if TYPE_CHECKING:  # the counts need no torch: the planner's cost model (hfdist.plan.cost) imports them torch-free
+    import torch
 
 __all__ = ["LORA_TARGETS", "TokenFlops", "matmul_params", "flops_per_token", "model_token_flops",
            "model_flops_per_token", "batch_lengths", "mfu", "tflops_per_device"]
@@ -41,19 +42,7 @@ def matmul_params(config: Any) -> int:
 
     Biases, norms and the embedding table (a lookup) are left out; a tied lm_head is counted once.
     """
-    shape = _shape(config)
-    return round(shape.layers * shape.active_layer_matmul_params) + shape.hidden * shape.vocab
-
-
-def _attention_flops(shape: ModelShape, seq_len: int) -> float:
-    return 12.0 * shape.layers * shape.heads * shape.head_dim * seq_len
-
-
-def _combine(base: int, lora: int, trainable_fraction: float, attention: float) -> float:
-    if not 0.0 <= trainable_fraction <= 1.0:
-        raise ValueError(f"trainable_fraction must lie in [0, 1], got {trainable_fraction}.")
-    # forward 2N + input gradient 2N for every weight; the weight gradient (2N) only for trained ones
-    return (4.0 + 2.0 * trainable_fraction) * base + 6.0 * lora + attention
+    return _shape(config).matmul_params
 
 
 def flops_per_token(config: Any, seq_len: int, *, include_attention: bool = True, lora: bool = False,
@@ -77,8 +66,8 @@ def flops_per_token(config: Any, seq_len: int, *, include_attention: bool = True
     lora_params = shape.layers * shape.lora_layer_params(lora_r, tuple(lora_targets)) if lora else 0
     if trainable_fraction is None:
         trainable_fraction = 0.0 if lora else 1.0
-    attention = _attention_flops(shape, seq_len) if include_attention else 0.0
-    return _combine(matmul_params(config), lora_params, trainable_fraction, attention)
+    return shape.training_flops_per_token(seq_len if include_attention else 0, lora_params=lora_params,
+                                          trainable_fraction=trainable_fraction)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -138,8 +127,9 @@ def model_token_flops(model: torch.nn.Module) -> TokenFlops:
     lora_params = _model_lora_params(inner)
     config = inner.config
     frozen_base = lora_params > 0 or hasattr(inner, "peft_config")
-    return TokenFlops(matmul=_combine(matmul_params(config), lora_params, 0.0 if frozen_base else 1.0, 0.0),
-                      attention=_attention_flops(_shape(config), 1))
+    shape = _shape(config)
+    matmul = shape.training_flops_per_token(0, lora_params=lora_params, trainable_fraction=0.0 if frozen_base else 1.0)
+    return TokenFlops(matmul=matmul, attention=shape.training_flops_per_token(1) - shape.training_flops_per_token(0))
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int, *, include_attention: bool = True) -> float:

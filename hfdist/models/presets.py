@@ -40,6 +40,9 @@ PRESETS: dict[str, Preset] = {
     "llama-tiny": Preset("llama", _TINY),
     # An odd layer count (pipeline stages of unequal size) with GQA: layouts that hide nothing (resume tests).
     "llama-tiny-odd": Preset("llama", {**_TINY, "num_hidden_layers": 5}),
+    # 6 query heads over 2 kv heads (head dim 16): cp=4, or cp=2 under tp=2 (3 heads per tp rank), cannot split the
+    # heads, so context parallelism runs its ring there (hfdist.parallel.context_check.plan_cp).
+    "llama-tiny-6h": Preset("llama", {**_TINY, "hidden_size": 96, "num_attention_heads": 6}),
     # Mistral's sliding window, shorter than many packed documents at the tests' --seq-len 64: every layer slides.
     "mistral-tiny": Preset("mistral", {**_TINY, "sliding_window": 32}),
     "qwen2-tiny": Preset("qwen2", {**_TINY, "use_sliding_window": False}),

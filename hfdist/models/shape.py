@@ -201,6 +201,23 @@ class ModelShape:
         return sum(quant_state_nbytes(n_out, n_in) for n_in, n_out, _ in self.linears.values())
 
     @property
+    def matmul_params(self) -> int:
+        """Weights that take part in a token's matmuls: every layer's projections (an MoE layer's: its top-k experts,
+        router and shared expert, the active parameters) plus lm_head (the embedding is a lookup; a tied lm_head
+        still does its matmul, counted once)."""
+        return round(self.layers * self.active_layer_matmul_params) + self.hidden * self.vocab
+
+    def training_flops_per_token(self, seq_len: int, *, lora_params: int = 0, trainable_fraction: float = 1.0) -> float:
+        """Training FLOPs (forward + backward) per token of sequences `seq_len` long (hfdist.metrics.flops states the
+        conventions): (4 + 2 x trainable fraction) x matmul params + 6 x LoRA params + 12 L H Q T attention (full,
+        not causal-halved; seq_len 0 leaves it out)."""
+        if not 0.0 <= trainable_fraction <= 1.0:
+            raise ValueError(f"trainable_fraction must lie in [0, 1], got {trainable_fraction}.")
+        # forward 2N + input gradient 2N for every weight; the weight gradient (2N) only for trained ones
+        attention = 12.0 * self.layers * self.heads * self.head_dim * seq_len
+        return (4.0 + 2.0 * trainable_fraction) * self.matmul_params + 6.0 * lora_params + attention
+
+    @property
     def largest_projection(self) -> int:
         """Values of the largest decoder-layer projection weight (the one dequantised at a time under QLoRA)."""
         return max(n_in * n_out for n_in, n_out, _ in self.linears.values())

@@ -9,7 +9,8 @@ before the last two steps, and then only this rank's shards:
     apply_tp(model, mesh["tp"])             Megatron TP + sequence parallel + vocab-parallel loss (tp > 1)
     apply_ep(model, mesh ep axis)           an MoE model's experts split whole over ep ranks, tokens dispatched by
                                             all-to-all (ep > 1, or tp > 1: each tp rank routes its own tokens)
-    apply_cp(model, mesh["cp"])             attention over sequences sharded across cp ranks (Ulysses, cp > 1)
+    apply_cp(model, mesh["cp"])             attention over sequences sharded across cp ranks (cp > 1: Ulysses,
+                                            ring or hybrid, as rung.context planned)
     apply_ac(model)                         activation checkpointing per decoder layer (asked for or in the YAML)
     apply_compile(model)                    torch.compile per decoder layer, in place (--compile)
     split into pipeline stages              this rank's stages only; the rest of the model is dropped (pp > 1)
@@ -183,8 +184,10 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
         apply_ep(model, ep_mesh)
     if dims.cp > 1:
         from hfdist.parallel.context import apply_cp
+        from hfdist.parallel.fit import check_context_parallel
 
-        apply_cp(model, mesh["cp"], tp=dims.tp)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        apply_cp(model, mesh["cp"], tp=dims.tp, plan=check_context_parallel(base.config, rung))
     if activation_checkpointing or rung.fsdp.activation_checkpointing:
         apply_ac(model)
     if compile:
@@ -231,5 +234,6 @@ def _split_pipeline(model: nn.Module, rung: Rung, mesh, shard, device: torch.dev
                             activation_mesh=mesh["tp"] if rung.uses_tp else None)
     if weights is not None:
         _materialize_and_load([(stage, stage.original_name) for stage in runner.stages], device, weights)
-    # FSDP2 averages gradients over the dp replicas; the loss normaliser is scaled by dp to undo that.
-    return PipelineModel(runner, config, loss_scale=rung.dims.dp if shard is not None else 1)
+    # FSDP2 averages gradients over the dp replicas and the cp ranks; the loss normaliser is scaled by dp x cp to
+    # undo that.
+    return PipelineModel(runner, config, loss_scale=rung.dims.dp * rung.dims.cp if shard is not None else 1)

@@ -35,9 +35,11 @@ Activations: hfdist.models.shape's per-layer formula (for DDP and the single pro
 runs them in bf16 as autocast over fp32 weights, so the residual stream stays fp32; the mesh rungs, a pipeline with
 one data-parallel rank included, compute in bf16 through FSDP2's policy); data parallelism does not split them; a
 1F1B pipeline stage s holds pp - s micro-batches in flight (at least pp micro-batches assumed), so the first stage
-holds a whole model's worth of layer activations for one micro-batch. Attention as the default (`auto`: flash varlen,
-flex or hfdist's document attention) holds nothing S x S; the explicit sdpa / eager choices add their dense mask and
-its per-layer copies (hfdist.models.attention.dense_mask_bytes), on every tp and cp rank whole.
+holds a whole model's worth of layer activations for one micro-batch. A cp rank holds 1/cp of every sequence, and its
+method's own bytes on top (hfdist.plan.context_bytes: repeated kv heads, exchange buffers or the ring's key/value
+blocks in flight). Attention as the default (`auto`: flash varlen, flex or hfdist's document attention) holds nothing
+S x S; the explicit sdpa / eager choices add their dense mask and its per-layer copies
+(hfdist.models.attention.dense_mask_bytes), on every tp and cp rank whole.
 
 Buffers: 1 GiB of CUDA context + cuBLAS/NCCL workspace on every rung; DDP's gradient buckets (a second copy
 of the trainable grads: gradient_as_bucket_view is off by default); DeepSpeed's reduce buckets
@@ -71,7 +73,7 @@ from hfdist.models.attention import AUTO, CHOICES, dense_mask_bytes, is_hub_kern
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import gathers_in_float8
-from hfdist.plan.expert_bytes import choose_ep, gathered_layer_params
+from hfdist.plan.expert_bytes import gathered_layer_params
 
 __all__ = [
     "PlanError",
@@ -85,6 +87,7 @@ __all__ = [
     "dims_on_cluster",
     "rung_rank_bytes",
     "stage_layers",
+    "stage_params",
 ]
 
 GB = 10**9
@@ -116,6 +119,10 @@ class Workload:
     # Preference training (DPO): a frozen reference copy of the model beside the policy, sharded like it; none under
     # LoRA, where the base with its adapters turned off is the reference.
     reference_model: bool = False
+    cp_method: str = "auto"  # --cp-method: how cp ranks split attention (hfdist.plan.context_bytes: its costs)
+    # What every rank holds besides the training state: a GPU's CUDA context and library workspaces (the 1 GiB
+    # default); what hfdist tune measures a step to need beyond its tensors on this machine.
+    workspace: int = WORKSPACE_BYTES
 
     def __post_init__(self) -> None:
         if self.attention not in CHOICES and not is_hub_kernel(self.attention):
@@ -177,10 +184,9 @@ def offload_device(rung: Rung) -> str:
     return "nvme" if "nvme" in devices else (devices.pop() if devices else "none")
 
 
-def dims_on_cluster(rung: Rung, gpus_per_node: int, nodes: int, experts: int | None = None) -> ParallelDims:
+def dims_on_cluster(rung: Rung, gpus_per_node: int, nodes: int) -> ParallelDims:
     """The rung's layout on `nodes` x `gpus_per_node` GPUs: tp and pp from its config, the data-parallel axes absorb
-    the rest (hybrid FSDP shards over one node's GPUs); an expert-parallel rung's ep for a model of `experts` experts
-    per MoE layer (hfdist.plan.expert_bytes.choose_ep).
+    the rest (hybrid FSDP shards over one node's GPUs).
 
     Raises:
         PlanError: the cluster cannot hold the rung's model-parallel group.
@@ -201,9 +207,7 @@ def dims_on_cluster(rung: Rung, gpus_per_node: int, nodes: int, experts: int | N
             raise PlanError(f"hybrid sharding needs tp x pp = {mp} to divide the {gpus_per_node} GPUs of a node")
         shard = gpus_per_node // mp
         return ParallelDims(dp_replicate=dp // shard, dp_shard=shard, pp=d.pp, tp=d.tp, cp=d.cp)
-    takes_ep = d.ep > 1 or (rung.info is not None and rung.info.takes_ep)  # fsdp_ep, fsdp_tp
-    ep = choose_ep(experts, dp, gpus_per_node) if experts and takes_ep else 1
-    return ParallelDims(dp_shard=dp, pp=d.pp, tp=d.tp, cp=d.cp, ep=ep)
+    return ParallelDims(dp_shard=dp, pp=d.pp, tp=d.tp, cp=d.cp)
 
 
 @dataclass(frozen=True)
@@ -241,16 +245,29 @@ def stage_layers(shape: ModelShape, pp: int) -> list[int]:
     return [len(r) for r in split_stages(shape.layers, pp)]
 
 
+def _layer_params(shape: ModelShape, tp: int) -> float:
+    """One decoder layer's parameters on a tp rank (projections split, norms whole)."""
+    return shape.layer_linear_params / tp + 2 * shape.hidden
+
+
+def stage_params(shape: ModelShape, dims: ParallelDims, stage: int, layers: int) -> tuple[float, float]:
+    """(parameters, of which outside the decoder layers) one rank of pipeline stage `stage` (holding `layers` decoder
+    layers) holds, before data-parallel sharding: the first stage also the embedding, the last the final norm and
+    lm_head, projections, embedding and lm_head divided by tp."""
+    first, last = stage == 0, stage == dims.pp - 1
+    embed = shape.embed_params / dims.tp if first else 0
+    # A tied lm_head needs its own copy of the embedding on the last stage once they are on different ranks.
+    head_own = shape.embed_params if (shape.tied and dims.pp > 1) else shape.head_params
+    head = (head_own / dims.tp + shape.hidden) if last else 0
+    return layers * _layer_params(shape, dims.tp) + embed + head, embed + head
+
+
 def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, stage: int,
                  layers: int, float8_params: float) -> RankBytes:
     pp, tp = dims.pp, dims.tp
-    first, last = stage == 0, stage == pp - 1
-    layer = shape.layer_linear_params / tp + 2 * shape.hidden
-    embed = shape.embed_params / tp if first else 0
-    # A tied lm_head needs its own copy of the embedding on the last stage once they are on different ranks.
-    head_own = shape.embed_params if (shape.tied and pp > 1) else shape.head_params
-    head = (head_own / tp + shape.hidden) if last else 0
-    params = layers * layer + embed + head
+    last = stage == pp - 1
+    layer = _layer_params(shape, tp)
+    params, root = stage_params(shape, dims, stage, layers)
     trainable = layers * shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora else params
     frozen = params if w.lora else 0
     pb = _per_param(rung, w)
@@ -305,6 +322,9 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     kept = shape.checkpointed_layer_bytes(tokens, residual_elem, tp) if w.activation_checkpointing else full_layer
     activations = (pp - stage) * layers * kept + (full_layer if w.activation_checkpointing else 0)
     activations += _dense_mask_bytes(shape, dims, w, stage, layers, elem)
+    if dims.cp > 1:  # the cp method's own: repeated kv heads saved, exchange buffers / key-value blocks in flight
+        activations += _context_bytes(shape, dims, w, tokens, elem, 1 if w.activation_checkpointing else
+                                      (pp - stage) * layers)
     if last:
         # hfdist's loss holds one chunk of every sequence's fp32 logits at a time (hfdist.models.chunked_loss).
         rows = w.seq // dims.cp
@@ -316,8 +336,8 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
                     if w.qlora else None)
     # An MoE layer's experts are gathered E / ep at a time (hfdist.plan.expert_bytes).
     gathered = gathered_layer_params(shape.layer_linear_params, shape.moe, shape.hidden, shape.layers, tp, dims.ep)
-    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, gathered, embed + head,
-                                                trainable / max(params, 1), float8_params, layer_stored)
+    buffers = w.workspace + _gathered_bytes(shape, rung, dims, w, pb, layers, gathered, root,
+                                            trainable / max(params, 1), float8_params, layer_stored)
     if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
         buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)
     if rung.kind is StrategyKind.DDP and dims.dp_replicate > 1:
@@ -326,6 +346,17 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
         buffers += _ds_reduce_bucket_bytes(rung, shape, pb.grad)
     return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded,
                                         offloaded_weights)))
+
+
+def _context_bytes(shape: ModelShape, dims: ParallelDims, w: Workload, tokens: int, elem: int, full_layers: int) -> int:
+    """A cp rank's attention beyond a plain layer's (hfdist.plan.context_bytes, for the plan --cp-method makes on
+    this model and sequence): what `full_layers` layers save more, and one layer's buffers in flight."""
+    from hfdist.parallel.context_check import plan_cp
+    from hfdist.plan.context_bytes import cp_layer_costs
+
+    plan = plan_cp(shape.heads, shape.kv_heads, dims.tp, dims.cp, w.seq, w.cp_method)
+    costs = cp_layer_costs(shape, tokens, elem, dims.tp, plan)
+    return full_layers * costs.saved + costs.in_flight
 
 
 def _dense_mask_bytes(shape: ModelShape, dims: ParallelDims, w: Workload, stage: int, layers: int, elem: int) -> int:
@@ -353,7 +384,7 @@ def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Worklo
     layer on this rank) are gathered at 1 byte per element; `layer_stored`: one gathered decoder layer's bytes
     where they are not its `layer` parameters in the compute dtype (QLoRA's 4-bit projections)."""
     unit_grad = pb.grad * trainable_share
-    if rung.owns_sharding and dims.pp > 1 and dims.dp == 1 and w.dtype == "fp32":
+    if rung.owns_sharding and dims.pp > 1 and dims.dp * dims.cp == 1 and w.dtype == "fp32":
         return 0.0  # a pipeline with one data-parallel rank gets FSDP2 only for bf16 (hfdist.parallel.parallelize)
     if rung.owns_sharding:
         float8 = float8_params if gathers_in_float8(w.fp8, dims.dp_shard * dims.cp) else 0.0

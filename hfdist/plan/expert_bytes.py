@@ -17,10 +17,13 @@ the other dense weights are FSDP2 over dp_shard (and TP-split). So:
 
 from __future__ import annotations
 
+from typing import Any
+
 from hfdist.config.dims import ParallelDims
 from hfdist.models.moe import MoeShape
 
-__all__ = ["choose_ep", "gathered_layer_params", "expert_bytes_per_rank", "all_to_all_bytes_per_step"]
+__all__ = ["choose_ep", "gathered_layer_params", "expert_bytes_per_rank", "all_to_all_bytes_per_step", "ep_rungs",
+           "moe_note", "gathered_expert_delta", "moe_step_terms"]
 
 
 def choose_ep(experts: int, dp_shard: int, gpus_per_node: int) -> int:
@@ -42,6 +45,16 @@ def gathered_layer_params(linear_params: float, moe: MoeShape | None, hidden: in
     return whole - experts / tp + experts / ep
 
 
+def gathered_expert_delta(moe: MoeShape | None, hidden: int, layers: int, stage_layers: int, tp: int,
+                          ep: int) -> float:
+    """What a rank gathers of its pipeline stage's routed experts beyond the tp share the dense accounting gives
+    them: E / ep experts whole instead of E / tp (module docstring); 0 for a dense model."""
+    if moe is None:
+        return 0.0
+    experts = moe.expert_params(hidden) * moe.layers / layers * stage_layers
+    return experts / ep - experts / tp
+
+
 def expert_bytes_per_rank(moe: MoeShape | None, hidden: int, dims: ParallelDims, weight_bytes: float) -> float:
     """Bytes of routed-expert weights one rank holds between steps (`weight_bytes` per parameter): every MoE layer's
     experts over dp_shard x tp ranks (E / ep whole experts per ep rank, FSDP2 over the rest)."""
@@ -59,3 +72,57 @@ def all_to_all_bytes_per_step(moe: MoeShape | None, hidden: int, dims: ParallelD
         return 0
     rows = tokens_per_rank / dims.tp * moe.top_k
     return int(4 * rows * hidden * elem * moe.layers * (dims.ep - 1) / dims.ep)
+
+
+def ep_rungs(rung, config: Any, gpus_per_node: int) -> list:
+    """`rung` (laid out on a cluster) once per ep it can take for `config` (the planner's layouts): on a rung that
+    takes --ep (hfdist.config.rungs: `takes_ep`) an MoE model's experts at every degree that splits them whole,
+    divides dp_shard and keeps an ep group inside a node (fsdp_ep's without ep 1, fsdp_full_shard's layout); a dense
+    model on an expert-parallel rung: none; any other rung as it is."""
+    from dataclasses import replace
+
+    from hfdist.parallel.expert_check import moe_facts
+
+    facts = moe_facts(config)
+    if facts is None:
+        return [rung] if rung.dims.ep == 1 else []
+    if rung.info is None or not rung.info.takes_ep or rung.dims.cp > 1 or rung.dims.pp > 1:
+        return [rung]
+    experts, shard = facts.num_experts(config), rung.dims.dp_shard
+    degrees = [d for d in range(1, min(shard, gpus_per_node) + 1)
+               if experts % d == 0 and shard % d == 0 and (d > 1 or rung.dims.ep == 1)]
+    return [replace(rung, dims=replace(rung.dims, ep=d)) for d in degrees]
+
+
+def moe_note(moe: MoeShape | None, hidden: int, dims: ParallelDims, tokens: int, elem: int,
+             bytes_per_param: int) -> str:
+    """A plan's line on an MoE model's routed experts at a layout: their model-state bytes per rank and, with ep,
+    the all-to-all per micro-batch of `tokens` tokens ("" for a dense model)."""
+    if moe is None:
+        return ""
+    states = expert_bytes_per_rank(moe, hidden, dims, bytes_per_param) / 1e9
+    where = f"E/ep = {moe.experts // dims.ep} whole experts per ep rank" if dims.ep > 1 else "all experts"
+    line = f"routed experts: {states:.1f} GB of model states per rank ({where}, over dp_shard x tp = " \
+        f"{dims.dp_shard * dims.tp} ranks)"
+    if dims.ep > 1:
+        line += f", all-to-all {all_to_all_bytes_per_step(moe, hidden, dims, tokens, elem) / 1e9:.2f} GB per micro-batch"
+    return line
+
+
+def moe_step_terms(moe: MoeShape | None, hidden: int, layers: int, stage_layers: int, dims: ParallelDims,
+                   tokens: int, elem: int, forwards: int, backwards: int) -> tuple[float, float, float, float]:
+    """What an MoE model changes in a rank's collectives of one step (hfdist.plan.cost), for its pipeline stage's
+    `stage_layers` decoder layers, `tokens` per forward on the rank, `forwards` / `backwards` passes in the step:
+    (extra parameters FSDP2 gathers and reduce-scatters: gathered_expert_delta; the MoE layers whose MLP has no tp
+    all-gather / reduce-scatter pair: they route tp-local tokens; the all-to-all buffer bytes of the step: each
+    token's k rows there and back, in every forward and backward; the all-to-all calls). Zeros for a dense model."""
+    if moe is None:
+        return 0.0, 0.0, 0.0, 0.0
+    moe_layers = moe.layers / layers * stage_layers
+    delta = gathered_expert_delta(moe, hidden, layers, stage_layers, dims.tp, dims.ep)
+    tp_saved = moe_layers if dims.tp > 1 else 0.0
+    if dims.ep == 1:
+        return delta, tp_saved, 0.0, 0.0
+    rows = tokens / dims.tp * moe.top_k
+    passes = forwards + backwards
+    return delta, tp_saved, 2 * rows * hidden * elem * moe_layers * passes, 2 * moe_layers * passes

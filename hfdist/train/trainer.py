@@ -31,6 +31,7 @@ from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
 from hfdist.train.evaluation import EvaluationMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
+from hfdist.train.preemption import PreemptionMixin
 
 __all__ = ["StrategyMixin", "CausalLMLossMixin", "HfdistTrainer", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
 
@@ -52,9 +53,10 @@ PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save
                  "_load_best_model")
 
 
-class StrategyMixin(CheckpointingMixin):
+class StrategyMixin(PreemptionMixin, CheckpointingMixin):
     """Mixed in before a transformers.Trainer (subclass): trains a model hfdist prepared for `rung`, verified before
-    the first step; atomic, layout-free checkpoints (hfdist.checkpoint.trainer_hooks); streamed fp32 saves.
+    the first step; atomic, layout-free checkpoints (hfdist.checkpoint.trainer_hooks); a checkpoint and a stop on a
+    preemption signal (hfdist.train.preemption: `preempt_signals=`, `preempted`); streamed fp32 saves.
 
     Args:
         rung: the strategy asked for.

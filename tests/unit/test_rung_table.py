@@ -100,7 +100,7 @@ def test_a_users_yaml_answers_as_the_shipped_rung_of_its_shape(tmp_path):
 
 
 def test_a_layout_no_rung_has_is_refused():
-    rung = load_rung("fsdp_cp").with_num_processes(8, tp=2)  # cp x tp: no shipped rung
+    rung = load_rung("fsdp_cp").with_num_processes(8, pp=2)  # cp x pp without tp: no shipped rung
     assert speaking_entry(rung) is None
     with pytest.raises(ConfigError, match="no rung of hfdist's table has its layout"):
         check_compile(rung)

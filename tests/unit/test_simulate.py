@@ -27,9 +27,13 @@ def _model_params(spec: str) -> int:
     ("fsdp_tp", 4, {"tp": 2}),
     ("pp", 2, {"pp": 2}),
     ("3d", 8, {"tp": 2, "pp": 2}),
+    ("fsdp_cp", 4, {"cp": 4, "cp_method": "ring"}),  # FSDP2 over the 4 cp ranks, the ring's attention verified
+    ("fsdp_tp_cp", 4, {}),  # cp 2 x tp 2
 ])
 def test_simulate_tiny_matches_the_model_and_the_planner(config, world, degrees):
-    rung = simulation_rung(config, world, gpus_per_node=4, **degrees)
+    from hfdist.models.presets import load_config
+
+    rung = simulation_rung(config, world, gpus_per_node=4, model_config=load_config("llama-tiny"), **degrees)
     sim = simulate("llama-tiny", rung, gpus_per_node=4)
     assert sim.verified, sim.failure
     assert [r.stages for r in sim.roles] == [(s,) for s in range(rung.dims.pp)]  # first and last: distinct
@@ -39,7 +43,7 @@ def test_simulate_tiny_matches_the_model_and_the_planner(config, world, degrees)
         # fp32 master weights in FSDP2's shards, fp32 grads shaped like them, Adam's two fp32 moments.
         assert role.grad_bytes == role.param_bytes and role.optimizer_bytes == 2 * role.param_bytes
     # Independent of the planner: the roles' shards add up to the model (each held once per model replica).
-    replica_share = sum(r.param_bytes for r in sim.roles) * rung.dims.dp_shard * rung.dims.tp
+    replica_share = sum(r.param_bytes for r in sim.roles) * rung.dims.dp_shard * rung.dims.cp * rung.dims.tp
     if rung.dims.tp == 1 and config != "fsdp_hybrid":
         assert replica_share == 4 * _model_params("llama-tiny")
     if config == "fsdp_hybrid":
@@ -58,6 +62,29 @@ def test_simulate_405b_3d_at_512_ranks():
     # The stages together hold the model once per (dp_shard x tp) group; the norms are replicated over tp.
     total = sum(r.param_bytes * len(r.stages) for r in sim.roles) * 16 * 8
     assert abs(total / (4 * _model_params("llama-3.1-405b")) - 1) < 0.001
+
+
+def test_simulate_70b_tp_cp_at_512_ranks():
+    """Llama-3.1-70B on fsdp_tp_cp at 512 ranks: tp 8 x cp 16 x dp_shard 4. cp 16 exceeds the 8 heads per tp rank,
+    so auto plans hybrid (Ulysses over 8, a ring of 2), which the recipe applies and verify checks (groups of 8 and
+    2 ranks); the states within 2% of the planner's, sharded over dp_shard x cp = 64."""
+    from hfdist.models.presets import load_config
+
+    rung = simulation_rung("fsdp_tp_cp", 512, tp=8, cp=16, model_config=load_config("llama-3.1-70b"))
+    assert (rung.dims.dp_shard, rung.dims.cp, rung.dims.tp) == (4, 16, 8)
+    assert (rung.context.method, rung.context.ulysses) == ("hybrid", 8)
+    sim = simulate("llama-3.1-70b", rung)
+    assert sim.verified, sim.failure
+    assert all(r.relative_error() < 0.02 for r in sim.roles), sim.table()
+    assert "cp by hybrid (Ulysses over 8, a ring of 2)" in sim.table()
+    assert abs(sim.roles[0].param_bytes * 64 * 8 / (4 * _model_params("llama-3.1-70b")) - 1) < 0.01
+
+
+def test_simulate_refuses_a_step_under_cp():
+    from hfdist.plan.simulate import SimulateError
+
+    with pytest.raises(SimulateError, match="cuts each row over cp=2 ranks"):
+        simulate("llama-tiny", simulation_rung("fsdp_cp", 4), step_seq=256)
 
 
 def test_simulate_json_shape(capsys):
