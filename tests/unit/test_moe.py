@@ -232,7 +232,7 @@ def test_plan_recommends_an_ep_layout_for_qwen3_30b():
 def test_the_planned_ep_layout_simulates_at_64_ranks():
     """The layout the planner recommends for Qwen3-30B-A3B on one 8-GPU node, simulated at 64 ranks (the recipe on a
     meta model under a fake process group, verify included): every rank's param / grad / optimizer bytes within 2%
-    of the planner's (measured 0.04%: the routers, replicated over tp, counted as split)."""
+    of the planner's (measured 0.00%; under tp the routers, replicated, are counted as split: 0.04%)."""
     from hfdist.plan import GB, plan_rungs
     from hfdist.plan.simulate import simulate, simulation_rung
 
