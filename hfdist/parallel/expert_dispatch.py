@@ -9,9 +9,9 @@ fp32 additions:
     assignments (T*k) sorted by expert            stable sort: each expert's rows in token order
     counts per expert -> all_to_all (no grad)     every rank learns how many rows it receives for each local expert
     rows -> all_to_all_single (autograd)          sent in the order of the destination's experts
-    regroup by local expert, run the experts      grouped GEMM on GPU (torch._grouped_mm), a loop over the local
-                                                  experts on CPU (torch's CPU grouped GEMM is a reference kernel,
-                                                  ~13x slower than the loop at these sizes)
+    regroup by local expert, run the experts      grouped GEMM on GPU in bf16 (torch._grouped_mm), a loop over the
+                                                  local experts on CPU (torch's CPU grouped GEMM is a reference
+                                                  kernel, ~13x slower than the loop at these sizes)
     rows back -> all_to_all_single (autograd), unsort, weight, sum over the k slots
 
 The all_to_all's backward is the reverse all_to_all, so gradients of the expert weights arrive on the rank that holds
@@ -108,9 +108,12 @@ def run_experts(rows: torch.Tensor, sizes: list[int], gate_up: torch.Tensor, dow
     gate_up's output (transformers' stacked layout: (E, 2I, H) and (E, H, I), or transposed (E, H, 2I), (E, I, H)).
 
     Args:
-        grouped: use torch's grouped GEMM (default: on GPU); False: a loop over the local experts.
+        grouped: use torch's grouped GEMM (default: on GPU in bf16, the dtype its CUDA kernels are built for; fp32
+            on a GPU loops, correct but slower); False: a loop over the local experts.
     """
-    matmul = _grouped if (rows.is_cuda if grouped is None else grouped) else _looped
+    if grouped is None:
+        grouped = rows.is_cuda and gate_up.dtype == torch.bfloat16
+    matmul = _grouped if grouped else _looped
     gate, up = matmul(rows, gate_up, sizes, transposed).chunk(2, dim=-1)
     return matmul(act(gate) * up, down, sizes, transposed)
 
