@@ -42,7 +42,7 @@ S x S; the explicit sdpa / eager choices add their dense mask and its per-layer 
 (hfdist.models.attention.dense_mask_bytes), on every tp and cp rank whole.
 
 Buffers: 1 GiB of CUDA context + cuBLAS/NCCL workspace on every rung; DDP's gradient buckets (a second copy
-of the trainable grads: gradient_as_bucket_view is off by default); DeepSpeed's reduce buckets
+of the trainable grads: gradient_as_bucket_view is off by default; two while DDP rebuilds them in the second step); DeepSpeed's reduce buckets
 (reduce_bucket_size from the rung's JSON, "auto" = hidden^2 as the HF Trainer fills it; doubled by
 overlap_comm in ZeRO-1/2); gathered parameters of sharded-weight rungs: FSDP2 as hfdist applies it keeps the
 root unit (embedding, final norm, lm_head) unsharded for the whole step plus two decoder layers (current and
@@ -341,7 +341,11 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
         buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)
     if rung.kind is StrategyKind.DDP and dims.dp_replicate > 1:
-        buffers += trainable * pb.grad  # the reducer's flat buckets: a second copy of the grads
+        # The reducer's flat buckets, a second copy of the grads; in the second step torch's DDP rebuilds them in
+        # the order the gradients arrived, the new ones allocated while the old still are: two copies at that peak
+        # (measured: llama-small on 2 gloo ranks, the second step's live tensors peak 13.9 MB above the third's,
+        # the buckets' size).
+        buffers += 2 * trainable * pb.grad
     if rung.uses_deepspeed:
         buffers += _ds_reduce_bucket_bytes(rung, shape, pb.grad)
     return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded,

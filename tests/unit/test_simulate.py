@@ -153,3 +153,24 @@ def test_stage_prediction_counts_embedding_and_head_where_they_live():
     stages = [predict_state_bytes(config, rung, stage=s).param_bytes for s in range(4)]
     assert abs(sum(stages) / (4 * average) - 1) < 1e-6
     assert 1.12 < stages[0] / average < 1.14 and 0.97 < stages[2] / average < 0.99
+
+
+def test_the_planners_70b_128k_recommendation_simulates_at_32_ranks_within_2_percent():
+    """Issue 35's case: `hfdist plan` of Llama-3.1-70B at 131,072 tokens on 4 x 8 x 80 GB recommends a layout that
+    fits; the recipe simulated at that layout on 32 ranks holds the planner's state bytes within 2%."""
+    from hfdist.models.presets import load_config
+    from hfdist.plan import GB, plan_rungs
+
+    config = load_config("llama-3.1-70b")
+    plan = plan_rungs(config, gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB, seq=131072, global_batch=32,
+                      activation_checkpointing=True, micro_batch=None)
+    rec = plan.recommended
+    assert rec is not None and rec.fits
+    d = rec.dims
+    rung = simulation_rung(rec.name, 32, tp=d.tp if d.tp > 1 else None, pp=d.pp if d.pp > 1 else None,
+                           cp=d.cp if d.cp > 1 else None, cp_method=rec.layout.rung.context.method if d.cp > 1
+                           else "auto", model_config=config)
+    assert rung.dims == d
+    sim = simulate("llama-3.1-70b", rung)
+    assert sim.verified, sim.failure
+    assert all(r.relative_error() < 0.02 for r in sim.roles), sim.table()
