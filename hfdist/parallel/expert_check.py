@@ -101,6 +101,11 @@ def check_moe(config: Any, rung, seq_len: int | None = None, *, qlora: bool = Fa
             f"--ep {ep} borrows its ranks from the {rung.dims.dp_shard} ranks FSDP2 shards over (dp_shard), which "
             f"{ep} does not divide ({rung.dims.describe()}). Use an ep dividing both {rung.dims.dp_shard} and the "
             f"experts: {valid_ep_degrees(config, rung.dims.dp_shard)}.")
+    if (ep > 1 or rung.dims.tp > 1) and rung.dims.dp_replicate > 1:
+        raise ExpertParallelError(
+            f"dp_replicate={rung.dims.dp_replicate} with hfdist's expert-parallel experts ({rung.dims.describe()}): "
+            "their FSDP2 units shard over dp_shard / ep x tp and would not reduce their gradients across the "
+            "replicas; not built. Drop --dp-replicate (shard over every data-parallel rank).")
     if qlora:
         raise ExpertParallelError(
             "--qlora on a mixture-of-experts model: hfdist's 4-bit base quantises the decoder's Linear projections, "

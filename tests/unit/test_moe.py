@@ -291,6 +291,11 @@ def test_ep_where_it_does_not_apply_is_refused():
         check_moe(load_config("llama-tiny"), _rung(config="fsdp_ep"))
 
 
+def test_replicas_under_expert_parallelism_are_refused():
+    with pytest.raises(ExpertParallelError, match="dp_replicate=2 with hfdist's expert-parallel experts"):
+        check_moe(load_config("qwen3-moe-tiny"), _rung(config="fsdp_ep", num_processes=8, dp_replicate=2))
+
+
 def test_moe_only_options_are_refused():
     with pytest.raises(ExpertParallelError, match="--qlora on a mixture-of-experts model"):
         check_moe(load_config("qwen3-moe-tiny"), load_rung("fsdp_full_shard"), qlora=True)
