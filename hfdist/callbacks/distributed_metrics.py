@@ -3,7 +3,7 @@
     trainer = Trainer(..., callbacks=[DistributedMetricsCallback()])   # or TRL's SFTTrainer, under any launcher
 
 Each logging step the callback measures its rank's window (steps since the previous log), gathers every rank's
-figures in one collective, and adds `rank{r}/<figure>`, `<figure>/min|max|mean` (`/sum` for token counts) and
+figures in one collective (an MoE model's router load among them: hfdist.models.router_stats), and adds `rank{r}/<figure>`, `<figure>/min|max|mean` (`/sum` for token counts) and
 `slowest_rank` to the logs before any `report_to` integration sees them (hfdist.callbacks.placement), and to the
 log's entry in `state.log_history`. When training ends it gathers each rank's figures for the whole run
 (`.ranks`) and prints them as a table.
@@ -34,8 +34,11 @@ __all__ = ["DistributedMetricsCallback", "WINDOW_KEYS", "RUN_KEYS"]
 
 _STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes")
 _RATE_KEYS = ("step_seconds", "data_wait_seconds", "tokens", "tokens_per_second", "samples_per_second", "tflops_per_device", "mfu")
+# An MoE model's router load (hfdist.models.router_stats): tokens of this rank's batch routed per expert per MoE layer
+# per step, the least and the most loaded expert.
+_ROUTER_KEYS = ("expert_tokens_min", "expert_tokens_max")
 # What one logging window reports per rank, in the order the gathered vector carries them.
-WINDOW_KEYS = (*_RATE_KEYS, *PEAK_KEYS, *_STATE_KEYS, *COUNT_KEYS)
+WINDOW_KEYS = (*_RATE_KEYS, *PEAK_KEYS, *_STATE_KEYS, *COUNT_KEYS, *_ROUTER_KEYS)
 # What the whole run reports per rank (`.ranks`, hfdist_summary.json).
 RUN_KEYS = (*WINDOW_KEYS, "steps", "setup_peak_memory_bytes", "training_peak_bytes")
 _LOW_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -199,9 +202,13 @@ class DistributedMetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self._running or not logs or "loss" not in logs:  # training logs only: the same on every rank
             return
-        window = {**self._memory.take_window(), **self._rates(self._throughput.take_window())}
+        totals = self._throughput.take_window()
+        # The router load over the window's steps: this rank's tokens per expert, and the global batch's (the same
+        # on every rank: logged once, as moe/...).
+        mine, everyone = _router_load(self._model, totals["steps"])
+        window = {**self._memory.take_window(), **self._rates(totals), **mine}
         records = self._gather(window, WINDOW_KEYS)
-        figures = aggregate_ranks(records)
+        figures = {**aggregate_ranks(records), **{f"moe/{k}": v for k, v in everyone.items()}}
         slowest = slowest_rank(records)
         if slowest is not None:
             figures["slowest_rank"] = slowest
@@ -250,6 +257,13 @@ class DistributedMetricsCallback(TrainerCallback):
         if self.peak is not None and any("mfu" in r for r in self.ranks):
             notes.append(f"MFU against {self.peak.flops / 1e12:.4g} TFLOP/s ({self.peak.source}).")
         return rank_table(self.ranks, title=title, notes=notes, outputs=outputs)
+
+
+def _router_load(model: torch.nn.Module | None, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(this rank's, the global batch's) tokens per expert of an MoE model over the last `steps` steps
+    (hfdist.models.router_stats.RouterRecorder.take_window), or two empty dicts (a dense model)."""
+    recorder = getattr(model, "hfdist_router", None) if model is not None else None
+    return recorder.take_window(steps) if recorder else ({}, {})
 
 
 def _outputs(args) -> dict[str, str]:

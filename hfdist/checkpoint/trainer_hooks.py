@@ -186,4 +186,18 @@ class CheckpointingMixin:
         if checkpoint is None or not self._saves_dcp():
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name(), self._adapters_only())
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
+        state = torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True)
+        self.lr_scheduler.load_state_dict(_regrouped(state, len(self.optimizer.param_groups)))
+
+
+def _regrouped(state: dict, groups: int) -> dict:
+    """A scheduler state saved with another number of param groups, fitted to `groups`: transformers gives expert
+    parallelism's experts (on their own device mesh) param groups of their own, so a checkpoint resharded onto or
+    off an ep layout has more or fewer groups. Each per-group list holds one value repeated (one schedule for every
+    group, as the Trainer makes it); a state whose groups differ is left as it is (torch then refuses it)."""
+    out = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = state.get(key)
+        if isinstance(values, list) and values and len(values) != groups and all(v == values[0] for v in values):
+            out[key] = [values[0]] * groups
+    return out

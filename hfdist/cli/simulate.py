@@ -26,7 +26,7 @@ verification fails.
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (llama-3.1-8b, ...), local checkpoint folder, or HF id")
     p.add_argument("--config", required=True, help="mesh rung: fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp, "
-                                                   "fsdp_tp_cp (or a YAML path)")
+                                                   "fsdp_tp_cp, fsdp_ep (or a YAML path)")
     p.add_argument("--num-processes", type=int, required=True, help="ranks to simulate (the world size)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the YAML's)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the YAML's)")
@@ -35,6 +35,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="how the cp ranks split attention (default auto: ulysses where the heads allow, else hybrid, "
                         "else ring); the plan is applied and verified as a run's")
     p.add_argument("--dp-replicate", type=int, default=None, help="replica groups of a hybrid rung")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel degree of an MoE model on fsdp_ep / fsdp_tp (default: the YAML's)")
     p.add_argument("--pp-schedule", default=None, help="pipeline schedule (default: the YAML's)")
     p.add_argument("--pp-microbatches", type=int, default=None,
                    help="pipeline micro-batches per step (default: the YAML's; 1F1B needs at least pp)")
@@ -63,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from hfdist.plan.simulate import simulate, simulation_rung
 
     rung = simulation_rung(args.config, args.num_processes, tp=args.tp, pp=args.pp, cp=args.cp,
-                           dp_replicate=args.dp_replicate,
+                           dp_replicate=args.dp_replicate, ep=args.ep,
                            pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                            gpus_per_node=args.gpus_per_node, model_config=load_config(args.model),
                            cp_method=args.cp_method)

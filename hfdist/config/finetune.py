@@ -119,6 +119,10 @@ class FinetuneConfig:
     dp_replicate: int | None = option(
         None, "Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).",
         group=STRATEGY, type=positive_int)
+    ep: int | None = option(
+        None, "Expert-parallel degree of a mixture-of-experts model on fsdp_ep or fsdp_tp: each of ep ranks holds 1/ep "
+        "of every MoE layer's experts, borrowed from the data-parallel ranks (overrides the YAML's; docs/moe.md).",
+        group=STRATEGY, type=positive_int)
     mixed_precision: str = option(
         "auto", "bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; no: fp32; "
         "auto (default): the config's setting on GPU, fp32 on CPU (bf16 under --qlora).", group=STRATEGY,

@@ -82,6 +82,17 @@ def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
     from hfdist.models.registry import LORA_TARGETS, facts_for, is_supported
 
     known = facts_for(config).lora_targets if is_supported(config) else LORA_TARGETS
+    if is_supported(config) and facts_for(config).moe is not None:
+        from hfdist.models.moe import peft_converted_targets
+
+        converted = peft_converted_targets(config.model_type)
+        asked = [m for m in cfg.lora_target_modules or () if m in converted]
+        if asked:
+            raise ConfigError(f"--lora-target-modules {','.join(asked)} on this mixture-of-experts model: peft 0.21 "
+                              "would adapt the routed experts' stacked weights under those names, which hfdist's expert "
+                              "parallelism cannot split by whole experts; hfdist keeps the routed experts frozen "
+                              "(docs/moe.md). Target the attention projections (q_proj,k_proj,v_proj,o_proj).")
+        known = tuple(t for t in known if t not in converted)
     unknown = [m for m in cfg.lora_target_modules or () if m not in known]
     if unknown:
         raise ConfigError(f"--lora-target-modules names {', '.join(unknown)}, which {'are' if len(unknown) > 1 else 'is'} "
@@ -316,7 +327,9 @@ def check_qlora(cfg: FinetuneConfig, rung: Rung, config) -> None:
         raise ConfigError("--qlora does not run with --compile: bitsandbytes' 4-bit layers re-wrap their packed "
                           "weight on every call, which hfdist has not verified under torch.compile. Drop --compile.")
     from hfdist.models.quantize import check_quantizable
+    from hfdist.parallel.expert_check import check_moe
 
+    check_moe(config, rung, cfg.seq_len, qlora=True)  # an MoE model's experts have no 4-bit form: refused
     check_quantizable(config, shard=rung.dims.dp_shard * rung.dims.cp if rung.owns_sharding else 1)
 
 

@@ -5,7 +5,7 @@ Process count, in precedence order (CLI > YAML > default):
     the world a launcher already started (torchrun, `accelerate launch --config_file`, Slurm)
     on a GPU machine: the GPUs of this node (one process per GPU)
     on CPU: the YAML's num_processes (what each shipped rung is tested with)
---tp / --pp / --cp / --dp-replicate override the YAML's degrees (--cp-method: how cp splits attention); the
+--tp / --pp / --cp / --dp-replicate / --ep override the YAML's degrees (--cp-method: how cp splits attention); the
 data-parallel axis absorbs the rest, and a hybrid (HSDP) rung shards over the processes of one node. More processes on a node than it has GPUs is refused before any
 process starts (a rank past the last GPU would die in set_device).
 
@@ -121,7 +121,7 @@ def resolve_rung(cfg: FinetuneConfig, node: Node | None = None) -> Rung:
     node_size = node.local_world if node.launched and node.gpus else (count if node.gpus else None)
     try:
         rung = rung.with_num_processes(count, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp_replicate=cfg.dp_replicate,
-                                       node_size=node_size)
+                                       node_size=node_size, ep=cfg.ep)
     except LadderError as exc:
         raise WorldError(f"{exc} (The process count {count} comes from {origin}.)") from exc
     _check_gpus(rung, node)

@@ -5,7 +5,8 @@ Conventions (the PaLM appendix B / Megatron / torchtitan `get_num_flop_per_token
   input and 2N for the gradient of its weight: 6N for a trained weight. A frozen weight (the LoRA base) skips the
   weight-gradient matmul: 4N. N counts the q/k/v/o (GQA aware), gate/up/down projections of every layer and the
   lm_head; the embedding is a lookup, not a matmul, and is left out (a tied lm_head still does its matmul, so it
-  is counted).
+  is counted). An MoE layer counts what a token's matmuls use: its top-k routed experts (gate, up, down), the router
+  and a shared expert (active parameters; the dispatch's all-to-all and the expert sort are not FLOPs).
 - Attention: 12·L·H·Q·T per token (QKᵀ and ·V, 2 FLOPs per multiply-add, forward + 2× in backward). Causal
   masking makes half of these FLOPs useless, and causal-aware counts (FlashAttention's benchmarks) halve the
   term; like torchtitan and PaLM we count full attention, so MFU here is comparable with theirs. FlashAttention's
@@ -35,7 +36,9 @@ def _shape(config: Any) -> ModelShape:
 
 
 def matmul_params(config: Any) -> int:
-    """Weights that take part in a matmul: every layer's projection weights plus the lm_head.
+    """Weights that take part in a matmul: every layer's projection weights plus the lm_head; of an MoE layer, the
+    ones a token's matmuls use (its top-k experts, the router, the shared expert: active parameters, so MFU counts
+    the work done, not the experts held).
 
     Biases, norms and the embedding table (a lookup) are left out; a tied lm_head is counted once.
     """

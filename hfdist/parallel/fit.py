@@ -1,7 +1,8 @@
 """A model's config against a rung, before any process starts or anything is built: the architecture hfdist's TP and
 PP know, tp dividing the sizes it splits, the FSDP layer class a YAML names, cp against the heads, the sequence and
-its --cp-method. Read by the launcher's pre-checks (hfdist.job.preflight) and by hfdist.api.prepare_model; each
-failure one paragraph naming the fix.
+its --cp-method, an MoE model's experts against the rung and ep (hfdist.parallel.expert_check). Read by the
+launcher's pre-checks (hfdist.job.preflight) and by hfdist.api.prepare_model; each failure one paragraph naming the
+fix.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ def check_model_fits(config, rung: Rung, seq_len: int | None = None) -> None:
     """
     check_model_fits_rung(config, rung)
     check_context_parallel(config, rung, seq_len)
+    from hfdist.parallel.expert_check import check_moe
+
+    check_moe(config, rung, seq_len)
 
 
 def check_model_fits_rung(config, rung: Rung) -> None:

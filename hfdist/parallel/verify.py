@@ -38,6 +38,7 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from hfdist.parallel.expert import is_expert_param
     from hfdist.parallel.fsdp import fsdp_unit_class, is_instance_of_named
 
     assert rung.fsdp is not None
@@ -59,6 +60,8 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
     if d.tp > 1:
         want_shape = (*want_shape, d.tp)
     for name, p in model.named_parameters():
+        if is_expert_param(name) and (d.ep > 1 or d.tp > 1):
+            continue  # placed over ep and FSDP2's expert mesh: _check_experts
         if not isinstance(p, DTensor):
             _fail(rung, f"parameter {name} is a plain tensor, not a sharded DTensor")
         # FSDP2 shards dim 0 of a TP-split weight as a _StridedShard (torch-private, no Shard subclass).
@@ -71,6 +74,24 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
         # Megatron TP: the column-parallel q_proj is split on its output dim across the tp axis.
         if d.tp > 1 and name.endswith("q_proj.weight") and "lora" not in name and p.placements[-1] != Shard(0):
             _fail(rung, f"{name} is not column-split over tp (placements {p.placements})")
+
+
+def _check_experts(rung: Rung, model: nn.Module) -> None:
+    """ep (or tp on an MoE model): every MoE block dispatches through hfdist's experts, each rank holding its E / ep
+    experts (hfdist.parallel.expert.check_experts), and each experts module is an FSDP2 unit of its own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from hfdist.models.moe import moe_layers
+    from hfdist.parallel.expert import check_experts
+    from hfdist.parallel.expert_check import ExpertParallelError
+
+    try:
+        check_experts(model, rung.dims.ep)
+    except ExpertParallelError as exc:
+        _fail(rung, str(exc))
+    unsharded = [layer.path for layer in moe_layers(model) if not isinstance(layer.experts, FSDPModule)]
+    if unsharded:
+        _fail(rung, f"the experts of {unsharded[0]} (and {len(unsharded) - 1} more) are not an FSDP2 unit")
 
 
 def _check_context_parallel(rung: Rung, model: nn.Module) -> None:
@@ -234,6 +255,10 @@ def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool
         _check_pipeline(rung, model)
     elif rung.owns_sharding:
         _check_fsdp(rung, model)
+        from hfdist.models.moe import moe_layers
+
+        if rung.dims.ep > 1 or (rung.uses_tp and moe_layers(model)):
+            _check_experts(rung, model)
     if rung.dims.cp > 1:
         _check_context_parallel(rung, model)
     if rung.uses_deepspeed:

@@ -73,6 +73,7 @@ from hfdist.models.attention import AUTO, CHOICES, dense_mask_bytes, is_hub_kern
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import gathers_in_float8
+from hfdist.plan.expert_bytes import gathered_layer_params
 
 __all__ = [
     "PlanError",
@@ -333,8 +334,10 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp
                     if w.qlora else None)
-    buffers = w.workspace + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, root,
-                                                trainable / max(params, 1), float8_params, layer_stored)
+    # An MoE layer's experts are gathered E / ep at a time (hfdist.plan.expert_bytes).
+    gathered = gathered_layer_params(shape.layer_linear_params, shape.moe, shape.hidden, shape.layers, tp, dims.ep)
+    buffers = w.workspace + _gathered_bytes(shape, rung, dims, w, pb, layers, gathered, root,
+                                            trainable / max(params, 1), float8_params, layer_stored)
     if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
         buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)
     if rung.kind is StrategyKind.DDP and dims.dp_replicate > 1:

@@ -38,6 +38,7 @@ from hfdist.config.dims import ParallelDims
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.models.shape import ModelShape
 from hfdist.plan.bytes import WORKSPACE_BYTES, Workload
+from hfdist.plan.expert_bytes import moe_step_terms
 
 __all__ = ["Hardware", "Collective", "StepCost", "NOMINAL_HARDWARE", "step_collectives", "step_cost",
            "group_crosses_nodes", "ADAM_BYTES_PER_PARAM"]
@@ -101,7 +102,8 @@ class Collective:
 
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv
     axis: str  # the mesh group (group_crosses_nodes): dp_shard_cp (FSDP2), dp_shard (ZeRO), dp_replicate (DDP,
-    # HSDP's replicas), tp, cp_ulysses (the Ulysses all-to-alls) / cp (the ring's messages), pp
+    # HSDP's replicas), tp, cp_ulysses (the Ulysses all-to-alls) / cp (the ring's messages), pp, ep (an MoE
+    # model's experts)
     group: int  # ranks in the group
     buffer_bytes: float
     calls: float
@@ -151,6 +153,7 @@ def group_crosses_nodes(dims: ParallelDims, axis: str, gpus_per_node: int, group
     are neighbouring axes); "cp_ulysses" the `group` innermost ranks of the cp axis (hfdist.parallel.context: a
     hybrid's all-to-alls); a ring over the cp axis is "cp" (a message crosses nodes where the cp group does)."""
     stride, size = {"tp": (1, dims.tp), "pp": (dims.tp, dims.pp), "cp": (dims.tp * dims.pp, dims.cp),
+                    "ep": (dims.tp * dims.pp * dims.cp, dims.ep),
                     "cp_ulysses": (dims.tp * dims.pp, group or dims.cp),
                     "dp_shard": (dims.tp * dims.pp * dims.cp, dims.dp_shard),
                     "dp_shard_cp": (dims.tp * dims.pp, dims.cp * dims.dp_shard),
@@ -181,9 +184,14 @@ def step_collectives(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workl
     docstring), `accumulation` forward/backward passes of `w.micro_batch` sequences each."""
     elem = 2 if w.dtype == "bf16" else 4
     params, root, layers = _stage_params(shape, dims)
+    recompute = 2 if w.activation_checkpointing else 1  # forward collectives run again in backward
+    # An MoE model: its experts gathered E / ep at a time, its MoE layers without tp's pair, ep's all-to-alls.
+    expert_delta, tp_free_layers, a2a_bytes, a2a_calls = moe_step_terms(
+        shape.moe, shape.hidden, shape.layers, layers, dims, w.micro_batch * w.seq // dims.cp, elem,
+        accumulation * recompute, accumulation)
+    params += expert_delta
     trainable = params * _trainable_fraction(shape, w)
     out: list[Collective] = []
-    recompute = 2 if w.activation_checkpointing else 1  # forward collectives run again in backward
     if rung.owns_sharding:
         n = dims.dp_shard * dims.cp
         if n > 1:
@@ -219,7 +227,7 @@ def step_collectives(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workl
     if dims.tp > 1:
         # Megatron TP with sequence parallelism: per layer two all-gathers of the rank's whole-sequence activations
         # (into attention and the MLP) and two reduce-scatters (out of them) in forward, their mirror in backward
-        calls = 2 * layers * passes
+        calls = (2 * layers - tp_free_layers) * passes
         act = tokens * shape.hidden * elem
         out.append(Collective("all_gather", "tp", dims.tp, act * calls, calls, False))
         out.append(Collective("reduce_scatter", "tp", dims.tp, act * calls, calls, False))
@@ -238,6 +246,8 @@ def step_collectives(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workl
             sent = layers * (forwards * costs.ring_forward + backwards * costs.ring_backward)
             steps = layers * (forwards * 2 * (plan.ring - 1) + backwards * (2 * (plan.ring - 1) + 2 * plan.ring))
             out.append(Collective("send_recv", "cp", plan.ring, sent, steps, False))
+    if a2a_calls:
+        out.append(Collective("all_to_all", "ep", dims.ep, a2a_bytes, a2a_calls, False))
     if dims.pp > 1:
         # each micro-batch's activations forward and their gradients back across every stage boundary a rank has
         n_micro = rung.pipeline.n_microbatches if rung.pipeline is not None else 1

@@ -28,6 +28,7 @@ from typing import Any, Iterable
 from hfdist.config.dims import ParallelDims
 from hfdist.config.ladder import ContextSettings, LadderError, Rung, StrategyKind
 from hfdist.errors import HfdistError
+from hfdist.plan.expert_bytes import ep_rungs
 
 __all__ = ["Cluster", "Layout", "Pins", "rung_axes", "rung_layouts", "divisors"]
 
@@ -111,6 +112,8 @@ class Layout:
                 out[axis] = getattr(d, axis)
         if d.cp > 1:
             out["cp_method"] = own.context.method
+        if d.ep > 1:
+            out["ep"] = d.ep
         if own.fsdp is not None and own.fsdp.hybrid and own.kind is StrategyKind.MESH:
             out["dp_replicate"] = d.dp_replicate
         return out
@@ -250,6 +253,10 @@ def rung_layouts(rung: Rung, config: Any, cluster: Cluster, *, global_batch: int
         planned = _with_methods(laid, config, seq, pins)
         if not planned:
             reason = reason or f"--cp-method {pins.cp_method} cannot split the model at {laid.dims.layout()}"
+        # an MoE model's ep degrees on the rungs that take --ep (hfdist.plan.expert_bytes)
+        planned = [r for method in planned for r in ep_rungs(method, config, cluster.gpus_per_node)]
+        if not planned and not reason:
+            reason = "splits an MoE model's experts (expert parallelism), and this model has none"
         layouts += [Layout(method, m, ac, batch) for method in planned for m in micro for ac in ac_options]
     if not layouts and not reason:
         reason = "no degree of its axes splits this model on this cluster" if rung_axes(rung) else \

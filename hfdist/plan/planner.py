@@ -28,6 +28,7 @@ from hfdist.parallel.float8_check import check_fp8, float8_params_per_layer
 from hfdist.plan import render
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, offload_device, rung_rank_bytes
 from hfdist.plan.cost import NOMINAL_HARDWARE, Hardware, StepCost, step_cost
+from hfdist.plan.expert_bytes import moe_note
 from hfdist.plan.layouts import Cluster, Layout, Pins, rung_layouts
 
 __all__ = ["Plan", "RungPlan", "Assessment", "plan_rungs", "plan_layout", "assess_layouts", "plan_order", "Cluster",
@@ -147,10 +148,24 @@ def _check_takes_qlora(rung: Rung) -> None:
         raise PlanError("does not take --qlora (docs/qlora.md)") from exc
 
 
+def _check_holds_moe(config, rung: Rung, w: Workload) -> None:
+    """Raise PlanError (one line) for an MoE model on a rung that does not train MoE models, or under --qlora
+    (hfdist.parallel.expert_check)."""
+    from hfdist.parallel.expert_check import moe_facts, moe_refusal
+
+    if moe_facts(config) is None:
+        return
+    if (why := moe_refusal(rung)) is not None:
+        raise PlanError(f"does not hold MoE models: {why}")
+    if w.qlora:
+        raise PlanError("--qlora: an MoE model's stacked experts have no 4-bit form here (docs/moe.md)")
+
+
 def _refusal(config, layout: Layout, w: Workload) -> str:
     """Why this layout cannot run the workload ("" when it can): the checks the job makes before launch."""
     rung, dims = layout.rung, layout.dims
     try:
+        _check_holds_moe(config, rung, w)
         if w.qlora:
             _check_takes_qlora(rung)
         if w.fp8:
@@ -221,8 +236,11 @@ def _rung_plan(ctx: _Context, rung: Rung, layouts: list[Layout], reason: str) ->
                                                    * s[0].dims.cp, -s[2].tokens_per_second))
     else:
         layout, b, cost = min(scored, key=lambda s: s[1].total)
-    return RungPlan(rung.name, layout, b, bool(fitting), _command(layout, ctx.model, ctx.workload), offload,
-                    _note(rung, layout, ctx.cluster.nodes), cost, len(scored), len(fitting))
+    note = "; ".join(x for x in (_note(rung, layout, ctx.cluster.nodes), moe_note(
+        ctx.shape.moe, ctx.shape.hidden, layout.dims, ctx.workload.seq * layout.pipeline_micro_batch,
+        2 if ctx.workload.dtype == "bf16" else 4, ctx.workload.bytes_per_param_adam)) if x)
+    return RungPlan(rung.name, layout, b, bool(fitting), _command(layout, ctx.model, ctx.workload), offload, note,
+                    cost, len(scored), len(fitting))
 
 
 def _context(config, model: str, cluster: Cluster, gpu_mem_bytes: int, w: Workload, hardware: Hardware) -> _Context:
@@ -237,7 +255,8 @@ def _plan(ctx: _Context, rungs: list[Rung], pins: Pins, global_batch: int | None
     trainable = (ctx.shape.layers * ctx.shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora
                  else ctx.shape.total_params)
     plans = []
-    for rung in plan_order(rungs):
+    # An expert-parallel rung (fsdp_ep) is for MoE models only: left out of a dense model's plan.
+    for rung in (r for r in plan_order(rungs) if ctx.shape.moe is not None or r.dims.ep == 1):
         layouts, reason = rung_layouts(rung, ctx.config, ctx.cluster, global_batch=global_batch, seq=w.seq,
                                        pins=pins)
         plans.append(_rung_plan(ctx, rung, layouts, reason))

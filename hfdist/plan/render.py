@@ -63,8 +63,12 @@ def table(plan: Plan) -> str:
     """The human-readable plan: one row per rung (its best layout), the recommendation and its command."""
     s = plan.shape
     n = s.total_params
-    size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-    head = (f"hfdist plan: {plan.model} ({size} params, {s.layers} layers, hidden "
+    size = (f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M") + " params"
+    if s.moe is not None:  # a mixture of experts: what a token uses too
+        a = s.active_params
+        size += (f" ({a / 1e9:.2f}B" if a >= 1e9 else f" ({a / 1e6:.1f}M") + \
+            f" active: {s.moe.experts} experts, top-{s.moe.top_k})"
+    head = (f"hfdist plan: {plan.model} ({size}, {s.layers} layers, hidden "
             f"{s.hidden}) on {plan.nodes} node(s) x {plan.gpus_per_node} GPUs = {plan.world} ranks, "
             f"{plan.gpu_mem_bytes / GB:g} GB each")
     cols = ("rung", "best layout", "weights", "grads", "master", "optim", "activ", "buffers", "total", "fits",
@@ -111,7 +115,9 @@ def to_json(plan: Plan) -> dict[str, Any]:
     rec = plan.recommended
     out: dict[str, Any] = {
         "model": {"spec": plan.model, "params": plan.shape.total_params, "trainable_params": plan.trainable_params,
-                  "layers": plan.shape.layers, "hidden": plan.shape.hidden},
+                  "layers": plan.shape.layers, "hidden": plan.shape.hidden,
+                  **({"active_params": plan.shape.active_params, "experts": plan.shape.moe.experts,
+                      "top_k": plan.shape.moe.top_k} if plan.shape.moe else {})},
         "cluster": {"gpus_per_node": plan.gpus_per_node, "nodes": plan.nodes, "world": plan.world,
                     "gpu_mem_bytes": plan.gpu_mem_bytes},
         "workload": asdict(plan.workload),

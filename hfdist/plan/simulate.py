@@ -141,9 +141,9 @@ class Simulation:
 
 
 def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = None, pp: int | None = None,
-                    cp: int | None = None, dp_replicate: int | None = None, pp_schedule: str | None = None,
-                    pp_microbatches: int | None = None, gpus_per_node: int = 8, model_config=None,
-                    cp_method: str = "auto") -> Rung:
+                    cp: int | None = None, dp_replicate: int | None = None, ep: int | None = None,
+                    pp_schedule: str | None = None, pp_microbatches: int | None = None, gpus_per_node: int = 8,
+                    model_config=None, cp_method: str = "auto") -> Rung:
     """The rung `config_name` fitted to `num_processes` ranks on nodes of `gpus_per_node` GPUs, as a GPU launch
     would fit it (hfdist.job.world), with the pipeline schedule / micro-batches and cp method given, checked against
     the model's heads and layers when `model_config` is given, its cp planned then (as the launcher's preflight).
@@ -167,7 +167,7 @@ def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = No
     if gpus_per_node < 1:
         raise SimulateError(f"--gpus-per-node must be a positive integer, got {gpus_per_node!r}.")
     try:
-        rung = rung.with_num_processes(num_processes, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate,
+        rung = rung.with_num_processes(num_processes, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, ep=ep,
                                        node_size=min(gpus_per_node, num_processes)).with_context(cp_method)
     except LadderError as exc:
         raise SimulateError(str(exc)) from exc
@@ -387,8 +387,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     from that step's real gradients and optimizer state. `attention`: the --attn-implementation the step stands
     for (`step_attention`: sdpa / eager hold their dense mask in the step and in the planner's figure).
 
-    A role that fails verification (a bug in the recipe, not bad input) is reported in `failure`; its bytes are
-    still read.
+    A role that fails verification (a bug in the recipe, not bad input) is reported in `failure` (bytes still read).
 
     `qlora`: the model QLoRA trains (4-bit projections, hfdist.models.quantize.quantize_meta, then LoRA r=`lora_r`),
     on the rungs that take --qlora, without pipeline stages or a simulated step; each rank also holds its 4-bit
@@ -400,6 +399,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     import torch
 
     from hfdist.models.build import meta_model
+    from hfdist.parallel.expert_check import check_moe
     from hfdist.parallel.parallelize import parallelize
     from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy
 
@@ -413,6 +413,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     start = time.perf_counter()
     dims = rung.dims
     template = meta_model(model_spec, attn_implementation=step_attention(attention, dims.cp))
+    check_moe(template.config, rung, simulated_step=step_seq is not None)  # an MoE model against the rung
 
     def fresh_model():
         """The role's own copy of the model (bitsandbytes' meta parameters cannot be deep-copied: built anew)."""

@@ -39,7 +39,7 @@ class Candidate:
         """A stable name: rung, degrees, micro-batch, recompute, compile, fp8 (the probe's folder and log key)."""
         d = self.layout.dims
         parts = [self.layout.rung.name] + [f"{axis}{getattr(d, axis)}" for axis in
-                                            ("dp_replicate", "dp_shard", "cp", "pp", "tp") if getattr(d, axis) > 1]
+                                            ("dp_replicate", "dp_shard", "cp", "pp", "tp", "ep") if getattr(d, axis) > 1]
         if d.cp > 1:
             parts.append(self.layout.rung.context.method)
         parts.append(f"mb{self.layout.micro_batch}")

@@ -90,7 +90,8 @@ def test_simulate_refuses_a_step_under_cp():
 def test_simulate_json_shape(capsys):
     assert main(["simulate", "--model", "llama-tiny", "--config", "3d", "--num-processes", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["verified"] is True and out["dims"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "pp": 2, "tp": 2}
+    assert out["verified"] is True and out["dims"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "pp": 2, "tp": 2,
+                                                   "ep": 1}
     assert [r["rank"] for r in out["ranks"]] == [0, 2]
     for r in out["ranks"]:
         assert set(r) >= {"rank", "param_bytes", "grad_bytes", "optimizer_bytes", "predicted"}
