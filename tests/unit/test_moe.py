@@ -113,8 +113,9 @@ def test_a_checkpoint_of_other_experts_is_refused(saved, tmp_path):
 def test_export_writes_what_save_pretrained_writes(preset, tmp_path):
     """hfdist's export keys and values are save_pretrained's: per expert (renamed back for Mixtral), so vLLM and
     from_pretrained read it as they read the original checkpoints."""
-    from hfdist.checkpoint.hf_export import save_hf_checkpoint
     from safetensors.torch import load_file
+
+    from hfdist.checkpoint.hf_export import save_hf_checkpoint
 
     model = build_model(preset, seed=0)
     model.save_pretrained(tmp_path / "hf")
