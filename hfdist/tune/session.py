@@ -73,9 +73,10 @@ def measure_hardware(out: Path, world: int, hidden: int, intermediate: int, dtyp
         if proc.returncode != 0:
             from hfdist.errors import HfdistError
 
+            last = (proc.stderr.strip().splitlines() or ["no message"])[-1]
             raise HfdistError(f"hfdist tune could not measure this machine on {world} processes (exit "
-                              f"{proc.returncode}): {proc.stderr.strip().splitlines()[-1:] or ''}. Check that "
-                              f"`hfdist finetune --num-processes {world}` runs here.")
+                              f"{proc.returncode}: {last}). Check that `hfdist finetune --num-processes {world}` "
+                              "runs here.")
     return hardware_from_json(path)
 
 
