@@ -26,12 +26,12 @@ import torch
 
 from hfdist.checkpoint.format import SHARDED_DIR, raise_write_error
 
-__all__ = ["BackgroundSave"]
+__all__ = ["BackgroundSave", "world_timeout"]
 
 
-def _world_timeout() -> timedelta | None:
-    """The world group's collective timeout (the --collective-timeout the job put on it), for the checkpoint group:
-    `new_group` would give it torch's 30 minutes."""
+def world_timeout() -> timedelta | None:
+    """The world group's collective timeout (the --collective-timeout the job put on it), for a group of hfdist's own
+    (the checkpoint writes', the preemption agreement's): `new_group` would give it torch's 30 minutes."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._get_default_group()
@@ -61,7 +61,7 @@ class BackgroundSave:
         import torch.distributed as dist
 
         if self._group is None and dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo", timeout=_world_timeout(), group_desc="hfdist_checkpoint")
+            self._group = dist.new_group(backend="gloo", timeout=world_timeout(), group_desc="hfdist_checkpoint")
         return self._group
 
     def _staging(self):

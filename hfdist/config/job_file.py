@@ -105,6 +105,8 @@ def _value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
         entries = value if isinstance(value, (list, tuple)) else [value]
         return [_value(path, key, argparse.Action([], action.dest, type=action.type, choices=action.choices), v)
                 for v in entries]
+    if isinstance(value, (list, tuple)) and not value and isinstance(action.default, tuple):
+        return ()  # an empty list where the setting is a list: none of them (--report-to none prints as [])
     if isinstance(value, dict) and action.type is not None:  # a mapping, for a type that reads one
         text: Any = value
     else:

@@ -18,11 +18,27 @@ from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_fp8, effective_mixed_precision
 from hfdist.job.world import Node
-from hfdist.parallel.fit import check_model_fits
+from hfdist.parallel.context_check import check_cp_attention
+from hfdist.parallel.fit import check_context_parallel, check_model_fits, plan_context
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["check_deepspeed_json", "plan_check", "check_nvme_offload", "check_qlora", "check_attention",
+__all__ = ["plan_context_parallel", "check_deepspeed_json", "plan_check", "check_nvme_offload", "check_qlora", "check_attention",
            "check_dense_mask", "check_evaluation", "check_lora", "check_trackers", "preflight"]
+
+
+def plan_context_parallel(cfg: FinetuneConfig, rung: Rung) -> Rung:
+    """The rung with its context parallelism planned for the job's model and --seq-len (hfdist.parallel.fit
+    .plan_context: --cp-method, or auto's choice and why); the rung itself without cp. Run by the launcher and by
+    every rank, so all apply the plan checked before launch.
+
+    Raises:
+        ContextParallelError: a method that cannot split the model or cut --seq-len, naming what would work.
+    """
+    if rung.dims.cp == 1:
+        return rung
+    from hfdist.models.presets import load_config
+
+    return plan_context(load_config(cfg.model), rung, cfg.seq_len)
 
 
 def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum: int) -> None:
@@ -66,6 +82,17 @@ def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
     from hfdist.models.registry import LORA_TARGETS, facts_for, is_supported
 
     known = facts_for(config).lora_targets if is_supported(config) else LORA_TARGETS
+    if is_supported(config) and facts_for(config).moe is not None:
+        from hfdist.models.moe import peft_converted_targets
+
+        converted = peft_converted_targets(config.model_type)
+        asked = [m for m in cfg.lora_target_modules or () if m in converted]
+        if asked:
+            raise ConfigError(f"--lora-target-modules {','.join(asked)} on this mixture-of-experts model: peft 0.21 "
+                              "would adapt the routed experts' stacked weights under those names, which hfdist's expert "
+                              "parallelism cannot split by whole experts; hfdist keeps the routed experts frozen "
+                              "(docs/moe.md). Target the attention projections (q_proj,k_proj,v_proj,o_proj).")
+        known = tuple(t for t in known if t not in converted)
     unknown = [m for m in cfg.lora_target_modules or () if m not in known]
     if unknown:
         raise ConfigError(f"--lora-target-modules names {', '.join(unknown)}, which {'are' if len(unknown) > 1 else 'is'} "
@@ -108,6 +135,11 @@ def check_evaluation(cfg: FinetuneConfig, rung: Rung | None = None) -> None:
         raise ConfigError("--eval-prompts generates through the pipeline's forward-only schedule, which torch 2.13 "
                           "cannot run for ZBVZeroBubble. Use another --pp-schedule (1F1B, Interleaved1F1B, ...) with "
                           "--eval-prompts, or leave it out.")
+    if rung is not None and rung.pipeline is not None and rung.dims.cp > 1:
+        raise ConfigError(f"--eval-prompts on {rung.name} with cp={rung.dims.cp}: generation runs whole rows through "
+                          "the pipeline's stages, which under context parallelism take a part of each row. Generate "
+                          "on pipeline stages without --cp, or on a rung with cp alone (fsdp_cp), or leave "
+                          "--eval-prompts out.")
 
 
 def check_trackers(cfg: FinetuneConfig) -> None:
@@ -136,36 +168,45 @@ def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
 
 
 def _plan(cfg: FinetuneConfig, rung: Rung, micro: int, mem: int, attention: str, with_others: bool):
-    """The memory plan of `rung` (and of every other rung) for this job, or None for an architecture the planner
-    does not count (others run unplanned on the data-parallel rungs)."""
+    """(the plan of every rung for this job on this world, or None without `with_others`; the plan of this job's own
+    layout), or None for an architecture the planner does not count (others run unplanned on the data-parallel
+    rungs)."""
     from hfdist.config.ladder import known_rung_names
     from hfdist.models.presets import DEFAULT_PRESET, load_config
     from hfdist.models.registry import is_supported
     from hfdist.plan import plan_rungs
+    from hfdist.plan.bytes import Workload
+    from hfdist.plan.layouts import Cluster, Layout
+    from hfdist.plan.planner import plan_layout
 
     spec = cfg.model or DEFAULT_PRESET
     config = load_config(spec)
     if not is_supported(config):
         return None
     planned = rung if rung.kind is not StrategyKind.SINGLE else load_rung("ddp").with_num_processes(1)
-    others = [load_rung(n) for n in known_rung_names() if n != planned.name] if with_others else []
-    on_gpu = torch.cuda.is_available()
-    dtype = "bf16" if effective_mixed_precision(rung, on_gpu, cfg.mixed_precision) == "bf16" else "fp32"
-    # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
-    plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
-    plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
-                      gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
-                      qlora=cfg.qlora,
-                      activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec,
+    dtype = "bf16" if effective_mixed_precision(rung, torch.cuda.is_available(), cfg.mixed_precision) == "bf16" \
+        else "fp32"
+    cluster = Cluster(planned.num_processes)
+    workload = Workload(seq=cfg.seq_len, lora=cfg.lora, lora_r=cfg.lora_r, qlora=cfg.qlora, dtype=dtype,
+                        loss_chunk_size=cfg.loss_chunk_size or None, attention=attention)
+    layout = Layout(planned, micro, cfg.activation_checkpointing, cfg.global_batch_size)
+    mine = plan_layout(config, layout, cluster, gpu_mem_bytes=mem, workload=workload, model=spec)
+    if not with_others:
+        return None, mine
+    others = [load_rung(n) for n in known_rung_names()]
+    plan = plan_rungs(config, others, gpus_per_node=cluster.gpus_per_node, gpu_mem_bytes=mem, seq=cfg.seq_len,
+                      global_batch=cfg.global_batch_size, micro_batch=None, activation_checkpointing=None,
+                      lora=cfg.lora, lora_r=cfg.lora_r, qlora=cfg.qlora, dtype=dtype, model=spec,
                       loss_chunk_size=cfg.loss_chunk_size or None, attention=attention)
-    return plan, next(r for r in plan.rungs if r.name == planned.name)
+    return plan, mine
 
 
 def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str = "auto") -> None:
-    """Refuse a rung the memory planner predicts cannot fit, showing the ladder and the rung that would.
+    """Refuse a layout the memory planner predicts cannot fit, showing the ladder's best layouts and the one that
+    would fit.
 
     Raises:
-        ConfigError: the rung's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
+        ConfigError: the layout's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
     """
     mem = _device_memory_bytes(cfg)
     if mem is None or cfg.skip_plan_check:
@@ -175,8 +216,8 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str = "au
         return
     plan, mine = planned
     rec = plan.recommended
-    advice = (f"The simplest rung that fits is {rec.name}: {rec.command}" if rec is not None
-              else f"No rung fits: {plan.hint}")
+    advice = (f"The fastest predicted layout that fits is {rec.name} at {rec.layout.describe()}: {rec.command}"
+              if rec is not None else f"No rung fits: {plan.hint}")
     need = f"{mine.bytes.total / 1e9:.1f} GB" if mine.bytes is not None else "more than it can hold"
     raise ConfigError(
         f"{rung.name} is predicted to need {need} per device, more than the {mem / 1e9:.1f} GB available, so it "
@@ -199,7 +240,7 @@ def check_dense_mask(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str
         return
     mem = _device_memory_bytes(cfg) or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rung.num_processes
     dense, free = (_plan(cfg, rung, micro, mem, a, with_others=False) for a in (attention, AUTO))
-    if dense is None or dense[1].bytes is None:
+    if dense is None or dense[1].bytes is None or free[1].bytes is None:
         return
     mask = dense[1].bytes.activations - free[1].bytes.activations
     if mask > mem:
@@ -307,7 +348,9 @@ def check_qlora(cfg: FinetuneConfig, rung: Rung, config) -> None:
         raise ConfigError("--qlora does not run with --compile: bitsandbytes' 4-bit layers re-wrap their packed "
                           "weight on every call, which hfdist has not verified under torch.compile. Drop --compile.")
     from hfdist.models.quantize import check_quantizable
+    from hfdist.parallel.expert_check import check_moe
 
+    check_moe(config, rung, cfg.seq_len, qlora=True)  # an MoE model's experts have no 4-bit form: refused
     check_quantizable(config, shard=rung.dims.dp_shard * rung.dims.cp if rung.owns_sharding else 1)
 
 
@@ -321,12 +364,21 @@ def _check_gpu_settings(rung: Rung) -> None:
     refuse_on_gpu(read_accelerate_yaml(rung.yaml_path), rung.owns_sharding, rung.yaml_path)
 
 
+def _check_launcher(cfg: FinetuneConfig) -> None:
+    """--max-failures is Ray Train's restarts; torchrun has its own."""
+    if cfg.max_failures and cfg.launcher != "ray":
+        raise ConfigError(f"--max-failures {cfg.max_failures} restarts Ray Train's worker group, so it needs --launcher "
+                          "ray. Without Ray, launch with torchrun --max-restarts N and pass --resume (each restart "
+                          "continues from the latest checkpoint; docs/multi-node.md), or drop --max-failures.")
+
+
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
     from hfdist.checkpoint.resume import resume_point
     from hfdist.models.build import check_checkpoint_weights
     from hfdist.models.presets import load_config
 
+    _check_launcher(cfg)
     _check_output_dir(cfg)
     check_evaluation(cfg, rung)
     check_trackers(cfg)
@@ -341,6 +393,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     _check_seq_len(config, cfg.seq_len)
     check_qlora(cfg, rung, config)
     check_model_fits(config, rung, cfg.seq_len)
+    check_cp_attention(check_context_parallel(config, rung, cfg.seq_len), attention)
     on_gpu = torch.cuda.is_available()
     fp8 = effective_fp8(rung, on_gpu, cfg.fp8)
     if fp8 is not None:

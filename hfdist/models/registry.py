@@ -4,6 +4,9 @@ Surgery (TP plan, pipeline stages, FSDP units, activation checkpointing), the me
 the data path all read these facts instead of hard-coding Llama's. Llama, Mistral, Qwen2 and Qwen3 share one
 module layout (`model.embed_tokens`, `model.layers[i].{self_attn,mlp}`, `model.norm`, `model.rotary_emb`,
 `lm_head`), so an entry differs only in its layer class, projection biases, per-head norms and attention masks.
+The mixture-of-experts architectures (Qwen3-MoE, Mixtral, Llama 4's text model) add their MoE facts
+(hfdist.models.moe_facts: router, stacked experts, shared expert, aux loss); their `colwise` / `rowwise` projections are
+the attention's, present in every layer (a dense layer's MLP is the MoE facts' to describe).
 An architecture not listed here is refused by name (`facts_for`), never guessed.
 """
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hfdist.errors import HfdistError
+from hfdist.models.moe_facts import LLAMA4_TEXT, MIXTRAL, QWEN3_MOE, MoeFacts
 
 __all__ = ["ModelFacts", "UnsupportedModelError", "REGISTRY", "LORA_TARGETS", "IGNORE_INDEX", "facts_for",
            "is_supported", "supported_types"]
@@ -23,6 +27,7 @@ IGNORE_INDEX = -100
 # Decoder-layer projections, relative to a decoder layer, by how tensor parallelism splits their weight.
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+ATTENTION_COLWISE, ATTENTION_ROWWISE = COLWISE[:3], ROWWISE[:1]
 # What `--lora` adapts: every decoder-layer projection (short names, as peft's target_modules take them).
 LORA_TARGETS = tuple(name.split(".")[-1] for name in COLWISE + ROWWISE)
 
@@ -45,6 +50,7 @@ class ModelFacts:
         sliding_window_everywhere: a set `config.sliding_window` makes every layer's attention sliding (Mistral).
         window_from_layer_types: attention masks follow `config.layer_types`, full or sliding per layer (Qwen2/3).
         ignore_index: the label value the loss skips.
+        moe: the mixture-of-experts facts (hfdist.models.moe), None for a dense architecture.
     """
 
     model_type: str
@@ -57,6 +63,7 @@ class ModelFacts:
     sliding_window_everywhere: bool = False
     window_from_layer_types: bool = False
     ignore_index: int = IGNORE_INDEX
+    moe: MoeFacts | None = None
     # Paths inside the causal LM (the same for every registered architecture).
     embed: str = "model.embed_tokens"
     layers: str = "model.layers"
@@ -71,16 +78,19 @@ class ModelFacts:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """Short names of the projections `--lora` adapts: all of them."""
-        return tuple(name.split(".")[-1] for name in self.linears)
+        """Short names of the projections `--lora` adapts: all of them (an MoE model's dense MLP and shared expert
+        projections too; its routed experts stay frozen: hfdist.models.moe.moe_lora_config)."""
+        return LORA_TARGETS if self.moe is not None else tuple(name.split(".")[-1] for name in self.linears)
 
     def head_dim(self, config: Any) -> int:
         """Per-head width (configs may set it apart from hidden / heads, as Qwen3 does)."""
         return int(getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
 
     def linear_shapes(self, config: Any) -> dict[str, tuple[int, int, bool]]:
-        """(in_features, out_features, has_bias) of each decoder-layer projection, keyed by short name."""
-        h, hd, i = int(config.hidden_size), self.head_dim(config), int(config.intermediate_size)
+        """(in_features, out_features, has_bias) of each decoder-layer projection, keyed by short name (of an MoE
+        architecture: a dense layer's, whose MLP is `moe.dense_width` wide)."""
+        h, hd = int(config.hidden_size), self.head_dim(config)
+        i = self.moe.dense_width(config) if self.moe is not None else int(config.intermediate_size)
         heads = int(config.num_attention_heads)
         kv = int(getattr(config, "num_key_value_heads", None) or heads)
         attn_bias = bool(getattr(config, "attention_bias", False))
@@ -110,6 +120,15 @@ REGISTRY: dict[str, ModelFacts] = {
     "qwen2": ModelFacts("qwen2", "Qwen2DecoderLayer", qkv_bias=True, window_from_layer_types=True),
     "qwen3": ModelFacts("qwen3", "Qwen3DecoderLayer", head_norms=("self_attn.q_norm", "self_attn.k_norm"),
                         window_from_layer_types=True),
+    "qwen3_moe": ModelFacts("qwen3_moe", "Qwen3MoeDecoderLayer", ATTENTION_COLWISE, ATTENTION_ROWWISE,
+                            head_norms=("self_attn.q_norm", "self_attn.k_norm"), window_from_layer_types=True,
+                            moe=QWEN3_MOE),
+    "mixtral": ModelFacts("mixtral", "MixtralDecoderLayer", ATTENTION_COLWISE, ATTENTION_ROWWISE,
+                          sliding_window_everywhere=True, moe=MIXTRAL),
+    # Llama 4's text model: its qk norm is a weightless L2 norm; its chunked-attention layers are full attention at
+    # the sequence lengths hfdist trains it on (hfdist.parallel.expert_check refuses longer ones).
+    "llama4_text": ModelFacts("llama4_text", "Llama4TextDecoderLayer", ATTENTION_COLWISE, ATTENTION_ROWWISE,
+                              moe=LLAMA4_TEXT),
 }
 
 
