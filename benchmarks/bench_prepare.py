@@ -6,11 +6,11 @@ data phase reading what it wrote.
 
 1. `hfdist prepare` (a subprocess, as a user runs it) on N `messages` conversations (1-3 exchanges each) for each N
    of --rows, at --seq-len 128, holding out 1%, with --num-proc workers: wall and CPU seconds (the whole process
-   tree's), rows/s, and the tree's peak memory, sampled every 0.1 s: the sum of its processes' RSS (and of their
-   PSS, which counts the pages forked workers share with their parent once), and the largest single process's peak
-   RSS. Preparation streams (hfdist.data.documents): the peak should not grow with N.
+   tree's), rows/s, and the tree's peak memory: the sum of its processes' RSS, sampled every 0.2 s, and the largest
+   single process's peak RSS. Preparation streams (hfdist.data.documents): the peak should not grow with N.
 2. The speed-up of workers: the same prepare at each of --speedup-rows with --num-proc 1 and with --num-proc, rows/s
-   and CPU seconds of each (the start-up, about 3 s of imports, is not parallel: the speed-up grows with the rows).
+   and CPU seconds of each, memory not sampled (the start-up, about 2 s of imports, is not parallel: the speed-up
+   grows with the rows).
 3. The job's data phase on the largest folder, in a fresh process per repeat (what each rank of `hfdist finetune`
    does once its tokenizer is loaded: hfdist.job.data.job_data, the prepared folder checked and memory-mapped):
    seconds with datasets' import included (a rank's first data step) and without.
@@ -51,65 +51,66 @@ def _write_rows(path: Path, rows: int) -> None:
 
 
 def _tree(root: int) -> list[int]:
-    """`root` and every process below it."""
-    parents: dict[int, int] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                with open(f"/proc/{entry.name}/stat") as f:
-                    parents[int(entry.name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-    found, frontier = [root], [root]
+    """`root` and every process below it (the kernel's list of each thread's children: a few small reads)."""
+    found, frontier = [], [root]
     while frontier:
-        frontier = [pid for pid, parent in parents.items() if parent in frontier]
         found += frontier
+        below = []
+        for pid in frontier:
+            try:
+                for task in os.scandir(f"/proc/{pid}/task"):
+                    with open(f"{task.path}/children") as f:
+                        below += [int(child) for child in f.read().split()]
+            except OSError:
+                continue
+        frontier = below
     return found
 
 
-def _memory(pid: int) -> tuple[int, int]:
-    """(RSS, PSS) of one process in bytes (0, 0 once it is gone)."""
+def _rss(pid: int) -> int:
+    """A process's resident bytes (0 once it is gone)."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            fields = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[-1] == "kB"}
-        return fields.get("Rss", 0), fields.get("Pss", 0)
-    except OSError:
-        return 0, 0
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
-def measure(out: str, cmd: list[str]) -> int:
-    """Run `cmd`; sample its process tree's memory every 0.1 s; write the peaks and the tree's CPU seconds to `out`."""
+def measure(out: str, sample: str, cmd: list[str]) -> int:
+    """Run `cmd`; with `sample` "yes", add up its process tree's RSS every 0.2 s (cheap reads, so the sampling takes
+    no core the workers need) and keep the peak; write it, the largest process's peak RSS and the tree's CPU
+    seconds to `out`."""
     proc = subprocess.Popen(cmd)
-    peaks = {"rss": 0, "pss": 0}
+    peak = [0]
     done = threading.Event()
 
-    def sample() -> None:
-        while not done.wait(0.1):
-            sizes = [_memory(pid) for pid in _tree(proc.pid)]
-            peaks["rss"] = max(peaks["rss"], sum(r for r, _ in sizes))
-            peaks["pss"] = max(peaks["pss"], sum(p for _, p in sizes))
+    def run() -> None:
+        while not done.wait(0.2):
+            peak[0] = max(peak[0], sum(_rss(pid) for pid in _tree(proc.pid)))
 
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
+    sampler = threading.Thread(target=run, daemon=True)
+    if sample == "yes":
+        sampler.start()
     code = proc.wait()
     done.set()
-    sampler.join()
+    if sample == "yes":
+        sampler.join()
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # every waited-for descendant: the workers too
-    Path(out).write_text(json.dumps({"tree_rss_bytes": peaks["rss"], "tree_pss_bytes": peaks["pss"],
-                                     "largest_process_rss_bytes": usage.ru_maxrss * 1024,
+    Path(out).write_text(json.dumps({"tree_rss_bytes": peak[0], "largest_process_rss_bytes": usage.ru_maxrss * 1024,
                                      "cpu_seconds": usage.ru_utime + usage.ru_stime}))
     return code
 
 
-def _prepare(data: Path, folder: Path, rows: int, num_proc: int, args) -> dict[str, Any]:
-    """One `hfdist prepare` run, measured."""
+def _prepare(data: Path, folder: Path, rows: int, num_proc: int, args, sample: bool = True) -> dict[str, Any]:
+    """One `hfdist prepare` run, measured (its memory sampled when `sample`)."""
     cmd = [sys.executable, "-m", "hfdist.cli", "prepare", "--dataset", str(data), "--seq-len", str(args.seq_len),
            "--eval-fraction", "0.01", "--global-batch-size", "16", "--num-proc", str(num_proc),
            "--prepared-data", str(folder)]
     load = os.getloadavg()[0]
     figures = folder.parent / f"{folder.name}.json"
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, "--measure", str(figures), *cmd], cwd=REPO, env=worker_env(1),
+    proc = subprocess.run([sys.executable, __file__, "--measure", str(figures), "yes" if sample else "no", *cmd],
+                          cwd=REPO, env=worker_env(1),
                           capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
@@ -172,17 +173,15 @@ def _markdown(result: dict[str, Any], hardware: str) -> str:
     lines = [f"# `hfdist prepare` at growing sizes, then the job's data phase ({hardware})", "",
              f"`{result['command']}`", "",
              f"`{base['command']}` (--dataset: N `messages` rows of 1-3 exchanges; --num-proc {base['num_proc']}), "
-             f"--seq-len {result['seq_len']}, 1% held out. Memory: the process tree's peak, sampled every 0.1 s (the "
-             "sum of its processes' RSS, and of their PSS, which counts pages shared with a forked parent once), and "
-             "the largest single process's peak RSS. Load average before each run in the last column (2 cores "
-             "shared with other jobs: seconds are indicative only).", "",
-             "| rows | seconds | CPU seconds | rows/s | tree RSS | tree PSS | largest process | x the first size's "
-             "tree RSS | load |", "|---|---|---|---|---|---|---|---|---|"]
+             f"--seq-len {result['seq_len']}, 1% held out. Memory: the process tree's peak (the sum of its processes' "
+             "RSS, sampled every 0.2 s) and the largest single process's peak RSS. Load average before each run in "
+             "the last column (2 cores shared with other jobs: seconds are indicative only).", "",
+             "| rows | seconds | CPU seconds | rows/s | tree RSS | largest process | x the first size's tree RSS | "
+             "load |", "|---|---|---|---|---|---|---|---|"]
     for s in sizes:
         lines.append(f"| {s['rows']:,} | {s['seconds']:.1f} | {s['cpu_seconds']:.1f} | {s['rows_per_s']:,.0f} | "
-                     f"{_gib(s['tree_rss_bytes'])} | {_gib(s['tree_pss_bytes'])} | "
-                     f"{_gib(s['largest_process_rss_bytes'])} | {s['tree_rss_bytes'] / base['tree_rss_bytes']:.2f} | "
-                     f"{s['load_before']:.1f} |")
+                     f"{_gib(s['tree_rss_bytes'])} | {_gib(s['largest_process_rss_bytes'])} | "
+                     f"{s['tree_rss_bytes'] / base['tree_rss_bytes']:.2f} | {s['load_before']:.1f} |")
     lines += ["", "| rows | --num-proc 1 rows/s (CPU s) | --num-proc N rows/s (CPU s) | speed-up | load |",
               "|---|---|---|---|---|"]
     for one, many in zip(speed[::2], speed[1::2]):
@@ -211,8 +210,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data", default=None, help=argparse.SUPPRESS)
-    if len(sys.argv) > 2 and sys.argv[1] == "--measure":
-        raise SystemExit(measure(sys.argv[2], sys.argv[3:]))
+    if len(sys.argv) > 3 and sys.argv[1] == "--measure":
+        raise SystemExit(measure(sys.argv[2], sys.argv[3], sys.argv[4:]))
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -235,7 +234,7 @@ def main() -> None:
         for n in speed_sizes:
             _write_rows(root / "speed.jsonl", n)
             for k in (1, args.num_proc):
-                speedup.append(_prepare(root / "speed.jsonl", root / f"speed-{n}-{k}", n, k, args))
+                speedup.append(_prepare(root / "speed.jsonl", root / f"speed-{n}-{k}", n, k, args, sample=False))
                 shutil.rmtree(root / f"speed-{n}-{k}")
         largest = root / f"prepared-{sizes[-1]}"
         phases = [_data_phase(largest, root / f"rows-{sizes[-1]}.jsonl", args) for _ in range(args.repeats)]
