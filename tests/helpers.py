@@ -216,7 +216,8 @@ def evaluate_saved(summary: dict, model=None) -> float:
 
     config, tok, seq_len = summary["config"], load_tokenizer(None, is_preset=True), summary["strategy"]["seq_len"]
     if config["eval_fraction"]:  # held out of --dataset's rows, by the seed
-        blocks = prepare_split(load_raw_dataset(config["dataset"]), tok, seq_len, eval_fraction=config["eval_fraction"],
+        (dataset,) = config["dataset"] or [None]  # one source: its spec is its path
+        blocks = prepare_split(load_raw_dataset(dataset), tok, seq_len, eval_fraction=config["eval_fraction"],
                                seed=config["seed"]).eval
     else:
         blocks = prepare(load_raw_dataset(config["eval_dataset"]), tok, seq_len)

@@ -32,6 +32,11 @@ TRACKER_PACKAGES = {"mlflow": ("mlflow", "mlflow-skinny"), "tensorboard": ("tens
 _MLFLOW_BATCH = 1000  # metrics per log_batch call: MLflow's limit
 
 
+def _markdown_cell(value: Any) -> str:
+    """A value as one cell of a Markdown table: its pipes escaped, its line breaks as <br>."""
+    return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+
 def missing_trackers(names: Sequence[str]) -> list[str]:
     """The trackers among `names` whose package is not installed."""
     return [n for n in names if importlib.util.find_spec(TRACKER_PACKAGES[n][0]) is None]
@@ -88,6 +93,13 @@ class MlflowSink(TrackerSink):
         """Run-level figures, as metrics without a step (MLflow's runs table shows their value)."""
         self.log(values, step=0)
 
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        """A table as the run's artifact NAME/step-N.jsonl (one JSON object a row)."""
+        run = self._ensure_run()
+        if run is not None:
+            text = "".join(json.dumps(dict(zip(columns, row))) + "\n" for row in rows)
+            self._call("table", run[0].log_text, run[1], text, f"{name}/step-{step}.jsonl")
+
     def finish(self, exit_code: int = 0) -> None:
         """Mark the run finished, killed (preempted: it checkpointed and stopped) or failed."""
         from hfdist.config.preemption import PREEMPTED_EXIT_CODE
@@ -135,6 +147,14 @@ class TensorBoardSink(TrackerSink):
         """Run-level figures, as scalars at the last step."""
         self.log(values, step=self._last_step)
 
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        """A table as TensorBoard text at `step` (a Markdown table, which its Text tab renders)."""
+        writer = self._ensure_run()
+        if writer is not None:
+            lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            lines += ["| " + " | ".join(_markdown_cell(v) for v in row) + " |" for row in rows]
+            self._call("table", writer.add_text, name, "\n".join(lines), step)
+
     def finish(self, exit_code: int = 0) -> None:
         """Flush and close the event file."""
         writer, self._closed = self._run, True
@@ -176,6 +196,16 @@ class TrackioSink(TrackerSink):
         """Run-level figures, logged at the last step."""
         self.log(values, step=self._last_step)
 
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        """A table as a trackio.Table at `step`."""
+        run = self._ensure_run()
+        if run is not None:
+            import trackio
+
+            table = self._call("table", trackio.Table, data=[dict(zip(columns, row)) for row in rows])
+            if table is not None:
+                self._call("log", run.log, {name: table}, step=step)
+
     def finish(self, exit_code: int = 0) -> None:
         """Flush the run to its store."""
         run, self._closed = self._run, True
@@ -205,6 +235,12 @@ class Trackers:
         """Run-level figures to every tracker."""
         for sink in self.sinks.values():
             sink.set_summary(values)
+
+    def log_table(self, name: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], step: int) -> None:
+        """A table (the generations of one evaluation) to every tracker: a W&B table, an MLflow artifact,
+        TensorBoard text, a Trackio table."""
+        for sink in self.sinks.values():
+            sink.log_table(name, columns, rows, step)
 
     def finish(self, exit_code: int = 0) -> dict[str, dict[str, Any]]:
         """Close every run; returns each tracker's record (where its run is, and any error), taken before closing

@@ -15,10 +15,12 @@ same file serves both:
     hfdist prepare job.yaml                     # any machine, e.g. a CPU box with the raw data
     hfdist finetune job.yaml                    # the GPU job: loads the prepared folder in seconds
 
-The data settings decide the blocks: --model (its tokenizer and chat template), --dataset, --seq-len,
---long-documents, --eval-dataset / --eval-fraction and --seed; the job refuses a folder prepared with other ones.
-The other flags are accepted and left aside. Rows are read through datasets' memory-mapped Arrow files and packed a
-window at a time, so a dataset larger than memory prepares in bounded memory.
+The data settings decide the blocks: --model (its tokenizer and chat template), --dataset (one source or a
+mixture), --seq-len, --long-documents, --eval-dataset / --eval-fraction and --seed; the job refuses a folder
+prepared with other ones, or from a source that has changed since. The other flags are accepted and left aside.
+Preparation streams: rows are read a batch at a time, tokenised by the workers into shards on disk, and packed a
+window of blocks at a time, so a dataset larger than memory prepares in bounded memory; run again after an
+interruption, it resumes from the last whole shard and writes the same bytes.
 """
 
 
@@ -27,7 +29,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
     g = p.add_argument_group("Preparation")
     g.add_argument("--num-proc", type=int, default=None, metavar="N",
-                   help="Tokenisation processes (default: one below 20,000 rows, else the available cores up to 16).")
+                   help="Tokenisation processes, forked (default: one below 20,000 rows, else the available cores up to "
+                        "16).")
     add_finetune_arguments(p)
 
 

@@ -4,8 +4,11 @@ line naming the flag, exit 2), so a job file's value, checked by the same type, 
 from __future__ import annotations
 
 import argparse
+from collections.abc import Mapping
+from typing import Any
 
-__all__ = ["positive_float", "non_negative_float", "fraction", "probability", "non_negative_int", "positive_int",
+__all__ = ["dataset_spec", "positive_float", "non_negative_float", "fraction", "probability", "non_negative_int",
+           "positive_int",
            "names", "trackers", "timeout_seconds", "TRACKERS"]
 
 # Where a run's series go (hfdist.callbacks.trackers); "none" alone turns every tracker off.
@@ -88,3 +91,16 @@ def timeout_seconds(text: str) -> float:
             f"{text} s is below 1 s: every collective would time out (a step's collectives take longer). Pass "
             "at least 1; the default is 300 (long enough for a first step's set-up and a large checkpoint)")
     return value
+
+
+def dataset_spec(value: Any) -> str:
+    """argparse type of --dataset: one source, as `PATH[,key=value...]` (or, in a job file, a mapping of its
+    settings), checked and written the one way hfdist.data.sources.DataSource.spec writes it."""
+    from hfdist.data.errors import DataError
+    from hfdist.data.sources import parse_source, source_from_mapping
+
+    try:
+        source = source_from_mapping(value) if isinstance(value, Mapping) else parse_source(str(value))
+    except DataError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return source.spec()

@@ -9,6 +9,7 @@ from typing import Any
 
 from hfdist.config.arg_types import (
     TRACKERS,
+    dataset_spec,
     fraction,
     names,
     non_negative_float,
@@ -28,7 +29,7 @@ from hfdist.errors import HfdistError
 __all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "LAUNCHERS", "MODULE_ENTRY", "PP_SCHEDULES",
            "CP_METHODS", "USAGE", "LR_SCHEDULERS", "TRACKERS", "add_finetune_arguments", "build_parser",
            "config_from_namespace", "parse_args", "parse_command", "job_text", "optimisation_arguments",
-           "evaluation_arguments", "lora_settings", "non_negative_int", "positive_int"]
+           "evaluation_arguments", "holds_out", "lora_settings", "non_negative_int", "positive_int"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 
@@ -160,10 +161,14 @@ class FinetuneConfig:
     model: str | None = option(
         None, "HF id, local checkpoint folder, or preset (llama-tiny, llama-small (default), llama-3.2-1b, "
         "llama-3.1-8b, ...).", group=MODEL_DATA)
-    dataset: str | None = option(
+    dataset: tuple[str, ...] | None = option(
         None, "HF id, saved dataset folder, or local json/jsonl/csv/parquet with messages, conversations "
         "(ShareGPT), prompt/completion, instruction/input/output, instruction/response, question/answer or text "
-        "columns (default: the embedded conversations).", group=MODEL_DATA)
+        "columns (default: the embedded conversations). Give it again for a mixture, each source with its settings "
+        "after commas: weight=W (its share of the label tokens), epochs=E, format=F, split=S, eval_fraction=F, "
+        "name=N, column.FIELD=NAME, e.g. --dataset a.jsonl,weight=0.7 --dataset b.parquet,weight=0.3; in a job file "
+        "datasets: a list of {path, weight, ...} (docs/data.md).", group=MODEL_DATA, type=dataset_spec,
+        metavar="PATH[,key=value...]", aliases=("--datasets",), repeatable=True)
     seq_len: int = option(128, "Tokens per packed block (default {default}).", group=MODEL_DATA, type=positive_int)
     long_documents: str = option(
         "split", "A document longer than --seq-len: split it (conversations between exchanges, each piece "
@@ -232,6 +237,13 @@ class FinetuneConfig:
     load_best: bool = option(
         False, "Save the checkpoint with the lowest eval loss as the model, not the last step's (evaluates at every "
         "saved checkpoint).", group=EVALUATION)
+    eval_prompts: str | None = option(
+        None, "Prompts the model answers at every evaluation, greedily: a JSON Lines file (a {\"prompt\": ...} or "
+        "{\"messages\": [...]} object a line) or N, the first N held-out documents' prompts; written to "
+        "OUTPUT_DIR/generations/step-N.jsonl and to the trackers as a table.", group=EVALUATION, metavar="FILE|N")
+    eval_max_new_tokens: int = option(
+        64, "Most tokens a generation adds (default {default}; it stops at EOS).", group=EVALUATION,
+        type=positive_int, metavar="N")
     # Output and checkpoints
     output_dir: str = option("outputs/finetune", "Where everything is written (default {default}).", group=OUTPUT)
     overwrite: bool = option(False, "Allow writing into a non-empty --output-dir.", group=OUTPUT)
@@ -275,6 +287,9 @@ class FinetuneConfig:
         False, "Show the libraries' messages on the screen too (they always go to OUTPUT_DIR/logs/).", group=METRICS)
 
     def __post_init__(self) -> None:
+        if isinstance(self.dataset, (str, list)):  # one spec, or the command line's list: a tuple of specs
+            object.__setattr__(self, "dataset", (self.dataset,) if isinstance(self.dataset, str) else
+                               tuple(self.dataset))
         if self.qlora:
             object.__setattr__(self, "lora", True)
             if self.mixed_precision == "auto":
@@ -340,10 +355,17 @@ def optimisation_arguments(cfg: FinetuneConfig) -> dict[str, Any]:
             "weight_decay": cfg.weight_decay, "max_grad_norm": cfg.max_grad_norm}
 
 
+def holds_out(cfg: FinetuneConfig) -> bool:
+    """Whether the job has held-out data: --eval-fraction, --eval-dataset, or a source's own eval_fraction."""
+    from hfdist.data.sources import parse_source
+
+    return bool(cfg.eval_fraction or cfg.eval_dataset or any(parse_source(s).eval_fraction for s in cfg.dataset or ()))
+
+
 def evaluation_arguments(cfg: FinetuneConfig, per_rank_batch: int) -> dict[str, Any]:
     """When and how the Trainer evaluates, as TrainingArguments keywords: every --eval-steps (the job adds the last
     step, and with --load-best every checkpoint), `per_rank_batch` rows per rank, the best checkpoint by eval loss."""
-    if not (cfg.eval_fraction or cfg.eval_dataset):
+    if not holds_out(cfg):
         return {"eval_strategy": "no"}
     out: dict[str, Any] = {"eval_strategy": "steps" if cfg.eval_steps else "no",
                            "per_device_eval_batch_size": per_rank_batch, "prediction_loss_only": True}

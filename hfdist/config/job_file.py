@@ -4,9 +4,11 @@
     hfdist finetune job.yaml --max-steps 10        # a flag given on the command line wins over the file
     hfdist finetune job.yaml --print-job           # the resolved job, as a job file
 
-A key is an option's name with underscores (`seq_len`, `lora_target_modules`); a value is what the option takes,
-checked by the option's own type and choices, so a job file and the command line refuse the same values. Lists may
-be YAML lists or comma-separated strings; on/off settings are YAML booleans; null leaves a setting at its default.
+A key is an option's name with underscores (`seq_len`, `lora_target_modules`; an alias's too: `lr`); a value is what
+the option takes, checked by the option's own type and choices, so a job file and the command line refuse the same
+values. Lists may be YAML lists or comma-separated strings; on/off settings are YAML booleans; null leaves a setting at
+its default; an option given several times on the command line (--dataset) takes a YAML list, whose entries its type
+reads (a string, or a mapping where the type takes one).
 Relative paths in the file count from the working directory, as on the command line. Precedence: the command line,
 then the job file, then the defaults.
 """
@@ -99,9 +101,16 @@ def _value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
         return value
     if value is None:
         return None
+    if isinstance(action, argparse._AppendAction):  # every entry through the type, as each flag's value would be
+        entries = value if isinstance(value, (list, tuple)) else [value]
+        return [_value(path, key, argparse.Action([], action.dest, type=action.type, choices=action.choices), v)
+                for v in entries]
     if isinstance(value, (list, tuple)) and not value and isinstance(action.default, tuple):
         return ()  # an empty list where the setting is a list: none of them (--report-to none prints as [])
-    text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
+    if isinstance(value, dict) and action.type is not None:  # a mapping, for a type that reads one
+        text: Any = value
+    else:
+        text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
     try:
         result = action.type(text) if action.type is not None else text
     except (argparse.ArgumentTypeError, ValueError, TypeError) as exc:
@@ -112,6 +121,28 @@ def _value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
         raise JobFileError(f"The job file {path} sets {key} to {value!r}; {flag} takes one of "
                            f"{', '.join(map(str, action.choices))}. Pick one of these.")
     return result
+
+
+def _by_destination(path: str, values: dict[str, Any], actions: dict[str, argparse.Action]) -> dict[str, Any]:
+    """A job file's values keyed by their options' destinations (a key may be an alias's name: `lr`, `datasets`).
+
+    Raises:
+        JobFileError: an unknown key, or two keys of one setting.
+    """
+    negative = {flag for a in actions.values() if isinstance(a, argparse.BooleanOptionalAction)
+                for flag in a.option_strings if flag.startswith("--no-")}
+    names = {flag[2:].replace("-", "_"): dest for dest, a in actions.items() for flag in a.option_strings
+             if flag.startswith("--") and flag not in negative}
+    names.update({dest: dest for dest in actions})
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in names:
+            raise _refuse_key(path, key, names)
+        dest = names[key]
+        if dest in out:
+            raise JobFileError(f"The job file {path} sets {dest} twice (as {dest} and as {key}). Keep one key.")
+        out[dest] = value
+    return out
 
 
 def parse_with_job_file(parser: argparse.ArgumentParser, argv: list[str], keys: Collection[str]) -> argparse.Namespace:
@@ -130,11 +161,8 @@ def parse_with_job_file(parser: argparse.ArgumentParser, argv: list[str], keys: 
     if not files:
         return args
     path = files[0]
-    values = read_job_file(path)
     actions = {a.dest: a for a in parser._actions if a.dest in keys}
-    for key in values:
-        if key not in actions:
-            raise _refuse_key(path, key, actions)
+    values = _by_destination(path, read_job_file(path), actions)
     given = _given(parser, argv)
     for group in parser._mutually_exclusive_groups:
         members = [a.dest for a in group._group_actions]

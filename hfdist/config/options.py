@@ -49,16 +49,17 @@ class Option:
     nargs: str | None = None
     const: Any = None  # the value of a bare flag under nargs="?"
     exclusive: str | None = None  # fields with the same name exclude each other
+    repeatable: bool = False  # the flag may be given several times; the field holds every value, in order
 
 
 def option(default: Any, help: str, *, group: OptionGroup, type: Callable[[str], Any] | None = None,
            choices: tuple[Any, ...] | list[Any] | None = None, metavar: str | None = None,
            aliases: tuple[str, ...] = (), nargs: str | None = None, const: Any = None,
-           exclusive: str | None = None) -> Any:
+           exclusive: str | None = None, repeatable: bool = False) -> Any:
     """A dataclass field that is also a command-line option (see the module docstring); `help` may say
     `{default}`."""
     spec = Option(help, group, type, tuple(choices) if choices is not None else None, metavar, aliases, nargs, const,
-                  exclusive)
+                  exclusive, repeatable)
     return dataclasses.field(default=default, metadata={_SPEC: spec})
 
 
@@ -105,6 +106,8 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
             kwargs.update(type=spec.type, choices=spec.choices, metavar=spec.metavar)
             if spec.nargs is not None:
                 kwargs.update(nargs=spec.nargs, const=spec.const)
+            if spec.repeatable:
+                kwargs["action"] = "append"
         target.add_argument(flag_of(f.name), *spec.aliases, **kwargs)
 
 

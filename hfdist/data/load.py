@@ -37,8 +37,9 @@ def load_tokenizer(model_spec: str | None, is_preset: bool):
     return tok
 
 
-def load_raw_dataset(spec: str | None):
-    """A `datasets.Dataset` (train split) from None (embedded default), a local file/folder, or a hub id."""
+def load_raw_dataset(spec: str | None, split: str = "train"):
+    """A `datasets.Dataset` (its `split`, "train" by default) from None (embedded default), a local file/folder, or
+    a hub id."""
     import datasets
 
     if spec is None:
@@ -58,9 +59,9 @@ def load_raw_dataset(spec: str | None):
         if path.is_dir():
             if (path / "dataset_info.json").is_file() or (path / "state.json").is_file():
                 ds = datasets.load_from_disk(str(path))
-                return ds["train"] if isinstance(ds, datasets.DatasetDict) else ds
-            return datasets.load_dataset(str(path), split="train")
-        return datasets.load_dataset(spec, split="train")
+                return ds[split] if isinstance(ds, datasets.DatasetDict) else ds
+            return datasets.load_dataset(str(path), split=split)
+        return datasets.load_dataset(spec, split=split)
     except DataError:
         raise
     except Exception as exc:  # datasets raises many types for "not found / offline"

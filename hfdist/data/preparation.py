@@ -1,45 +1,54 @@
-"""`prepare`: a dataset and a tokenizer -> packed rows the model trains on; what became of the data, in one line.
+"""Preparation: sources and a tokenizer -> packed blocks the model trains on, streamed through disk in bounded
+memory; what became of the data, in one line per side.
 
-    rows --(formats: detect, read, validate)--> samples --(chat: template, assistant spans)--> segments
-         --(encode: tokenize, label, split long; parallel and cached by datasets)--> documents
-         --(held out: whole rows, drawn by the seed)--> training / evaluation documents
-         --(packing: best-fit-decreasing, a window of blocks at a time)--> blocks of seq_len: input_ids, labels,
-           position_ids
+    sources --(reading: a batch of rows at a time)--> rows --(formats, chat, encode: in --num-proc workers)-->
+         documents on disk in shards (hfdist.data.documents; resumable)
+         --(mixture: held-out rows per source, the training mixture by weight or epochs, from the seed)-->
+         training / evaluation documents
+         --(packing: best-fit-decreasing over the lengths, a window of blocks at a time)--> FOLDER/train.arrow,
+           FOLDER/eval.arrow: blocks of seq_len (input_ids, labels, position_ids), memory-mapped by every rank
 
-Tokenization is a `datasets.map` (cached in the dataset's cache folder, keyed by the data, tokenizer, template,
-seq_len and policy; a second run with the same inputs reads the cache). Packing runs in numpy over the documents'
-Arrow buffers (hfdist.data.packed_file) and is cached beside them the same way, so every rank of a run (rank 0
-first) and every later run memory-maps one file.
+`build` writes a folder from sources (hfdist.job.data and `hfdist prepare` use it, through hfdist.data.prepared);
+`prepare`, `prepare_with_report` and `prepare_split` are the library's calls on a datasets.Dataset, cached beside
+the dataset's own cache files (a Dataset held in memory is prepared in a temporary folder and kept in memory).
 """
 
 from __future__ import annotations
 
-import json
 import os
+import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from hfdist.data.chat import DEFAULT_TEMPLATE_NOTE, ensure_chat_template
-from hfdist.data.encode import LONG_DOCUMENT_POLICIES, Note, encode_rows
+from hfdist.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_TEMPLATE_NOTE, ensure_chat_template
+from hfdist.data.documents import SHARD_ROWS, Documents, SourcePlan, tokenize_sources
+from hfdist.data.encode import LONG_DOCUMENT_POLICIES, Note
 from hfdist.data.errors import DataError
-from hfdist.data.formats import detect_format
+from hfdist.data.mixture import SourceDraw, draw, held_out_rows
 from hfdist.data.packed_file import PackedStats, write_packed
+from hfdist.data.reading import BATCH_ROWS, SourceReader, resolve_format
+from hfdist.data.sources import DataSource
 
-__all__ = ["DataReport", "Split", "prepare", "prepare_with_report", "prepare_split", "held_out_rows",
-           "check_enough_blocks", "PACKING_VERSION"]
+__all__ = ["DataReport", "Built", "Split", "build", "prepare", "prepare_with_report", "prepare_split",
+           "held_out_rows", "check_enough_blocks", "PACKING_VERSION", "DOCUMENTS_FOLDER"]
 
-PACKING_VERSION = "bfd-2"  # part of every packed file's key: bump when the packed layout changes
+PACKING_VERSION = "bfd-3"  # part of every packed folder's settings: bump when the packed layout changes
+DOCUMENTS_FOLDER = "documents"  # the tokenised documents inside a folder being prepared (removed once it is)
 _PARALLEL_FROM_ROWS = 20_000  # smaller datasets tokenize faster in one process than worker start-up takes
 _DOCUMENT = (Note.WHOLE, Note.PIECE, Note.TRUNCATED)
 
 
 @dataclass(frozen=True)
 class DataReport:
-    """What `prepare` made of a dataset (or of one side of a held-out split)."""
+    """What preparation made of the data of one side (training or held-out), with each source's part.
+
+    `sources`: per source, {name, format, rows, label_tokens} (rows counting repeats under epochs > 1)."""
 
     format: str
     rows: int
@@ -54,6 +63,7 @@ class DataReport:
     label_tokens: int
     default_template: bool
     seconds: float
+    sources: tuple[dict[str, Any], ...] = ()
 
     @property
     def padding_fraction(self) -> float:
@@ -61,13 +71,45 @@ class DataReport:
         return self.padding_tokens / max(self.blocks * self.seq_len, 1)
 
     def line(self, what: str = "data") -> str:
-        """One line for the run's log (`what`: "data", "eval data", ...)."""
+        """One line for the run's log (`what`: "data", "eval data", ...), and a line per source of a mixture."""
         text = (f"hfdist: {what}: {self.rows} {self.format} rows -> {self.documents} documents ({self.split_rows} "
                 f"rows split, {self.truncated} answers truncated, {self.empty_rows} empty rows skipped, "
                 f"{self.dropped_rows} dropped) -> {self.blocks} blocks of {self.seq_len} tokens, "
                 f"{100 * self.padding_fraction:.1f}% padding, {self.label_tokens} label tokens "
                 f"({self.seconds:.1f} s)")
+        if len(self.sources) > 1:
+            text += "".join(f"\nhfdist: {what}: {s['name']} ({s['format']}): {s['rows']} rows, {s['label_tokens']} "
+                            f"label tokens, {100 * s['label_tokens'] / max(self.label_tokens, 1):.1f}% of them"
+                            for s in self.sources)
         return text + (f"\nhfdist: {DEFAULT_TEMPLATE_NOTE}" if self.default_template else "")
+
+
+@dataclass
+class Built:
+    """A prepared folder's blocks and reports: `train` and `eval` (None without held-out data) are datasets.Dataset
+    objects, memory-mapped from the folder's Arrow files when first used (`hfdist prepare` writes them and never
+    reads them). `fingerprints`: each source's content hash, by name."""
+
+    blocks: dict[str, Any]  # side -> its Dataset, or the path of its Arrow file
+    train_report: DataReport
+    eval_report: DataReport | None
+    fingerprints: dict[str, str] = field(default_factory=dict)
+
+    def _side(self, side: str) -> Any:
+        found = self.blocks.get(side)
+        if isinstance(found, Path):
+            import datasets
+
+            found = self.blocks[side] = datasets.Dataset.from_file(str(found))
+        return found
+
+    @property
+    def train(self) -> Any:
+        return self._side("train")
+
+    @property
+    def eval(self) -> Any:
+        return self._side("eval")
 
 
 @dataclass(frozen=True)
@@ -80,112 +122,189 @@ class Split:
     eval_report: DataReport
 
 
-def _default_num_proc(rows: int) -> int | None:
+def _default_num_proc(rows: int) -> int:
     if rows < _PARALLEL_FROM_ROWS:
-        return None
+        return 1
     return max(1, min(len(os.sched_getaffinity(0)), 16))
 
 
-@dataclass
-class _Documents:
-    """A dataset tokenized into documents (a datasets.Dataset with input_ids, labels, row, note)."""
-
-    format: str
-    docs: object
-    rows: int
-    pad_id: int
-    default_template: bool
-    started: float
-
-    def packed(self, keep: np.ndarray, seq_len: int, side: tuple, desc: str):
-        """The documents `keep` selects (a mask over documents), packed and cached: (Dataset, PackedStats)."""
-        import datasets
-        from datasets.fingerprint import Hasher
-        from datasets.table import InMemoryTable
-
-        documents = np.flatnonzero(keep & np.isin(self.notes, _DOCUMENT))
-        if not self.docs.cache_files:  # documents held in memory (a dataset built in Python): packed in memory too
-            with tempfile.TemporaryDirectory(prefix="hfdist-packed-") as folder:
-                stats = write_packed(self.docs.data, documents, seq_len, self.pad_id, Path(folder) / "p.arrow", desc)
-                return datasets.Dataset(InMemoryTable.from_file(str(Path(folder) / "p.arrow"))), stats
-        # The documents' fingerprint is what datasets itself keys their cache by (data, function, tokenizer).
-        key = Hasher.hash((self.docs._fingerprint, seq_len, self.pad_id, PACKING_VERSION, side))
-        folder = Path(self.docs.cache_files[0]["filename"]).parent
-        path, stats_path = folder / f"hfdist-packed-{key}.arrow", folder / f"hfdist-packed-{key}.json"
-        if path.is_file() and stats_path.is_file():
-            return datasets.Dataset.from_file(str(path)), PackedStats(**json.loads(stats_path.read_text()))
-        stats = write_packed(self.docs.data, documents, seq_len, self.pad_id, path, desc)
-        stats_path.write_text(json.dumps(asdict(stats)))
-        return datasets.Dataset.from_file(str(path)), stats
-
-    @property
-    def notes(self) -> np.ndarray:
-        return self.docs.data.column("note").to_numpy()
-
-    @property
-    def source_rows(self) -> np.ndarray:
-        return self.docs.data.column("row").to_numpy()
-
-    def report(self, keep: np.ndarray, rows: int, stats: PackedStats, seq_len: int) -> DataReport:
-        """What became of the rows whose documents `keep` selects."""
-        notes, source = self.notes[keep], self.source_rows[keep]
-        return DataReport(
-            format=self.format, rows=rows, documents=int(np.isin(notes, _DOCUMENT).sum()),
-            split_rows=len(np.unique(source[notes == Note.PIECE])), truncated=int((notes == Note.TRUNCATED).sum()),
-            empty_rows=int((notes == Note.EMPTY).sum()), dropped_rows=int((notes == Note.DROPPED).sum()),
-            blocks=stats.blocks, seq_len=seq_len, padding_tokens=stats.padding_tokens,
-            label_tokens=stats.label_tokens, default_template=self.default_template,
-            seconds=time.perf_counter() - self.started)
-
-
-def _tokenized(dataset, tokenizer, seq_len: int, long_documents: str, num_proc: int | None) -> _Documents:
-    """Every row of `dataset` as documents (tokenized, labelled, long ones split), refused when none is left."""
-    import datasets
-
-    started = time.perf_counter()
-    if isinstance(dataset, datasets.DatasetDict):
-        dataset = dataset["train"]
+def _check_policy(seq_len: int, long_documents: str) -> None:
     if long_documents not in LONG_DOCUMENT_POLICIES:
         raise DataError(f"long_documents must be one of {LONG_DOCUMENT_POLICIES}, got '{long_documents}'.")
     if seq_len < 2:
         raise DataError(f"--seq-len {seq_len} leaves no room for a document: use at least 2 (typically 512+).")
-    defaulted = ensure_chat_template(tokenizer)
+
+
+def _plan(readers: Sequence[SourceReader], tokenizer, seq_len: int, long_documents: str, shard_rows: int
+          ) -> tuple[list[SourcePlan], dict[str, Any], dict[str, str]]:
+    """Each source's format and fields, and what the tokenised documents depend on (their folder's plan)."""
+    from hfdist.data.prepared import template_fingerprint, tokenizer_fingerprint
+
+    plans, described, fingerprints = [], [], {}
+    for reader in readers:
+        fmt, fields = resolve_format(reader.source, reader.columns())
+        plans.append(SourcePlan(reader.source.name, fmt, fields, f"--dataset {reader.source.name}: "
+                                if len(readers) > 1 else "", str(reader.path)))
+        fingerprints[reader.source.name] = reader.fingerprint()
+        described.append({"name": reader.source.name, "format": fmt, "fields": fields,
+                          "fingerprint": fingerprints[reader.source.name]})
+    plan = {"version": PACKING_VERSION, "sources": described, "tokenizer": tokenizer_fingerprint(tokenizer),
+            "chat_template": template_fingerprint(tokenizer), "seq_len": seq_len, "long_documents": long_documents,
+            "shard_rows": shard_rows, "batch_rows": BATCH_ROWS}
+    return plans, plan, fingerprints
+
+
+def _tokenized(readers: Sequence[SourceReader], tokenizer, folder: Path, seq_len: int, long_documents: str,
+               num_proc: int | None, shard_rows: int) -> tuple[Documents, list[SourcePlan], dict[str, str]]:
+    from datasets.utils import tqdm as progress
+
+    plans, plan, fingerprints = _plan(readers, tokenizer, seq_len, long_documents, shard_rows)
+    rows = sum(r.rows_hint() for r in readers)
+    workers = num_proc if num_proc is not None else _default_num_proc(rows)
+    with progress(total=rows, unit=" rows", desc=f"hfdist: tokenize rows for {seq_len}-token blocks",
+                  leave=False) as bar:
+        documents = tokenize_sources(readers, plans, folder, plan, tokenizer=tokenizer, seq_len=seq_len,
+                                     long_documents=long_documents, num_proc=workers, shard_rows=shard_rows,
+                                     progress=bar.update)
+    for s, plan_s in enumerate(plans):
+        notes = documents.notes[documents.source_first[s]:documents.source_first[s + 1]]
+        if not np.isin(notes, _DOCUMENT).any():
+            raise DataError(
+                f"Nothing to train on: of {f'--dataset {plan_s.name}' if plan_s.where else 'the dataset'}'s "
+                f"{documents.source_rows[s]} {plan_s.format} rows, {int((notes == Note.EMPTY).sum())} have empty "
+                f"fields and {int((notes == Note.DROPPED).sum())} have no answer token within --seq-len {seq_len} (a "
+                "prompt that fills the block). Fill the empty fields, raise --seq-len, or pass another dataset.")
+    return documents, plans, fingerprints
+
+
+def _report(documents: Documents, chosen: np.ndarray, rows: list[int], stats: PackedStats, plans, seq_len: int,
+            defaulted: bool, started: float) -> DataReport:
+    """What became of the rows whose documents `chosen` selects (a side)."""
+    notes = documents.notes[chosen]
+    trained = chosen[np.isin(notes, _DOCUMENT)]
+    pieces = chosen[notes == Note.PIECE]
+    split_rows = len(np.unique(np.stack([documents.source_of(pieces), documents.rows[pieces]]), axis=1).T) \
+        if len(pieces) else 0
+    bounds = documents.source_first
+    labels = [int(documents.labels[trained[(trained >= bounds[s]) & (trained < bounds[s + 1])]].sum(dtype=np.int64))
+              for s in range(len(plans))]
+    per_source = tuple({"name": p.name, "format": p.format, "rows": rows[s], "label_tokens": labels[s]}
+                       for s, p in enumerate(plans) if rows[s])
+    formats = list(dict.fromkeys(s["format"] for s in per_source)) or [plans[0].format]
+    return DataReport(
+        format="+".join(formats), rows=sum(rows), documents=len(trained), split_rows=split_rows,
+        truncated=int((notes == Note.TRUNCATED).sum()), empty_rows=int((notes == Note.EMPTY).sum()),
+        dropped_rows=int((notes == Note.DROPPED).sum()), blocks=stats.blocks, seq_len=seq_len,
+        padding_tokens=stats.padding_tokens, label_tokens=stats.label_tokens, default_template=defaulted,
+        seconds=time.perf_counter() - started, sources=per_source)
+
+
+def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | os.PathLike, *,
+          eval_source: DataSource | None = None, seed: int = 0, long_documents: str = "split",
+          num_proc: int | None = None, datasets_given: Sequence[Any] | None = None,
+          shard_rows: int = SHARD_ROWS) -> Built:
+    """Prepare `sources` (and the held-out `eval_source`) into `folder`: train.arrow (and eval.arrow), resuming
+    the tokenised documents an interrupted call with the same inputs left there (module docstring). The folder's
+    manifest is hfdist.data.prepared's to write.
+
+    Args:
+        sources: the training sources; their eval_fraction holds rows out for evaluation.
+        eval_source: a held-out dataset (--eval-dataset), every row of it evaluated.
+        datasets_given: datasets.Dataset objects to read instead of the sources' paths (the library's calls).
+        num_proc: tokenisation processes (default: one below 20,000 rows, else the available cores up to 16).
+        shard_rows: rows per shard of tokenised documents, the unit an interrupted preparation resumes from (a
+            multiple of hfdist.data.reading.BATCH_ROWS).
+
+    Raises:
+        DataError: unknown columns or format, a malformed row (named), a row too long under "error", a source with
+            nothing to train on, or a side without a document.
+    """
+    started = time.perf_counter()
+    _check_policy(seq_len, long_documents)
+    ensure_chat_template(tokenizer)
+    defaulted = tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE
     # Padding is masked from loss and attention, so its id only has to be a valid one.
     pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)
-    fmt = detect_format(list(dataset.column_names))
-    docs = dataset.map(
-        encode_rows, batched=True, batch_size=256, with_indices=True, remove_columns=dataset.column_names,
-        num_proc=num_proc if num_proc is not None else _default_num_proc(len(dataset)),
-        fn_kwargs={"format_name": fmt.name, "tokenizer": tokenizer, "seq_len": seq_len,
-                   "long_documents": long_documents},
-        desc=f"hfdist: tokenize {fmt.name} rows for {seq_len}-token blocks")
-    out = _Documents(fmt.name, docs, len(dataset), pad_id, defaulted, started)
-    notes = out.notes
-    if not np.isin(notes, _DOCUMENT).any():
-        raise DataError(
-            f"Nothing to train on: of the dataset's {len(dataset)} {fmt.name} rows, {int((notes == Note.EMPTY).sum())} "
-            f"have empty fields and {int((notes == Note.DROPPED).sum())} have no answer token within --seq-len "
-            f"{seq_len} (a prompt that fills the block). Fill the empty fields, raise --seq-len, or pass another "
-            "dataset.")
-    return out
+    every = list(sources) + ([eval_source] if eval_source is not None else [])
+    given = list(datasets_given or []) + [None] * (len(every) - len(datasets_given or []))
+    readers = [SourceReader(s, i, given[i]) for i, s in enumerate(every)]
+    out = Path(folder)
+    for stale in out.glob("*.tmp"):  # what an interrupted preparation was writing when it stopped
+        stale.unlink()
+    documents, plans, fingerprints = _tokenized(readers, tokenizer, out / DOCUMENTS_FOLDER, seq_len,
+                                                long_documents, num_proc, shard_rows)
+    specs = [SourceDraw(s.weight, s.epochs, s.eval_fraction) for s in sources]
+    specs += [SourceDraw(eval_only=True)] if eval_source is not None else []
+    bounds = documents.source_first
+    drawn = draw([documents.rows[bounds[s]:bounds[s + 1]] for s in range(len(every))],
+                 [documents.labels[bounds[s]:bounds[s + 1]] for s in range(len(every))],
+                 documents.source_rows, specs, seed)
+    sides = {}
+    for side, chosen, rows in (("train", drawn.train, drawn.train_rows), ("eval", drawn.eval, drawn.eval_rows)):
+        if side == "eval" and not any(s.eval_fraction for s in sources) and eval_source is None:
+            continue
+        packable = chosen[np.isin(documents.notes[chosen], _DOCUMENT)]
+        stats = write_packed(documents, packable, seq_len, pad_id, out / f"{side}.arrow",
+                             f"hfdist: pack the {side} side's {seq_len}-token blocks")
+        if stats.blocks == 0:
+            fractions = {s.eval_fraction for s in sources}
+            held = (f"--eval-fraction {fractions.pop():g} of the dataset's" if len(fractions) == 1 else
+                    "The sources' eval_fraction shares of their")
+            raise DataError(f"{held} {sum(documents.source_rows[:len(sources)])} rows leaves no document on the "
+                            f"{side} side. Pick a fraction that leaves rows on both sides, or pass --eval-dataset.")
+        sides[side] = (out / f"{side}.arrow", _report(documents, chosen, rows, stats, plans, seq_len, defaulted,
+                                                      started))
+    return Built({side: path for side, (path, _) in sides.items()}, sides["train"][1],
+                 sides["eval"][1] if "eval" in sides else None, fingerprints)
+
+
+def finish(folder: str | os.PathLike) -> None:
+    """Drop the tokenised documents of a folder whose blocks are written (its manifest too)."""
+    shutil.rmtree(Path(folder) / DOCUMENTS_FOLDER, ignore_errors=True)
+
+
+def _library_build(dataset, tokenizer, seq_len: int, *, eval_fraction: float | None, seed: int,
+                   long_documents: str, num_proc: int | None) -> Built:
+    """`build` on one datasets.Dataset: cached beside its cache files under a key of everything the blocks depend
+    on; a Dataset held in memory is built in a temporary folder and its blocks kept in memory."""
+    import datasets
+    from datasets.fingerprint import Hasher
+    from datasets.table import InMemoryTable
+    from filelock import FileLock
+
+    from hfdist.data.prepared import template_fingerprint, tokenizer_fingerprint
+
+    if isinstance(dataset, datasets.DatasetDict):
+        dataset = dataset["train"]
+    _check_policy(seq_len, long_documents)
+    source = DataSource(path=None, name="dataset", eval_fraction=eval_fraction)
+    options = dict(seed=seed, long_documents=long_documents, num_proc=num_proc, datasets_given=[dataset])
+    if not dataset.cache_files:
+        with tempfile.TemporaryDirectory(prefix="hfdist-prepared-") as tmp:
+            built = build([source], tokenizer, seq_len, tmp, **options)
+            keep = {side: datasets.Dataset(InMemoryTable.from_file(str(Path(tmp) / f"{side}.arrow")))
+                    for side in ("train", "eval") if getattr(built, side) is not None}
+            return Built(keep, built.train_report, built.eval_report, built.fingerprints)
+    ensure_chat_template(tokenizer)
+    key = Hasher.hash((dataset._fingerprint, tokenizer_fingerprint(tokenizer), template_fingerprint(tokenizer),
+                       seq_len, long_documents, eval_fraction, seed if eval_fraction else None, PACKING_VERSION))
+    folder = Path(dataset.cache_files[0]["filename"]).parent / f"hfdist-prepared-{key}"
+    from hfdist.data.prepared import is_prepared, read_folder, write_manifest
+
+    with FileLock(str(folder) + ".lock"):
+        if not is_prepared(folder):
+            built = build([source], tokenizer, seq_len, folder, **options)
+            write_manifest(folder, None, built)
+            finish(folder)
+    return read_folder(folder)
 
 
 def prepare_with_report(dataset, tokenizer, seq_len: int, *, long_documents: str = "split",
                         num_proc: int | None = None):
     """`prepare`, and a DataReport of what it did. See `prepare`."""
-    documents = _tokenized(dataset, tokenizer, seq_len, long_documents, num_proc)
-    every = np.ones(len(documents.notes), dtype=bool)
-    packed, stats = documents.packed(every, seq_len, ("all",), f"hfdist: pack {seq_len}-token blocks")
-    return packed, documents.report(every, documents.rows, stats, seq_len)
-
-
-def held_out_rows(rows: int, fraction: float, seed: int) -> np.ndarray:
-    """Which of `rows` rows are held out for evaluation: round(fraction x rows) of them (at least one), drawn by
-    `seed` (the same rows on every rank and in every run with the same seed)."""
-    chosen = np.random.default_rng(seed).permutation(rows)[:max(1, round(fraction * rows))]
-    held = np.zeros(rows, dtype=bool)
-    held[chosen] = True
-    return held
+    built = _library_build(dataset, tokenizer, seq_len, eval_fraction=None, seed=0, long_documents=long_documents,
+                           num_proc=num_proc)
+    return built.train, built.train_report
 
 
 def prepare_split(dataset, tokenizer, seq_len: int, *, eval_fraction: float, seed: int,
@@ -197,20 +316,9 @@ def prepare_split(dataset, tokenizer, seq_len: int, *, eval_fraction: float, see
     Raises:
         DataError: as `prepare`, or a held-out side without a document (too small a fraction of too few rows).
     """
-    documents = _tokenized(dataset, tokenizer, seq_len, long_documents, num_proc)
-    held_rows = held_out_rows(documents.rows, eval_fraction, seed)
-    held = held_rows[documents.source_rows]
-    out = {}
-    for side, keep, rows in (("train", ~held, int((~held_rows).sum())), ("eval", held, int(held_rows.sum()))):
-        packed, stats = documents.packed(keep, seq_len, (side, eval_fraction, seed),
-                                         f"hfdist: pack the {side} side's {seq_len}-token blocks")
-        if stats.blocks == 0:
-            raise DataError(f"--eval-fraction {eval_fraction:g} of the dataset's {documents.rows} rows leaves no "
-                            f"document on the {side} side. Pick a fraction that leaves rows on both sides, or "
-                            "pass --eval-dataset.")
-        out[side] = (packed, documents.report(keep, rows, stats, seq_len))
-    return Split(train=out["train"][0], train_report=out["train"][1], eval=out["eval"][0],
-                 eval_report=out["eval"][1])
+    built = _library_build(dataset, tokenizer, seq_len, eval_fraction=eval_fraction, seed=seed,
+                           long_documents=long_documents, num_proc=num_proc)
+    return Split(train=built.train, train_report=built.train_report, eval=built.eval, eval_report=built.eval_report)
 
 
 def prepare(dataset, tokenizer, seq_len: int, *, long_documents: str = "split", num_proc: int | None = None):

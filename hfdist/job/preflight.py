@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from hfdist.config.dims import batch_layout
-from hfdist.config.finetune import ConfigError, FinetuneConfig
+from hfdist.config.finetune import ConfigError, FinetuneConfig, holds_out
 from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_fp8, effective_mixed_precision
@@ -105,20 +105,41 @@ def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
                           "without tp (fsdp_full_shard, zero3).")
 
 
-def check_evaluation(cfg: FinetuneConfig) -> None:
-    """Evaluation settings need held-out data, and --load-best needs checkpoints to choose from.
+def check_evaluation(cfg: FinetuneConfig, rung: Rung | None = None) -> None:
+    """Evaluation settings need held-out data, --load-best needs checkpoints to choose from, and --eval-prompts a
+    file of prompts (or a number of held-out rows) and a rung that can generate.
 
     Raises:
-        ConfigError: naming the flag and what it needs.
+        ConfigError: naming the flag and what it needs; DataError / GenerationError for sources that do not go
+            together or a prompts file that holds no prompts.
     """
-    held_out = cfg.eval_fraction or cfg.eval_dataset
-    for flag, asked in (("--eval-steps", cfg.eval_steps), ("--load-best", cfg.load_best)):
+    from hfdist.job.data import job_sources
+
+    job_sources(cfg)  # the sources go together (weights on all or none, names, eval shares)
+    held_out = holds_out(cfg)
+    for flag, asked in (("--eval-steps", cfg.eval_steps), ("--load-best", cfg.load_best),
+                        (f"--eval-prompts {cfg.eval_prompts}", cfg.eval_prompts is not None)):
         if asked and not held_out:
             raise ConfigError(f"{flag} evaluates on held-out data, and the job has none. Pass --eval-fraction F "
                               "(hold out that share of --dataset's rows) or --eval-dataset PATH.")
     if cfg.load_best and cfg.save_steps == 0:
         raise ConfigError("--load-best saves the best checkpoint as the model, and --save-steps 0 writes no "
                           "checkpoint to choose from. Pass --save-steps N (each checkpoint is evaluated).")
+    if cfg.eval_prompts is None:
+        return
+    if not cfg.eval_prompts.isdigit():
+        from hfdist.train.generation import read_prompt_file
+
+        read_prompt_file(cfg.eval_prompts)
+    if rung is not None and rung.pipeline is not None and rung.pipeline.schedule == "ZBVZeroBubble":
+        raise ConfigError("--eval-prompts generates through the pipeline's forward-only schedule, which torch 2.13 "
+                          "cannot run for ZBVZeroBubble. Use another --pp-schedule (1F1B, Interleaved1F1B, ...) with "
+                          "--eval-prompts, or leave it out.")
+    if rung is not None and rung.pipeline is not None and rung.dims.cp > 1:
+        raise ConfigError(f"--eval-prompts on {rung.name} with cp={rung.dims.cp}: generation runs whole rows through "
+                          "the pipeline's stages, which under context parallelism take a part of each row. Generate "
+                          "on pipeline stages without --cp, or on a rung with cp alone (fsdp_cp), or leave "
+                          "--eval-prompts out.")
 
 
 def check_trackers(cfg: FinetuneConfig) -> None:
@@ -359,7 +380,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
 
     _check_launcher(cfg)
     _check_output_dir(cfg)
-    check_evaluation(cfg)
+    check_evaluation(cfg, rung)
     check_trackers(cfg)
     _check_gpu_settings(rung)
     attention = check_attention(cfg, rung)

@@ -26,7 +26,15 @@ from hfdist.config.precision import cpu_translation, effective_fp8, settle_mixed
 from hfdist.config.preemption import PREEMPTED_EXIT_CODE, advertised_grace, preempt_signals
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
 from hfdist.job.preflight import plan_context_parallel, preflight
-from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_job_file, write_summary
+from hfdist.job.summary import (
+    RunRecord,
+    check_blocks,
+    first_blocks,
+    source_figures,
+    with_rank_records,
+    write_job_file,
+    write_summary,
+)
 from hfdist.job.world import launcher_argv, resolve_rung
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
@@ -126,6 +134,7 @@ class Run:
     sink: Trackers
     flops_per_token: float
     load: dict[str, float]
+    sources: list[dict[str, Any]]  # each training source's name, rows and label tokens (hfdist.data.preparation)
 
     def record(self) -> RunRecord:
         """What the summary reports of this run, once it has trained."""
@@ -133,7 +142,7 @@ class Run:
                          check_blocks=check_blocks(self.trainer.rung, len(self.dataset)),
                          flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
                          closing_table=self.metrics.closing_table, evaluations=self.losses.evaluations,
-                         best_step=self.losses.best_step)
+                         best_step=self.losses.best_step, sources=self.sources)
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
@@ -215,7 +224,13 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
         preempt_grace=advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get(HANDED_OVER_ENV))))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
-    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
+    if cfg.eval_prompts is not None and prepared.eval is not None:
+        from hfdist.train.generation import job_generation
+
+        trainer.generation = job_generation(cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.output_dir, tokenizer,
+                                            prepared.eval, sink.log_table)
+    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load,
+               list(prepared.train_report.sources))
 
 
 def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> int:
@@ -245,6 +260,7 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     run = _set_up(cfg, rung, micro, grad_accum, watch)
     with watch.alone("starting the trackers", "TRACKERS"):  # rank 0's tracker start-up stays out of the measured loop
         run.sink.start()
+        run.sink.set_summary(source_figures(run.sources))
     resume_from = resume_point(cfg, rung)
     if resume_from is not None and _is_rank0():
         print(resume_line(resume_from, cfg, rung), flush=True)

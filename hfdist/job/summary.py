@@ -18,8 +18,8 @@ if TYPE_CHECKING:
     from hfdist.callbacks.trackers import Trackers
     from hfdist.metrics.peaks import PeakFlops
 
-__all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "RunRecord", "check_blocks", "first_blocks", "with_rank_records",
-           "write_summary", "write_job_file"]
+__all__ = ["SUMMARY_NAME", "CHECK_BLOCKS", "RunRecord", "check_blocks", "first_blocks", "source_figures",
+           "with_rank_records", "write_summary", "write_job_file"]
 
 SUMMARY_NAME = "hfdist_summary.json"
 CHECK_BLOCKS = 4  # packed blocks every rank scores after training; the saved model must reproduce that loss
@@ -40,6 +40,16 @@ class RunRecord:
     closing_table: Callable[[Mapping[str, str]], str]  # every rank's figures, then `outputs`
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval loss, perplexity, tokens
     best_step: int | None = None  # under --load-best: the checkpoint saved as the model
+    sources: list[dict[str, Any]] = field(default_factory=list)  # each training source's name, rows, label tokens
+
+
+def source_figures(sources: list[dict[str, Any]]) -> dict[str, float]:
+    """The trackers' record of the training data: each source's rows, label tokens and share of the label tokens
+    (data/NAME/...)."""
+    total = max(sum(s["label_tokens"] for s in sources), 1)
+    return {f"data/{s['name']}/{key}": value for s in sources
+            for key, value in (("rows", s["rows"]), ("label_tokens", s["label_tokens"]),
+                               ("share", s["label_tokens"] / total))}
 
 
 def check_blocks(rung: Rung, available: int) -> int:
@@ -124,6 +134,7 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "peak_flops": {"flops": run.peak_flops.flops, "source": run.peak_flops.source} if run.peak_flops else None,
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
         "eval": _evaluation(run),
+        "data": {"sources": [{k: s[k] for k in ("name", "format", "rows", "label_tokens")} for s in run.sources]},
         "preempted": preempted,
     }
     run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)

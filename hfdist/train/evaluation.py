@@ -1,5 +1,6 @@
 """Evaluation on every rung: the held-out set's eval loss (the mean over its label tokens, documents kept apart as in
-training) and perplexity, through the Trainer's own `evaluate` (so every callback and tracker gets them).
+training) and perplexity, through the Trainer's own `evaluate` (so every callback and tracker gets them); and, when
+the trainer has a `generation` (hfdist.train.generation), its prompts answered greedily after each evaluation.
 
 The Trainer's evaluation averages per-batch means over samples and gathers a sampler's padded copies; hfdist's
 `evaluation_loop` adds token-loss sums and label counts instead, so the loss is the held-out set's exact token mean on
@@ -22,6 +23,7 @@ from transformers import TrainerCallback
 from transformers.trainer_utils import EvalLoopOutput
 
 from hfdist.models.registry import IGNORE_INDEX
+from hfdist.train.generation import Generation, greedy_generate, write_generations
 
 __all__ = ["EvaluationMixin", "EvalBatches", "EvaluationSchedule"]
 
@@ -52,8 +54,68 @@ class EvaluationMixin:
     """Mixed in before a CausalLMLossMixin + StrategyMixin trainer: `evaluate()` scores the eval dataset on any rung.
 
     Metrics (prefix "eval"): `eval_loss` (token mean over the whole held-out set), `eval_perplexity` (its exp),
-    `eval_tokens` (the label tokens scored).
+    `eval_tokens` (the label tokens scored). With `generation` set, each evaluation also answers its prompts.
     """
+
+    generation: Generation | None = None
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        if self.generation is not None:
+            self.generate_samples()
+        return metrics
+
+    def last_token_logits(self, batch: dict[str, Any], positions: torch.Tensor) -> torch.Tensor | None:
+        """The whole logits of row b of `batch` at positions[b], (B, V), on every rank: the model's own forward
+        (FSDP2 and ZeRO-3 gathering as they train), its outputs made whole over a tp / cp group
+        (hfdist.parallel.whole_outputs), lm_head on those positions only. Collective."""
+        from hfdist.parallel.whole_outputs import whole_outputs
+
+        batch = self._prepare_inputs({k: v for k, v in batch.items() if k != "labels"})
+        keep = torch.unique(positions)
+        cut = self.rung.uses_tp or self.rung.dims.cp > 1
+        hooks = whole_outputs(self.model) if cut and not getattr(self, "whole_output_hooks", None) else []
+        try:
+            with self.compute_loss_context_manager():
+                logits = self.model_wrapped(**batch, logits_to_keep=keep.to(self.args.device)).logits
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return logits[torch.arange(len(positions)), torch.searchsorted(keep, positions).to(logits.device)]
+
+    def _generation_source(self) -> int:
+        """The lowest global rank that holds the logits (every rank, but under pipeline parallelism the last
+        stage's): whose greedy choice every rank follows."""
+        rank = self.args.process_index
+        if not self.rung.uses_pipeline:
+            return 0
+        holds = torch.tensor(rank if self.model.has_last_stage else self.args.world_size)
+        dist.all_reduce(holds, op=dist.ReduceOp.MIN)
+        return int(holds)
+
+    def generate_samples(self) -> list[list[int]]:
+        """Answer `generation`'s prompts with the model as it is now (greedy, up to its token cap); rank 0 writes
+        them (hfdist.train.generation.write_generations). Collective. Returns the generated token ids."""
+        gen, model = self.generation, self.model_wrapped
+        config = getattr(self.model, "generation_config", None)
+        eos = getattr(config, "eos_token_id", None)
+        eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        tokenizer = self.processing_class
+        pad = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
+        dims = self.rung.dims
+        was_training = model.training
+        model.eval()
+        try:
+            completions = greedy_generate(
+                self.last_token_logits, self.data_collator, gen.prompts, max_new_tokens=gen.max_new_tokens,
+                eos_ids=eos_ids or {tokenizer.eos_token_id}, pad_id=pad,
+                multiple=self.rung.pipeline.n_microbatches if self.rung.uses_pipeline else 1,
+                round_to=dims.tp * dims.cp, source_rank=self._generation_source())
+        finally:
+            model.train(was_training)
+        if self.args.process_index == 0:
+            write_generations(gen, self.state.global_step, completions, tokenizer)
+        return completions
 
     def get_eval_dataloader(self, eval_dataset=None) -> EvalBatches:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset

@@ -47,6 +47,11 @@ class PipelineMixin:
         forward-only evaluation, on every rank."""
         return model.evaluate(batch, num_items_in_batch)
 
+    def last_token_logits(self, batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor | None:
+        """Generation's forward: the schedule's forward-only pass, the whole logits at `positions` on the last
+        stage's rank (None elsewhere)."""
+        return self.model.last_logits(self._prepare_inputs(batch), positions)
+
     def _sync_replicated_trainable_parameters(self, model) -> None:
         # The Trainer would broadcast every plain-tensor parameter from rank 0 to all ranks, but pipeline ranks hold
         # different stages; replicas of one stage are FSDP2 modules that reduce their own gradients.

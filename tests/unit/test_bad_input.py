@@ -170,6 +170,24 @@ def test_a_held_out_fraction_that_leaves_no_training_document(tmp_path):
     assert "--eval-fraction 0.99 of the dataset's 30 rows leaves no document on the train side" in said
 
 
+def test_a_mixture_whose_sources_do_not_go_together(tmp_path, capsys):
+    said = refused(tmp_path, "--dataset", "a.jsonl,weight=0.5", "--dataset", "b.jsonl")
+    assert said.startswith("Sources a have a weight and b do not. Weights are shares of the mixture's label tokens")
+    with pytest.raises(SystemExit) as exit_info:  # a bad setting in a spec: argparse's one line, exit 2
+        parse_args(["--dataset", "a.jsonl,weight=half"])
+    assert exit_info.value.code == 2 and "weight='half' is not a number" in capsys.readouterr().err
+
+
+def test_eval_prompts_need_held_out_data_a_file_and_a_schedule_that_generates(tmp_path):
+    assert "--eval-prompts 4 evaluates on held-out data, and the job has none" in refused(tmp_path, "--eval-prompts",
+                                                                                          "4")
+    assert "--eval-prompts " in refused(tmp_path, "--eval-fraction", "0.1", "--eval-prompts",
+                                        str(tmp_path / "missing.jsonl"))
+    said = refused(tmp_path, "--config", "pp", "--pp-schedule", "ZBVZeroBubble", "--eval-fraction", "0.1",
+                   "--eval-prompts", "2")
+    assert "forward-only schedule, which torch 2.13 cannot run for ZBVZeroBubble" in said
+
+
 def test_prepared_data_of_another_job(tmp_path):
     from hfdist.data import load_tokenizer
     from hfdist.job.data import job_data

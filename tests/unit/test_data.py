@@ -118,7 +118,7 @@ def test_second_prepare_reads_the_cache(tmp_path, tok):
     path = _write(tmp_path, generate_conversations(400, seed=5))
     first = prepare(load_raw_dataset(path), tok, 96)
     cached = [f["filename"] for f in first.cache_files]
-    assert cached and "hfdist-packed-" in cached[0]
+    assert cached and "hfdist-prepared-" in cached[0]
     again = prepare(load_raw_dataset(path), tok, 96)
     assert [f["filename"] for f in again.cache_files] == cached and again.to_dict() == first.to_dict()
 

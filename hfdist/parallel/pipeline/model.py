@@ -110,6 +110,13 @@ class PipelineModel(nn.Module):
         dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
         return float(box[0])
 
+    @torch.no_grad()
+    def last_logits(self, batch: dict[str, torch.Tensor], positions: torch.Tensor) -> torch.Tensor | None:
+        """The whole logits of row b of `batch` at positions[b], (B, V), on the rank holding the last stage (None on
+        the others): the forward-only schedule (PipelineRunner.last_logits). Collective over the pipeline group."""
+        return self.runner.last_logits(batch["input_ids"], positions, batch.get("attention_mask"),
+                                       batch.get("position_ids"))
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip the gradients of every stage (on all pipeline ranks) by their global L2 norm; returns that norm,
         the same on every rank. `float("inf")` only measures it. Collective over the pipeline group."""

@@ -283,6 +283,41 @@ class PipelineRunner:
             self._schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
         return float(torch.stack(losses).sum()) if losses is not None else None
 
+    def last_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                    position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The whole logits of row b at positions[b], (B, V), through the schedule's forward-only pass (what
+        generation reads); same rules and ranks as `step`.
+
+        Returns:
+            The logits on the rank holding the last stage, None on the others.
+
+        Raises:
+            PipelineConfigError: a batch the micro-batches do not divide, or ZBVZeroBubble (whose forward-only pass
+                torch 2.13 cannot run).
+        """
+        batch, seq = input_ids.shape
+        if self.schedule_name == "ZBVZeroBubble":
+            raise PipelineConfigError("Generation runs the pipeline's forward-only schedule, which torch 2.13 cannot "
+                                      "run for ZBVZeroBubble. Use another --pp-schedule with --eval-prompts.")
+        if batch % self.n_microbatches:
+            raise PipelineConfigError(f"Batch size {batch} is not a multiple of n_microbatches={self.n_microbatches}.")
+        if self._schedule_shape != (batch, seq, "logits"):  # other stage inputs and outputs than training's
+            self._build_schedule()
+            self._schedule_shape = (batch, seq, "logits")
+        kwargs = {"logit_positions": positions.to(self.device)}
+        if attention_mask is not None:
+            kwargs["attention_mask"] = attention_mask.to(self.device)
+        if position_ids is not None:
+            kwargs["position_ids"] = position_ids.to(self.device)
+        args = (input_ids.to(self.device),) if self.has_first_stage else ()
+        # The schedule hands the last stage's outputs to its loss function whenever it has one: a placeholder target
+        # keeps it quiet (its result is not read).
+        target = torch.zeros(batch, 1, device=self.device) if self.has_last_stage else None
+        with torch.no_grad():
+            logits = self._schedule.eval(*args, target=target, return_outputs=True,
+                                         loss_kwargs={"num_tokens": 1}, **kwargs)
+        return logits if self.has_last_stage else None
+
     def _schedule_inputs(self, input_ids, labels, attention_mask, position_ids, num_tokens, shifted=False,
                          row_position_ids=None):
         """Validate a batch and turn it into the schedule's (args, kwargs); (re)build the schedule for its shape."""

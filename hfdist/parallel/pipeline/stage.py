@@ -121,9 +121,12 @@ class CausalLMStage(nn.Module):
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, loss_target: torch.Tensor | None = None,
-                row_position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                row_position_ids: torch.Tensor | None = None,
+                logit_positions: torch.Tensor | None = None) -> torch.Tensor:
         """Run this stage on one micro-batch (see the class docstring for shapes; `row_position_ids`: under context
-        parallelism, the whole rows' position ids, whose document boundaries the attention reads)."""
+        parallelism, the whole rows' position ids, whose document boundaries the attention reads; with
+        `logit_positions`, (B,), the last stage returns the whole logits of those positions only, (B, V): what
+        generation reads)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
@@ -142,12 +145,28 @@ class CausalLMStage(nn.Module):
                            position_embeddings=position_embeddings, position_ids=position_ids, **documents)
         if self.lm_head is None:
             return hidden
+        if logit_positions is not None:
+            return self._logits_at(self.norm(hidden), logit_positions)
         if loss_target is None:
             return self.lm_head(self.norm(hidden))
         # Inside the stage's forward, so FSDP2's unsharded lm_head and TP's hooks on it serve every chunk.
         return chunked_token_sum_cross_entropy(self.lm_head, self.norm(hidden), loss_target, self.loss_chunk_size,
                                                self.fused_loss, self.loss_grad_scale)
 
+
+    def _logits_at(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """lm_head on row b's hidden state at positions[b], as a plain (B, V) tensor of the whole vocabulary; under
+        tensor parallelism the picked states enter lm_head replicated and its vocab-sharded output is gathered."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = hidden.device_mesh if isinstance(hidden, DTensor) else None
+        whole = hidden.full_tensor() if mesh is not None else hidden
+        picked = whole[torch.arange(len(positions), device=whole.device), positions.to(whole.device)][:, None]
+        weight = self.lm_head.weight
+        if isinstance(weight, DTensor):
+            picked = DTensor.from_local(picked, mesh or weight.device_mesh, [Replicate()], run_check=False)
+        logits = self.lm_head(picked)
+        return (logits.full_tensor() if isinstance(logits, DTensor) else logits)[:, 0]
 
     def _varlen_documents(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, batch: int) -> dict:
         """The varlen arguments from the position ids (each row's documents; a row without packing is one document),
