@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["HfdistError", "run_with_clear_errors", "ERROR_DIR_ENV", "FAILURES_FILE", "collected_errors"]
+__all__ = ["HfdistError", "DataError", "run_with_clear_errors", "ERROR_DIR_ENV", "FAILURES_FILE", "collected_errors"]
 
 ERROR_DIR_ENV = "HFDIST_ERROR_DIR"
 FAILURES_FILE = "launcher.json"  # written by hfdist.job.quiet_launch: {"failures": {rank: exit code}}
@@ -21,6 +21,10 @@ FAILURES_FILE = "launcher.json"  # written by hfdist.job.quiet_launch: {"failure
 
 class HfdistError(Exception):
     """Base of every error hfdist raises for bad input or a strategy not in effect; the message names the fix."""
+
+
+class DataError(HfdistError, ValueError):
+    """A dataset, a row of it, a dataset spec, or a tokenizer that hfdist cannot use as given."""
 
 
 def _leave_for_hand_over(rank: str, message: str) -> bool:

@@ -211,7 +211,7 @@ def evaluate_saved(summary: dict, model=None) -> float:
     from transformers import AutoModelForCausalLM
 
     from hfdist.data import collate, load_raw_dataset, load_tokenizer, prepare
-    from hfdist.data.preparation import prepare_split
+    from hfdist.data.cached import prepare_split
     from hfdist.models.chunked_loss import causal_lm_loss
 
     config, tok, seq_len = summary["config"], load_tokenizer(None, is_preset=True), summary["strategy"]["seq_len"]

@@ -96,8 +96,8 @@ def timeout_seconds(text: str) -> float:
 def dataset_spec(value: Any) -> str:
     """argparse type of --dataset: one source, as `PATH[,key=value...]` (or, in a job file, a mapping of its
     settings), checked and written the one way hfdist.data.sources.DataSource.spec writes it."""
-    from hfdist.data.errors import DataError
-    from hfdist.data.sources import parse_source, source_from_mapping
+    from hfdist.config.sources import parse_source, source_from_mapping
+    from hfdist.errors import DataError
 
     try:
         source = source_from_mapping(value) if isinstance(value, Mapping) else parse_source(str(value))

@@ -357,7 +357,7 @@ def optimisation_arguments(cfg: FinetuneConfig) -> dict[str, Any]:
 
 def holds_out(cfg: FinetuneConfig) -> bool:
     """Whether the job has held-out data: --eval-fraction, --eval-dataset, or a source's own eval_fraction."""
-    from hfdist.data.sources import parse_source
+    from hfdist.config.sources import parse_source
 
     return bool(cfg.eval_fraction or cfg.eval_dataset or any(parse_source(s).eval_fraction for s in cfg.dataset or ()))
 

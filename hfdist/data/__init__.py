@@ -27,14 +27,15 @@ __all__ = ["DataError", "prepare", "prepare_with_report", "collate", "collator_f
            "load_raw_dataset"]
 
 # Imported on first use: hfdist.models.presets reads hfdist.data.default without paying for torch or datasets.
-_EXPORTS = {"DataError": "errors", "prepare": "preparation", "prepare_with_report": "preparation", "collate": "collation",
-            "collator_for": "collation", "load_tokenizer": "load", "load_raw_dataset": "load"}
+_EXPORTS = {"prepare": "hfdist.data.cached", "prepare_with_report": "hfdist.data.cached",
+            "collate": "hfdist.data.collation", "collator_for": "hfdist.data.collation", "load_tokenizer": "hfdist.data.load",
+            "load_raw_dataset": "hfdist.data.load", "DataError": "hfdist.errors"}
 
 if TYPE_CHECKING:
+    from hfdist.data.cached import prepare, prepare_with_report
     from hfdist.data.collation import collate, collator_for
-    from hfdist.data.errors import DataError
     from hfdist.data.load import load_raw_dataset, load_tokenizer
-    from hfdist.data.preparation import prepare, prepare_with_report
+    from hfdist.errors import DataError
 
 
 def __getattr__(name: str) -> Any:
@@ -42,4 +43,4 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'hfdist.data' has no attribute '{name}'")
     import importlib
 
-    return getattr(importlib.import_module(f"hfdist.data.{_EXPORTS[name]}"), name)
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hfdist.data.errors import DataError
 from hfdist.data.formats import Conversation, PromptCompletion, Sample, Text
+from hfdist.errors import DataError
 
 __all__ = ["DEFAULT_CHAT_TEMPLATE", "DEFAULT_TEMPLATE_NOTE", "ensure_chat_template", "segments"]
 

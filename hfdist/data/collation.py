@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hfdist.data.errors import DataError
+from hfdist.errors import DataError
 from hfdist.models.attention import DENSE_MASK, takes_boundaries, uses_dense_mask
 from hfdist.models.document_attention import varlen_kwargs
 

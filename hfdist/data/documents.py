@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 
 from hfdist.data.encode import encode_rows
-from hfdist.data.errors import DataError
 from hfdist.data.reading import BATCH_ROWS, RowBatch, SourceReader, batch_columns
+from hfdist.errors import DataError
 
 __all__ = ["SHARD_ROWS", "IN_FLIGHT_PER_WORKER", "DOC_DTYPE", "SourcePlan", "Documents", "tokenize_sources",
            "LABEL_BIT"]

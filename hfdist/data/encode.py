@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from hfdist.data.chat import segments
-from hfdist.data.errors import DataError
 from hfdist.data.formats import FORMATS, Conversation, Sample, Text
+from hfdist.errors import DataError
 from hfdist.models.registry import IGNORE_INDEX
 
 __all__ = ["LONG_DOCUMENT_POLICIES", "Note", "encode_rows"]

@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Union
 
-from hfdist.data.errors import DataError
+from hfdist.errors import DataError
 
 __all__ = ["Conversation", "PromptCompletion", "Text", "Sample", "Format", "FORMATS", "detect_format",
            "read_conversation"]

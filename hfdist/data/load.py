@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 
 from hfdist.data.default import DATA_FILE, TOKENIZER_DIR
-from hfdist.data.errors import DataError
+from hfdist.errors import DataError
 
 __all__ = ["DataError", "load_tokenizer", "load_raw_dataset"]
 

@@ -9,15 +9,15 @@ memory; what became of the data, in one line per side.
            FOLDER/eval.arrow: blocks of seq_len (input_ids, labels, position_ids), memory-mapped by every rank
 
 `build` writes a folder from sources (hfdist.job.data and `hfdist prepare` use it, through hfdist.data.prepared);
-`prepare`, `prepare_with_report` and `prepare_split` are the library's calls on a datasets.Dataset, cached beside
-the dataset's own cache files (a Dataset held in memory is prepared in a temporary folder and kept in memory).
+hfdist.data.cached's `prepare` is the library's call on a datasets.Dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -26,17 +26,17 @@ from typing import Any
 
 import numpy as np
 
+from hfdist.config.sources import DataSource
 from hfdist.data.chat import DEFAULT_CHAT_TEMPLATE, DEFAULT_TEMPLATE_NOTE, ensure_chat_template
 from hfdist.data.documents import SHARD_ROWS, Documents, SourcePlan, tokenize_sources
 from hfdist.data.encode import LONG_DOCUMENT_POLICIES, Note
-from hfdist.data.errors import DataError
 from hfdist.data.mixture import SourceDraw, draw, held_out_rows
 from hfdist.data.packed_file import PackedStats, write_packed
 from hfdist.data.reading import BATCH_ROWS, SourceReader, resolve_format
-from hfdist.data.sources import DataSource
+from hfdist.errors import DataError
 
-__all__ = ["DataReport", "Built", "Split", "build", "prepare", "prepare_with_report", "prepare_split",
-           "held_out_rows", "check_enough_blocks", "PACKING_VERSION", "DOCUMENTS_FOLDER"]
+__all__ = ["DataReport", "Built", "build", "finish", "check_policy", "held_out_rows", "check_enough_blocks",
+           "tokenizer_fingerprint", "template_fingerprint", "PACKING_VERSION", "DOCUMENTS_FOLDER"]
 
 PACKING_VERSION = "bfd-3"  # part of every packed folder's settings: bump when the packed layout changes
 DOCUMENTS_FOLDER = "documents"  # the tokenised documents inside a folder being prepared (removed once it is)
@@ -112,23 +112,13 @@ class Built:
         return self._side("eval")
 
 
-@dataclass(frozen=True)
-class Split:
-    """Training and held-out evaluation blocks from one dataset (`prepare_split`)."""
-
-    train: object  # datasets.Dataset
-    train_report: DataReport
-    eval: object
-    eval_report: DataReport
-
-
 def _default_num_proc(rows: int) -> int:
     if rows < _PARALLEL_FROM_ROWS:
         return 1
     return max(1, min(len(os.sched_getaffinity(0)), 16))
 
 
-def _check_policy(seq_len: int, long_documents: str) -> None:
+def check_policy(seq_len: int, long_documents: str) -> None:
     if long_documents not in LONG_DOCUMENT_POLICIES:
         raise DataError(f"long_documents must be one of {LONG_DOCUMENT_POLICIES}, got '{long_documents}'.")
     if seq_len < 2:
@@ -138,8 +128,6 @@ def _check_policy(seq_len: int, long_documents: str) -> None:
 def _plan(readers: Sequence[SourceReader], tokenizer, seq_len: int, long_documents: str, shard_rows: int
           ) -> tuple[list[SourcePlan], dict[str, Any], dict[str, str]]:
     """Each source's format and fields, and what the tokenised documents depend on (their folder's plan)."""
-    from hfdist.data.prepared import template_fingerprint, tokenizer_fingerprint
-
     plans, described, fingerprints = [], [], {}
     for reader in readers:
         fmt, fields = resolve_format(reader.source, reader.columns())
@@ -199,6 +187,19 @@ def _report(documents: Documents, chosen: np.ndarray, rows: list[int], stats: Pa
         seconds=time.perf_counter() - started, sources=per_source)
 
 
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A hash of what the tokenizer maps text to: its vocabulary, merges, normalisation and special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    content = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    special = json.dumps({k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())})
+    return hashlib.sha256((content + special).encode()).hexdigest()[:16]
+
+
+def template_fingerprint(tokenizer) -> str:
+    """A hash of the tokenizer's chat template."""
+    return hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]
+
+
 def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | os.PathLike, *,
           eval_source: DataSource | None = None, seed: int = 0, long_documents: str = "split",
           num_proc: int | None = None, datasets_given: Sequence[Any] | None = None,
@@ -220,7 +221,7 @@ def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | 
             nothing to train on, or a side without a document.
     """
     started = time.perf_counter()
-    _check_policy(seq_len, long_documents)
+    check_policy(seq_len, long_documents)
     ensure_chat_template(tokenizer)
     defaulted = tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE
     # Padding is masked from loss and attention, so its id only has to be a valid one.
@@ -261,85 +262,6 @@ def build(sources: Sequence[DataSource], tokenizer, seq_len: int, folder: str | 
 def finish(folder: str | os.PathLike) -> None:
     """Drop the tokenised documents of a folder whose blocks are written (its manifest too)."""
     shutil.rmtree(Path(folder) / DOCUMENTS_FOLDER, ignore_errors=True)
-
-
-def _library_build(dataset, tokenizer, seq_len: int, *, eval_fraction: float | None, seed: int,
-                   long_documents: str, num_proc: int | None) -> Built:
-    """`build` on one datasets.Dataset: cached beside its cache files under a key of everything the blocks depend
-    on; a Dataset held in memory is built in a temporary folder and its blocks kept in memory."""
-    import datasets
-    from datasets.fingerprint import Hasher
-    from datasets.table import InMemoryTable
-    from filelock import FileLock
-
-    from hfdist.data.prepared import template_fingerprint, tokenizer_fingerprint
-
-    if isinstance(dataset, datasets.DatasetDict):
-        dataset = dataset["train"]
-    _check_policy(seq_len, long_documents)
-    source = DataSource(path=None, name="dataset", eval_fraction=eval_fraction)
-    options = dict(seed=seed, long_documents=long_documents, num_proc=num_proc, datasets_given=[dataset])
-    if not dataset.cache_files:
-        with tempfile.TemporaryDirectory(prefix="hfdist-prepared-") as tmp:
-            built = build([source], tokenizer, seq_len, tmp, **options)
-            keep = {side: datasets.Dataset(InMemoryTable.from_file(str(Path(tmp) / f"{side}.arrow")))
-                    for side in ("train", "eval") if getattr(built, side) is not None}
-            return Built(keep, built.train_report, built.eval_report, built.fingerprints)
-    ensure_chat_template(tokenizer)
-    key = Hasher.hash((dataset._fingerprint, tokenizer_fingerprint(tokenizer), template_fingerprint(tokenizer),
-                       seq_len, long_documents, eval_fraction, seed if eval_fraction else None, PACKING_VERSION))
-    folder = Path(dataset.cache_files[0]["filename"]).parent / f"hfdist-prepared-{key}"
-    from hfdist.data.prepared import is_prepared, read_folder, write_manifest
-
-    with FileLock(str(folder) + ".lock"):
-        if not is_prepared(folder):
-            built = build([source], tokenizer, seq_len, folder, **options)
-            write_manifest(folder, None, built)
-            finish(folder)
-    return read_folder(folder)
-
-
-def prepare_with_report(dataset, tokenizer, seq_len: int, *, long_documents: str = "split",
-                        num_proc: int | None = None):
-    """`prepare`, and a DataReport of what it did. See `prepare`."""
-    built = _library_build(dataset, tokenizer, seq_len, eval_fraction=None, seed=0, long_documents=long_documents,
-                           num_proc=num_proc)
-    return built.train, built.train_report
-
-
-def prepare_split(dataset, tokenizer, seq_len: int, *, eval_fraction: float, seed: int,
-                  long_documents: str = "split", num_proc: int | None = None) -> Split:
-    """`prepare`, with `eval_fraction` of the rows held out for evaluation before packing: whole rows (so a
-    conversation split into several documents stays on one side), drawn by `seed` (`held_out_rows`); each side
-    packed on its own.
-
-    Raises:
-        DataError: as `prepare`, or a held-out side without a document (too small a fraction of too few rows).
-    """
-    built = _library_build(dataset, tokenizer, seq_len, eval_fraction=eval_fraction, seed=seed,
-                           long_documents=long_documents, num_proc=num_proc)
-    return Split(train=built.train, train_report=built.train_report, eval=built.eval, eval_report=built.eval_report)
-
-
-def prepare(dataset, tokenizer, seq_len: int, *, long_documents: str = "split", num_proc: int | None = None):
-    """Tokenize, label and pack a dataset into rows of `seq_len` tokens that keep documents apart.
-
-    Args:
-        dataset: a `datasets.Dataset` (or a DatasetDict: its "train" split) in one of the formats of
-            hfdist.data.formats, detected from its columns.
-        tokenizer: a HF tokenizer; one without a chat template gets hfdist's default (hfdist.data.chat).
-        seq_len: tokens per packed row.
-        long_documents: "split" (default) or "error" for documents longer than seq_len (hfdist.data.encode).
-        num_proc: tokenization processes (default: one for small datasets, the available cores up to 16 else).
-
-    Returns:
-        A `datasets.Dataset` of packed rows: input_ids, labels, position_ids (seq_len int32 each); feed batches
-        of them through `hfdist.data.collate`.
-
-    Raises:
-        DataError: unknown columns, a malformed row (named), a row too long under "error", or nothing to train on.
-    """
-    return prepare_with_report(dataset, tokenizer, seq_len, long_documents=long_documents, num_proc=num_proc)[0]
 
 
 def check_enough_blocks(blocks: int, global_batch: int, seq_len: int) -> None:

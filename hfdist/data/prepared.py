@@ -14,16 +14,22 @@ folder whose writing was interrupted is not a prepared folder (`hfdist prepare` 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from hfdist.data.errors import DataError
-from hfdist.data.preparation import DOCUMENTS_FOLDER, PACKING_VERSION, Built, DataReport
-from hfdist.data.sources import DataSource
+from hfdist.config.sources import DataSource
+from hfdist.data.preparation import (
+    DOCUMENTS_FOLDER,
+    PACKING_VERSION,
+    Built,
+    DataReport,
+    template_fingerprint,
+    tokenizer_fingerprint,
+)
+from hfdist.errors import DataError
 
 __all__ = ["MANIFEST", "DataSettings", "Prepared", "data_settings", "tokenizer_fingerprint", "template_fingerprint",
            "write_prepared", "write_manifest", "read_prepared", "read_folder", "is_prepared", "holds_other_files"]
@@ -68,19 +74,6 @@ def _shown(settings: DataSettings, name: str) -> str:
     if name == "sources":
         return " ".join(settings.sources)
     return repr(getattr(settings, name))
-
-
-def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of what the tokenizer maps text to: its vocabulary, merges, normalisation and special tokens."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    content = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    special = json.dumps({k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())})
-    return hashlib.sha256((content + special).encode()).hexdigest()[:16]
-
-
-def template_fingerprint(tokenizer) -> str:
-    """A hash of the tokenizer's chat template."""
-    return hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]
 
 
 def data_settings(tokenizer, *, sources: tuple[DataSource, ...], eval_dataset: str | None,

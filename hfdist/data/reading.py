@@ -23,8 +23,9 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from hfdist.data.errors import DataError
-from hfdist.data.sources import DataSource, format_columns
+from hfdist.config.sources import DataSource
+from hfdist.data.sources import format_columns
+from hfdist.errors import DataError
 
 __all__ = ["BATCH_ROWS", "RowBatch", "SourceReader", "batch_columns"]
 

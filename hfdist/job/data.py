@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from hfdist.config.finetune import FinetuneConfig, holds_out
+from hfdist.config.sources import DataSource, parse_source
 from hfdist.data.prepared import (
     Prepared,
     data_settings,
@@ -26,7 +27,7 @@ from hfdist.data.prepared import (
     read_prepared,
     write_prepared,
 )
-from hfdist.data.sources import DataSource, check_sources, parse_source, with_eval_fraction
+from hfdist.data.sources import check_sources, with_eval_fraction
 
 __all__ = ["job_data", "job_sources", "evaluates", "report_lines", "prepare_before_launch"]
 

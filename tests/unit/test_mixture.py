@@ -9,9 +9,10 @@ import json
 import numpy as np
 import pytest
 
-from hfdist.data.errors import DataError
+from hfdist.config.sources import parse_source
 from hfdist.data.mixture import SourceDraw, draw
-from hfdist.data.sources import check_sources, parse_source
+from hfdist.data.sources import check_sources
+from hfdist.errors import DataError
 
 
 def test_a_spec_is_a_path_then_settings_and_reads_back():

@@ -12,8 +12,9 @@ import pytest
 
 from hfdist.config.finetune import parse_args
 from hfdist.data import DataError, load_raw_dataset, load_tokenizer
+from hfdist.data.cached import prepare_split, prepare_with_report
 from hfdist.data.default import generate_conversations
-from hfdist.data.preparation import held_out_rows, prepare_split, prepare_with_report
+from hfdist.data.preparation import held_out_rows
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,7 @@ _KILLED = """
 import datasets; datasets.disable_progress_bars()
 from hfdist.data import load_tokenizer
 from hfdist.data.preparation import build
-from hfdist.data.sources import parse_source
+from hfdist.config.sources import parse_source
 build([parse_source({source!r})], load_tokenizer(None, is_preset=True), 64, {folder!r}, num_proc=2, shard_rows=256)
 """
 
@@ -132,8 +133,8 @@ def test_an_interrupted_preparation_resumes_to_the_same_bytes(tmp_path):
     import sys
     import time
 
+    from hfdist.config.sources import parse_source
     from hfdist.data.preparation import DOCUMENTS_FOLDER, build
-    from hfdist.data.sources import parse_source
 
     data = tmp_path / "rows.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in generate_conversations(12000, seed=5)))
@@ -170,9 +171,9 @@ def test_memory_is_bounded_by_construction(tmp_path, data, tok, monkeypatch):
 
     import hfdist.data.documents as documents
     import hfdist.data.packed_file as packed_file
+    from hfdist.config.sources import parse_source
     from hfdist.data.preparation import build
     from hfdist.data.reading import SourceReader
-    from hfdist.data.sources import parse_source
 
     counts = {"read": 0, "ahead": 0, "mapped": 0, "most_mapped": 0, "window": 0}
     batches, add, memmap, gather = SourceReader.batches, documents._ShardWriter.add, np.memmap, \
@@ -215,9 +216,9 @@ def test_a_prepared_folder_records_its_sources_and_refuses_them_changed(tmp_path
     whose file only has a new time (a copy) is not."""
     import os
 
+    from hfdist.config.sources import parse_source
     from hfdist.data.prepared import MANIFEST
     from hfdist.data.reading import SourceReader
-    from hfdist.data.sources import parse_source
     from hfdist.job.data import job_data
 
     path = tmp_path / "chat.jsonl"
@@ -238,8 +239,8 @@ def test_a_prepared_folder_records_its_sources_and_refuses_them_changed(tmp_path
 def test_settings_tell_tokenizers_and_templates_apart_by_content(tmp_path):
     """The same tokenizer read from another folder is the same tokenizer; another vocabulary or another chat template
     is not: a prepared folder made with them is refused, each difference named."""
+    from hfdist.config.sources import parse_source
     from hfdist.data.prepared import data_settings
-    from hfdist.data.sources import parse_source
 
     def settings(tokenizer):
         return data_settings(tokenizer, sources=(parse_source("d.jsonl"),), eval_dataset=None, eval_fraction=None,
