@@ -4,7 +4,7 @@ Sub-packages (import them; importing hfdist itself stays cheap):
     hfdist.config     a run's configuration: FinetuneConfig, the ladder of rungs, degrees, precision rules
     hfdist.job        the fine-tuning job: launching, preflight checks, the run (config -> launch -> run)
     hfdist.parallel   DeviceMesh parallelism: the parallelize recipe, TP, FSDP2, pipeline stages, verification
-    hfdist.models     the model-facts registry (Llama, Mistral, Qwen2, Qwen3), shapes, presets, building
+    hfdist.models     the model-facts registry (Llama, Mistral, Qwen2, Qwen3, SmolLM3), shapes, presets, building
     hfdist.train      the Trainer taught about hfdist's strategies
     hfdist.checkpoint checkpoints on disk, the Trainer's hooks, resume rules, HF export and conversion
     hfdist.data       datasets and tokenizers, packing

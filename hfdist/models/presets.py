@@ -44,6 +44,9 @@ PRESETS: dict[str, Preset] = {
     "qwen2-tiny": Preset("qwen2", {**_TINY, "use_sliding_window": False}),
     # Qwen3 sets head_dim apart from hidden / heads; 32 here (hidden 64 / 4 heads would give 16).
     "qwen3-tiny": Preset("qwen3", {**_TINY, "head_dim": 32, "use_sliding_window": False}),
+    # SmolLM3 (no hfdist TP entry: transformers' base_model_tp_plan is read); its 4th layer has no rotary embedding.
+    # Its config's default token ids (128000-128004) lie outside the tiny vocabulary; the tokenizer sets pad.
+    "smollm3-tiny": Preset("smollm3", {**_TINY, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
     "llama-small": Preset("llama", dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                                         tie_word_embeddings=False)),

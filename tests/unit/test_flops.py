@@ -56,7 +56,7 @@ def _measured_flops_per_token(model) -> float:
     return counter.get_total_flops() / (BATCH * SEQ)
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "smollm3-tiny"])
 def test_tiny_models_match_flop_counter(preset):
     """Exact for what both count; norms, softmax, rotary, SiLU, residuals, biases and the loss are in neither."""
     model = build_model(preset, vocab_size=VOCAB)

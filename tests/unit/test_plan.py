@@ -43,7 +43,7 @@ def _rung(plan, name):
 
 
 @pytest.mark.parametrize("spec", ["llama-tiny", "llama-3.2-1b", "llama-3.1-8b", "custom", "mistral-tiny",
-                                  "qwen2-tiny", "qwen3-tiny", "qwen3-tied"])
+                                  "qwen2-tiny", "qwen3-tiny", "qwen3-tied", "smollm3-tiny"])
 def test_param_count_matches_meta_model(spec):
     """Every registered architecture: Qwen2's q/k/v biases, Qwen3's per-head norms and separate head_dim."""
     from transformers import AutoModelForCausalLM
