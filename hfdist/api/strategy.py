@@ -202,11 +202,11 @@ def resolve_strategy(config: str | None = None, *, dp_replicate: int | None = No
             else:
                 rung = _rung_of_degrees(world, dp_replicate or 1, dp_shard, tp or 1, pp or 1, cp or 1)
         else:
-            if dp_shard is not None or cp is not None:
-                raise StrategyRefused("dp_shard and cp are degrees of a config of your own (config=None); a named "
-                                      f"rung ({config}) takes --tp / --pp / --dp-replicate overrides only, the "
+            if dp_shard is not None:
+                raise StrategyRefused("dp_shard is a degree of a config of your own (config=None); a named rung "
+                                      f"({config}) takes tp / pp / cp / dp_replicate overrides only, the "
                                       "data-parallel axis absorbing the rest. Pass config=None with the degrees.")
-            rung = load_rung(config).with_num_processes(world, tp=tp, pp=pp, dp_replicate=dp_replicate,
+            rung = load_rung(config).with_num_processes(world, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate,
                                                         node_size=node)
         rung = rung.with_pipeline(pp_schedule, pp_microbatches)
     except LadderError as exc:

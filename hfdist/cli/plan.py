@@ -11,9 +11,10 @@ from hfdist.errors import HfdistError
 __all__ = ["VERB"]
 
 _PLAN_HELP = """\
-Predict per-rank GPU memory of every rung of the config ladder (weights, grads, fp32 master, optimizer state,
-activations, buffers) and recommend the simplest rung that fits, with its launch command. Reads the model config
-only: no weights are loaded.
+Consider every layout of every rung of the config ladder on the cluster (tp / pp / cp degrees, micro-batch,
+recompute), predict each one's per-rank GPU memory (weights, grads, fp32 master, optimizer state, activations,
+buffers) and step time, show each rung's best layout and recommend the fastest predicted that fits, with its launch
+command. Reads the model config only: no weights are loaded. `hfdist tune` measures the candidates instead.
 
 Accounting: --bytes-per-param-adam 16 (default) = 2 bf16 weight + 2 bf16 grad + 4 fp32 master + 8 Adam moments,
 what FSDP2 and DDP hold in total; 20 = DeepSpeed's own accounting (adds a 4-byte fp32 grad copy). --dtype fp32:
@@ -36,10 +37,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="QLoRA: LoRA adapters on a frozen 4-bit NF4 base (the rungs that take --qlora)")
     p.add_argument("--lora-r", type=int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r})")
     p.add_argument("--seq", type=int, default=d.seq, help=f"sequence length (default {d.seq})")
-    p.add_argument("--micro-batch", type=int, default=d.micro_batch,
-                   help=f"sequences per rank per forward (default {d.micro_batch})")
-    p.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each decoder layer in backward (keeps only layer inputs)")
+    p.add_argument("--global-batch-size", type=int, default=None, metavar="N",
+                   help="sequences per optimizer step over all ranks, the same for every layout (default: one "
+                        "micro-batch per GPU); each layout's micro-batch and accumulation make it up")
+    p.add_argument("--micro-batch", type=int, default=None,
+                   help="pin the sequences per forward (a pipeline stage's micro-batch; default: every one that "
+                        "divides a rank's share of the global batch is considered)")
+    p.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=None,
+                   help="pin recomputing each decoder layer in backward on (keeps only layer inputs) or off "
+                        "(--no-activation-checkpointing; default: both are considered)")
+    for axis, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("cp", "context-parallel degree")):
+        p.add_argument(f"--{axis}", type=int, default=None,
+                       help=f"pin the {what} (default: every degree the model and the cluster allow is considered; "
+                            f"rungs without the axis are left out)")
     p.add_argument("--loss-chunk-size", type=non_negative_int, default=d.loss_chunk_size, metavar="N",
                    help=f"sequence positions per chunk of the chunked loss, as `hfdist finetune --loss-chunk-size` "
                         f"(default {d.loss_chunk_size}): one chunk's logits are counted; 0: the whole sequence's")
@@ -73,7 +83,9 @@ def run(args: argparse.Namespace) -> int:
         raise HfdistError(str(exc)) from exc
     plan = plan_rungs(
         config, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_mem_bytes=int(args.gpu_mem_gb * GB),
-        seq=args.seq, micro_batch=args.micro_batch, lora=args.lora, lora_r=args.lora_r, qlora=args.qlora,
+        seq=args.seq,
+        global_batch=args.global_batch_size or args.gpus_per_node * args.nodes * (args.micro_batch or 1),
+        micro_batch=args.micro_batch, tp=args.tp, pp=args.pp, cp=args.cp, lora=args.lora, lora_r=args.lora_r, qlora=args.qlora,
         activation_checkpointing=args.activation_checkpointing, dtype=args.dtype,
         bytes_per_param_adam=args.bytes_per_param_adam, model=args.model, loss_chunk_size=args.loss_chunk_size or None,
         attention=args.attn_implementation,

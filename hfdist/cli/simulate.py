@@ -27,6 +27,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-processes", type=int, required=True, help="ranks to simulate (the world size)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the YAML's)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the YAML's)")
+    p.add_argument("--cp", type=int, default=None, help="context-parallel degree (default: the YAML's)")
     p.add_argument("--dp-replicate", type=int, default=None, help="replica groups of a hybrid rung")
     p.add_argument("--pp-schedule", default=None, help="pipeline schedule (default: the YAML's)")
     p.add_argument("--pp-microbatches", type=int, default=None,
@@ -55,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from hfdist.models.presets import load_config
     from hfdist.plan.simulate import simulate, simulation_rung
 
-    rung = simulation_rung(args.config, args.num_processes, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
+    rung = simulation_rung(args.config, args.num_processes, tp=args.tp, pp=args.pp, cp=args.cp,
+                           dp_replicate=args.dp_replicate,
                            pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
                            gpus_per_node=args.gpus_per_node, model_config=load_config(args.model))
     sim = simulate(args.model, rung, mixed_precision=args.mixed_precision,

@@ -4,7 +4,7 @@ and its error type."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from hfdist.config.arg_types import (
@@ -20,9 +20,11 @@ from hfdist.config.arg_types import (
     trackers,
 )
 from hfdist.config.job_file import CommandParser, job_yaml, parse_with_job_file
+from hfdist.config.options import OptionGroup, add_options, dataclass_from_namespace, option
+from hfdist.config.rungs import RUNG_INFO
 from hfdist.errors import HfdistError
 
-__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "USAGE", "LR_SCHEDULERS",
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "PP_SCHEDULES", "USAGE", "LR_SCHEDULERS",
            "TRACKERS", "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args",
            "parse_command", "job_text", "optimisation_arguments", "evaluation_arguments", "lora_settings",
            "non_negative_int", "positive_int"]
@@ -48,6 +50,9 @@ DEFAULT_LOSS_CHUNK_SIZE = 512
 FP8_RECIPES = ("tensorwise", "rowwise")
 # The Trainer's learning-rate schedules that need no settings beyond warm-up and length (transformers'
 # SchedulerType values; tests/unit/test_job_file.py builds each).
+# torch.distributed.pipelining's schedules --pp-schedule takes, by torch's class names minus "Schedule"
+# (hfdist.parallel.pipeline.plan.SCHEDULES maps them to the classes).
+PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 
@@ -56,67 +61,183 @@ class ConfigError(HfdistError, ValueError):
     """Command-line settings that contradict each other or the data/model."""
 
 
+# The sections of `hfdist finetune --help`, of a printed job file and of docs/options.md, in this order.
+JOB_FILE = OptionGroup("Job file", "Every flag below as one YAML file (keys: the flags' names with underscores); "
+                       "flags given on the command line win over the file's values.")
+STRATEGY = OptionGroup("Strategy", "Which rung of the ladder, on how many processes, with which degrees.")
+MODEL_DATA = OptionGroup("Model and data")
+TRAINING = OptionGroup("Training")
+EVALUATION = OptionGroup("Evaluation", "Eval loss and perplexity on held-out data, on every rung.")
+OUTPUT = OptionGroup("Output and checkpoints")
+METRICS = OptionGroup("Metrics and console")
+
+
 @dataclass(frozen=True)
 class FinetuneConfig:
-    """Every setting of one fine-tune; precedence CLI > config file > these defaults.
+    """Every setting of one fine-tune; precedence CLI > job file > these defaults. Each field is also its
+    command-line option, job-file key and row of docs/options.md (hfdist.config.options).
 
     `qlora` implies `lora` (the adapters are the same; only the base they adapt is 4-bit) and, with
     mixed_precision "auto", bf16 compute on every device (QLoRA's compute dtype); --mixed-precision no keeps fp32.
     """
 
-    config: str | None = None
-    model: str | None = None
-    dataset: str | None = None
-    lora: bool = False
-    qlora: bool = False
-    lora_r: int = 16
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: tuple[str, ...] | None = None
-    max_steps: int = 120
-    num_epochs: float | None = None
-    global_batch_size: int = 16
-    micro_batch_size: int | None = None
-    seq_len: int = 128
-    long_documents: str = "split"
-    prepared_data: str | None = None
-    eval_dataset: str | None = None
-    eval_fraction: float | None = None
-    eval_steps: int = 0
-    load_best: bool = False
-    learning_rate: float = 1e-3
-    lr_scheduler: str = "cosine"
-    warmup_steps: int = 10
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    seed: int = 0
-    output_dir: str = "outputs/finetune"
-    overwrite: bool = False
-    save_steps: int = 50
-    save_total_limit: int = 2
-    save_async: bool = True
-    resume: bool = False
-    collective_timeout: float = 300.0
-    num_processes: int | None = None
-    tp: int | None = None
-    pp: int | None = None
-    dp_replicate: int | None = None
-    nvme_path: str | None = None
-    activation_checkpointing: bool = False
-    loss_chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE
-    attn_implementation: str = "auto"
-    compile: bool = False
-    mixed_precision: str = "auto"
-    fp8: str | None = None
-    pp_schedule: str | None = None
-    pp_microbatches: int | None = None
-    gpu_mem_gb: float | None = None
-    skip_plan_check: bool = False
-    report_to: tuple[str, ...] = ("wandb",)
-    metrics: bool = True
-    wandb_project: str | None = None
-    compare_id: str | None = None
-    verbose: bool = False
+    # Strategy
+    config: str | None = option(
+        None, f"Rung name ({', '.join(name for name in RUNG_INFO if name != 'single')}; with or without .yaml), a path to your own accelerate YAML (FSDP1 "
+        "keys are translated), or 'single'. Default: the world that accelerate launch's --config_file started, else "
+        "one process.", group=STRATEGY)
+    num_processes: int | None = option(
+        None, "Processes to run; the data-parallel axis absorbs the change. Default: one per GPU of this node on a "
+        "GPU machine, the YAML's num_processes on CPU.", group=STRATEGY, type=positive_int)
+    tp: int | None = option(None, "Tensor-parallel degree (overrides the YAML's).", group=STRATEGY, type=positive_int)
+    pp: int | None = option(None, "Pipeline stages (overrides the YAML's).", group=STRATEGY, type=positive_int)
+    cp: int | None = option(
+        None, "Context-parallel degree: ranks that each hold 1/cp of every sequence (overrides the YAML's; "
+        "docs/long-context.md).", group=STRATEGY, type=positive_int)
+    dp_replicate: int | None = option(
+        None, "Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).",
+        group=STRATEGY, type=positive_int)
+    mixed_precision: str = option(
+        "auto", "bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; no: fp32; "
+        "auto (default): the config's setting on GPU, fp32 on CPU (bf16 under --qlora).", group=STRATEGY,
+        choices=("auto", "no", "bf16"))
+    fp8: str | None = option(
+        None, "Compute the decoder layers' projections in float8 (torchao; recipe tensorwise (a bare --fp8) or "
+        "rowwise); the rest in --mixed-precision, weights and gradients fp32. FSDP2 gathers the weights in float8 "
+        "where it shards them (tensorwise). Runs on single, ddp and the FSDP2 / TP / PP rungs; refused with --lora "
+        "and on DeepSpeed rungs (docs/fp8.md).", group=STRATEGY, nargs="?", const=FP8_RECIPES[0],
+        choices=FP8_RECIPES, metavar="RECIPE")
+    pp_schedule: str | None = option(
+        None, "Pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule).", group=STRATEGY,
+        choices=PP_SCHEDULES)
+    pp_microbatches: int | None = option(
+        None, "Pipeline micro-batches per step; must divide the per-rank batch (default: the YAML's).",
+        group=STRATEGY, type=positive_int)
+    activation_checkpointing: bool = option(
+        False, "Recompute each decoder layer in backward instead of keeping its activations.", group=STRATEGY)
+    loss_chunk_size: int = option(
+        DEFAULT_LOSS_CHUNK_SIZE, "Compute lm_head and the fp32 cross-entropy N sequence positions at a time, so the "
+        "whole batch's logits never exist (default {default}; the same loss). 0: unchunked, as transformers does.",
+        group=STRATEGY, type=non_negative_int, metavar="N")
+    attn_implementation: str = option(
+        "auto", "Attention kernel; every choice keeps packed documents apart. auto (default): flash varlen "
+        "(flash_attention_3/2) where installed on a GPU, else flex_attention; on CPU hfdist_documents (exact "
+        "per-document attention, no S x S tensor). Also: sdpa, eager (a dense S x S document mask: memory grows with "
+        "the square of --seq-len), flash_attention_2, flash_attention_3, flex_attention (GPU), hfdist_documents, or "
+        "a kernels-hub flash kernel id. Refused before launch where it cannot run (docs/attention.md).",
+        group=STRATEGY, metavar="NAME")
+    compile: bool = option(
+        False, "torch.compile each decoder layer (regional; inductor on CPU and GPU). Runs on single, ddp and the "
+        "FSDP2 / TP rungs; refused on pipeline, context-parallel and DeepSpeed rungs.", group=STRATEGY)
+    nvme_path: str | None = option(None, "NVMe folder for zero3_offload_nvme.", group=STRATEGY)
+    # Model and data
+    model: str | None = option(
+        None, "HF id, local checkpoint folder, or preset (llama-tiny, llama-small (default), llama-3.2-1b, "
+        "llama-3.1-8b, ...).", group=MODEL_DATA)
+    dataset: str | None = option(
+        None, "HF id, saved dataset folder, or local json/jsonl/csv/parquet with messages, conversations "
+        "(ShareGPT), prompt/completion, instruction/input/output, instruction/response, question/answer or text "
+        "columns (default: the embedded conversations).", group=MODEL_DATA)
+    seq_len: int = option(128, "Tokens per packed block (default {default}).", group=MODEL_DATA, type=positive_int)
+    long_documents: str = option(
+        "split", "A document longer than --seq-len: split it (conversations between exchanges, each piece "
+        "restating the system turn; a single over-long answer truncated) or refuse the dataset (default "
+        "{default}).", group=MODEL_DATA, choices=("split", "error"))
+    prepared_data: str | None = option(
+        None, "Packed data `hfdist prepare` wrote (the job loads it in seconds, refusing one made for another "
+        "tokenizer, --seq-len or template); a folder that does not exist yet is written by the job's own "
+        "preparation, for the next run.", group=MODEL_DATA, metavar="DIR")
+    lora: bool = option(False, "Train LoRA adapters (peft) instead of all weights.", group=MODEL_DATA)
+    qlora: bool = option(
+        False, "QLoRA: LoRA adapters (fp32) on a frozen 4-bit NF4 base (bitsandbytes, double quantisation), "
+        "computing in bf16 (--mixed-precision no: fp32); on the rungs that shard it or run it whole (docs/qlora.md "
+        "lists them; the others refuse it before launch).", group=MODEL_DATA)
+    lora_r: int = option(16, "LoRA rank (default {default}).", group=MODEL_DATA, type=positive_int)
+    lora_alpha: int = option(32, "LoRA alpha (default {default}).", group=MODEL_DATA, type=positive_int)
+    lora_dropout: float = option(
+        0.0, "Dropout on the LoRA branch's input (default 0; refused on tensor-parallel rungs, where each rank would "
+        "drop other entries of the same input).", group=MODEL_DATA, type=probability, metavar="P")
+    lora_target_modules: tuple[str, ...] | None = option(
+        None, "Comma-separated decoder projections LoRA adapts, e.g. q_proj,v_proj (default: all of them: "
+        "q/k/v/o_proj, gate/up/down_proj).", group=MODEL_DATA, type=names, metavar="NAMES")
+    # Training
+    max_steps: int = option(
+        120, "Optimizer steps (default {default}, unless --num-epochs is given).", group=TRAINING, type=positive_int,
+        exclusive="length")
+    num_epochs: float | None = option(
+        None, "Passes over the packed dataset instead of --max-steps (may be fractional); the Trainer reshuffles "
+        "every epoch.", group=TRAINING, type=positive_float, exclusive="length")
+    global_batch_size: int = option(
+        16, "Sequences per optimizer step over all ranks (default {default}).", group=TRAINING, type=positive_int)
+    micro_batch_size: int | None = option(
+        None, "Sequences per rank per forward (default: global batch / data-parallel ranks).", group=TRAINING,
+        type=positive_int)
+    learning_rate: float = option(
+        1e-3, "Peak learning rate of the schedule (default {default}).", group=TRAINING, type=positive_float,
+        aliases=("--lr",))
+    lr_scheduler: str = option(
+        "cosine", "Learning-rate schedule after the warm-up, the Trainer's (default {default}).", group=TRAINING,
+        choices=LR_SCHEDULERS)
+    warmup_steps: int = option(
+        10, "Linear warm-up steps (default {default}, at most a tenth of --max-steps).", group=TRAINING,
+        type=non_negative_int)
+    weight_decay: float = option(
+        0.0, "AdamW weight decay, on every weight but biases and norms, as the Trainer applies it (default "
+        "{default}).", group=TRAINING, type=non_negative_float)
+    max_grad_norm: float = option(
+        1.0, "Clip the gradients' global norm to this (default {default}; 0: no clipping).", group=TRAINING,
+        type=non_negative_float)
+    seed: int = option(0, "Seed of the model init and data order (default {default}).", group=TRAINING, type=int)
+    gpu_mem_gb: float | None = option(
+        None, "Memory per device to plan against (default: the GPU's own; no check on CPU without it).",
+        group=TRAINING, type=float)
+    skip_plan_check: bool = option(
+        False, "Launch even if the memory planner predicts the rung cannot fit.", group=TRAINING)
+    # Evaluation
+    eval_dataset: str | None = option(
+        None, "Held-out data, in any format --dataset takes (default: none).", group=EVALUATION, metavar="PATH|ID",
+        exclusive="held_out")
+    eval_fraction: float | None = option(
+        None, "Hold out this share of --dataset's rows (whole documents, drawn by --seed) before packing.",
+        group=EVALUATION, type=fraction, metavar="F", exclusive="held_out")
+    eval_steps: int = option(
+        0, "Evaluate every N optimizer steps (default 0: at the end only).", group=EVALUATION, type=non_negative_int,
+        metavar="N")
+    load_best: bool = option(
+        False, "Save the checkpoint with the lowest eval loss as the model, not the last step's (evaluates at every "
+        "saved checkpoint).", group=EVALUATION)
+    # Output and checkpoints
+    output_dir: str = option("outputs/finetune", "Where everything is written (default {default}).", group=OUTPUT)
+    overwrite: bool = option(False, "Allow writing into a non-empty --output-dir.", group=OUTPUT)
+    save_steps: int = option(
+        50, "Write OUTPUT_DIR/checkpoint-N every N optimizer steps (0: none; default {default}).", group=OUTPUT,
+        type=non_negative_int)
+    save_total_limit: int = option(
+        2, "Checkpoints kept, newest first (default {default}).", group=OUTPUT, type=positive_int)
+    save_async: bool = option(
+        True, "Write checkpoints in the background: the saving step copies the model and optimizer state to host "
+        "memory and training goes on while a thread writes it (default; DeepSpeed rungs always save "
+        "synchronously). --no-save-async: every rank waits until its checkpoint is written.", group=OUTPUT)
+    resume: bool = option(
+        False, "Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has none); "
+        "use it under launchers that restart failed jobs.", group=OUTPUT)
+    collective_timeout: float = option(
+        300.0, "How long a rank waits in one collective before the job stops with a report naming the ranks that "
+        "never joined (default {default}; docs/troubleshooting.md).", group=OUTPUT, type=timeout_seconds,
+        metavar="SECONDS")
+    # Metrics and console
+    report_to: tuple[str, ...] = option(
+        ("wandb",), "Comma-separated trackers that get the run's series, every rank's figures included, one run per "
+        "job: wandb (offline unless you are logged in), mlflow (OUTPUT_DIR/mlruns, or MLFLOW_TRACKING_URI), "
+        "tensorboard (OUTPUT_DIR/tensorboard), trackio; none for no tracker (default {default}). A tracker that fails "
+        "warns once and training goes on.", group=METRICS, type=trackers, metavar="NAMES")
+    metrics: bool = option(
+        True, "hfdist's memory/throughput callbacks and trackers (--no-metrics leaves them out, to measure their "
+        "cost).", group=METRICS)
+    wandb_project: str | None = option(None, "W&B project (default hfdist).", group=METRICS)
+    compare_id: str | None = option(None, "W&B group shared by the runs of one comparison.", group=METRICS)
+    verbose: bool = option(
+        False, "Show the libraries' messages on the screen too (they always go to OUTPUT_DIR/logs/).", group=METRICS)
 
     def __post_init__(self) -> None:
         if self.qlora:
@@ -126,161 +247,18 @@ class FinetuneConfig:
 
 
 def add_finetune_arguments(p: argparse.ArgumentParser) -> None:
-    """The fine-tune options (scripts/finetune.py and `hfdist finetune` share them), in accelerate's style: argument
-    groups, each option a sentence with its default."""
-    d = FinetuneConfig()
-    flag = argparse.BooleanOptionalAction  # every on/off setting has its --no- form, to override a job file
-    g = p.add_argument_group("Job file", "Every flag below as one YAML file (keys: the flags' names with "
-                             "underscores); flags given on the command line win over the file's values.")
+    """The fine-tune options (scripts/finetune.py, `hfdist finetune` and `hfdist prepare` share them): the job file
+    first, then every FinetuneConfig field (hfdist.config.options), in accelerate's style: argument groups, each
+    option a sentence with its default."""
+    g = p.add_argument_group(JOB_FILE.title, JOB_FILE.description)
     g.add_argument("job", nargs="?", default=None, metavar="JOB.yaml",
                    help="A job file (hfdist finetune --print-job writes one with every setting).")
     g.add_argument("--job", dest="job_file", default=None, metavar="JOB.yaml", help="The job file, as an option.")
     g.add_argument("--print-job", action="store_true",
                    help="Print the resolved job (the file's values, then the flags) as a job file, and exit.")
-    g = p.add_argument_group("Strategy", "Which rung of the ladder, on how many processes, with which degrees.")
-    g.add_argument("--config", default=d.config,
-                   help="Rung name (ddp, zero1, fsdp_full_shard, zero2, fsdp_hybrid, zero3, pp, fsdp_tp, zero2_tp, 3d, "
-                        "fsdp_cp, zero3_offload_cpu, zero3_offload_nvme; with or without .yaml), a path to your own accelerate "
-                        "YAML (FSDP1 keys are translated), or 'single'. Default: the world `accelerate launch "
-                        "--config_file` started, else one process.")
-    g.add_argument("--num-processes", type=positive_int, default=d.num_processes,
-                   help="Processes to run; the data-parallel axis absorbs the change. Default: one per GPU of this "
-                        "node on a GPU machine, the YAML's num_processes on CPU.")
-    g.add_argument("--tp", type=positive_int, default=d.tp, help="Tensor-parallel degree (overrides the YAML's).")
-    g.add_argument("--pp", type=positive_int, default=d.pp, help="Pipeline stages (overrides the YAML's).")
-    g.add_argument("--dp-replicate", type=positive_int, default=d.dp_replicate,
-                   help="Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).")
-    g.add_argument("--mixed-precision", default=d.mixed_precision, choices=["auto", "no", "bf16"],
-                   help="bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; "
-                        "no: fp32; auto (default): the config's setting on GPU, fp32 on CPU (bf16 under --qlora).")
-    g.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=d.fp8, choices=FP8_RECIPES, metavar="RECIPE",
-                   help="Compute the decoder layers' projections in float8 (torchao; recipe tensorwise (a bare --fp8) "
-                        "or rowwise); the rest in --mixed-precision, weights and gradients fp32. FSDP2 gathers the "
-                        "weights in float8 where it shards them (tensorwise). Runs on single, ddp and the FSDP2 / "
-                        "TP / PP rungs; refused with --lora and on DeepSpeed rungs (docs/fp8.md).")
-    g.add_argument("--pp-schedule", default=d.pp_schedule,
-                   choices=["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"],
-                   help="Pipeline schedule of a pp rung (default: the YAML's parallelism_config_pp_schedule).")
-    g.add_argument("--pp-microbatches", type=positive_int, default=d.pp_microbatches,
-                   help="Pipeline micro-batches per step; must divide the per-rank batch (default: the YAML's).")
-    g.add_argument("--activation-checkpointing", action=flag, default=d.activation_checkpointing,
-                   help="Recompute each decoder layer in backward instead of keeping its activations.")
-    g.add_argument("--loss-chunk-size", type=non_negative_int, default=d.loss_chunk_size, metavar="N",
-                   help=f"Compute lm_head and the fp32 cross-entropy N sequence positions at a time, so the whole "
-                        f"batch's logits never exist (default {d.loss_chunk_size}; the same loss). 0: unchunked, "
-                        "as transformers does.")
-    g.add_argument("--attn-implementation", default=d.attn_implementation, metavar="NAME",
-                   help="Attention kernel; every choice keeps packed documents apart. auto (default): flash varlen "
-                        "(flash_attention_3/2) where installed on a GPU, else flex_attention; on CPU "
-                        "hfdist_documents (exact per-document attention, no S x S tensor). Also: sdpa, eager (a "
-                        "dense S x S document mask: memory grows with the square of --seq-len), flash_attention_2, "
-                        "flash_attention_3, flex_attention (GPU), hfdist_documents, or a kernels-hub flash kernel "
-                        "id. Refused before launch where it cannot run (docs/attention.md).")
-    g.add_argument("--compile", action=flag, default=d.compile,
-                   help="torch.compile each decoder layer (regional; inductor on CPU and GPU). Runs on single, ddp "
-                        "and the FSDP2 / TP rungs; refused on pipeline, context-parallel and DeepSpeed rungs.")
-    g.add_argument("--nvme-path", default=d.nvme_path, help="NVMe folder for zero3_offload_nvme.")
-    g = p.add_argument_group("Model and data")
-    g.add_argument("--model", default=d.model,
-                   help="HF id, local checkpoint folder, or preset (llama-tiny, llama-small (default), llama-3.2-1b, "
-                        "llama-3.1-8b, ...).")
-    g.add_argument("--dataset", default=d.dataset,
-                   help="HF id, saved dataset folder, or local json/jsonl/csv/parquet with messages, conversations "
-                        "(ShareGPT), prompt/completion, instruction/input/output, instruction/response, "
-                        "question/answer or text columns (default: the embedded conversations).")
-    g.add_argument("--seq-len", type=positive_int, default=d.seq_len, help=f"Tokens per packed block (default {d.seq_len}).")
-    g.add_argument("--long-documents", choices=["split", "error"], default=d.long_documents,
-                   help="A document longer than --seq-len: split it (conversations between exchanges, each piece "
-                        "restating the system turn; a single over-long answer truncated) or refuse the dataset "
-                        f"(default {d.long_documents}).")
-    g.add_argument("--prepared-data", default=d.prepared_data, metavar="DIR",
-                   help="Packed data `hfdist prepare` wrote (the job loads it in seconds, refusing one made for "
-                        "another tokenizer, --seq-len or template); a folder that does not exist yet is written by "
-                        "the job's own preparation, for the next run.")
-    g.add_argument("--lora", action=flag, default=d.lora, help="Train LoRA adapters (peft) instead of all weights.")
-    g.add_argument("--qlora", action=flag, default=d.qlora,
-                   help="QLoRA: LoRA adapters (fp32) on a frozen 4-bit NF4 base (bitsandbytes, double quantisation), "
-                        "computing in bf16 (--mixed-precision no: fp32); on the rungs that shard it or run it whole "
-                        "(docs/qlora.md lists them; the others refuse it before launch).")
-    g.add_argument("--lora-r", type=positive_int, default=d.lora_r, help=f"LoRA rank (default {d.lora_r}).")
-    g.add_argument("--lora-alpha", type=positive_int, default=d.lora_alpha,
-                   help=f"LoRA alpha (default {d.lora_alpha}).")
-    g.add_argument("--lora-dropout", type=probability, default=d.lora_dropout, metavar="P",
-                   help="Dropout on the LoRA branch's input (default 0; refused on tensor-parallel rungs, where each "
-                        "rank would drop other entries of the same input).")
-    g.add_argument("--lora-target-modules", type=names, default=d.lora_target_modules, metavar="NAMES",
-                   help="Comma-separated decoder projections LoRA adapts, e.g. q_proj,v_proj (default: all of "
-                        "them: q/k/v/o_proj, gate/up/down_proj).")
-    g = p.add_argument_group("Training")
-    length = g.add_mutually_exclusive_group()
-    length.add_argument("--max-steps", type=positive_int, default=None,
-                        help=f"Optimizer steps (default {d.max_steps}, unless --num-epochs is given).")
-    length.add_argument("--num-epochs", type=positive_float, default=d.num_epochs,
-                        help="Passes over the packed dataset instead of --max-steps (may be fractional); the Trainer "
-                             "reshuffles every epoch.")
-    g.add_argument("--global-batch-size", type=positive_int, default=d.global_batch_size,
-                   help=f"Sequences per optimizer step over all ranks (default {d.global_batch_size}).")
-    g.add_argument("--micro-batch-size", type=positive_int, default=d.micro_batch_size,
-                   help="Sequences per rank per forward (default: global batch / data-parallel ranks).")
-    g.add_argument("--learning-rate", "--lr", type=positive_float, default=d.learning_rate,
-                   help=f"Peak learning rate of the schedule (default {d.learning_rate}).")
-    g.add_argument("--lr-scheduler", choices=LR_SCHEDULERS, default=d.lr_scheduler,
-                   help=f"Learning-rate schedule after the warm-up, the Trainer's (default {d.lr_scheduler}).")
-    g.add_argument("--warmup-steps", type=non_negative_int, default=d.warmup_steps,
-                   help=f"Linear warm-up steps (default {d.warmup_steps}, at most a tenth of --max-steps).")
-    g.add_argument("--weight-decay", type=non_negative_float, default=d.weight_decay,
-                   help=f"AdamW weight decay, on every weight but biases and norms, as the Trainer applies it "
-                        f"(default {d.weight_decay:g}).")
-    g.add_argument("--max-grad-norm", type=non_negative_float, default=d.max_grad_norm,
-                   help=f"Clip the gradients' global norm to this (default {d.max_grad_norm:g}; 0: no clipping).")
-    g.add_argument("--seed", type=int, default=d.seed, help=f"Seed of the model init and data order (default {d.seed}).")
-    g.add_argument("--gpu-mem-gb", type=float, default=d.gpu_mem_gb,
-                   help="Memory per device to plan against (default: the GPU's own; no check on CPU without it).")
-    g.add_argument("--skip-plan-check", action=flag, default=d.skip_plan_check,
-                   help="Launch even if the memory planner predicts the rung cannot fit.")
-    g = p.add_argument_group("Evaluation", "Eval loss and perplexity on held-out data, on every rung.")
-    held_out = g.add_mutually_exclusive_group()
-    held_out.add_argument("--eval-dataset", default=d.eval_dataset, metavar="PATH|ID",
-                          help="Held-out data, in any format --dataset takes (default: none).")
-    held_out.add_argument("--eval-fraction", type=fraction, default=d.eval_fraction, metavar="F",
-                          help="Hold out this share of --dataset's rows (whole documents, drawn by --seed) before "
-                               "packing.")
-    g.add_argument("--eval-steps", type=non_negative_int, default=d.eval_steps, metavar="N",
-                   help="Evaluate every N optimizer steps (default 0: at the end only).")
-    g.add_argument("--load-best", action=flag, default=d.load_best,
-                   help="Save the checkpoint with the lowest eval loss as the model, not the last step's "
-                        "(evaluates at every saved checkpoint).")
-    g = p.add_argument_group("Output and checkpoints")
-    g.add_argument("--output-dir", default=d.output_dir, help=f"Where everything is written (default {d.output_dir}).")
-    g.add_argument("--overwrite", action=flag, default=d.overwrite, help="Allow writing into a non-empty --output-dir.")
-    g.add_argument("--save-steps", type=non_negative_int, default=d.save_steps,
-                   help=f"Write OUTPUT_DIR/checkpoint-N every N optimizer steps (0: none; default {d.save_steps}).")
-    g.add_argument("--save-total-limit", type=positive_int, default=d.save_total_limit,
-                   help=f"Checkpoints kept, newest first (default {d.save_total_limit}).")
-    g.add_argument("--save-async", action=flag, default=d.save_async,
-                   help="Write checkpoints in the background: the saving step copies the model and optimizer state to "
-                        "host memory and training goes on while a thread writes it (default; DeepSpeed rungs always "
-                        "save synchronously). --no-save-async: every rank waits until its checkpoint is written.")
-    g.add_argument("--resume", action=flag, default=d.resume,
-                   help="Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has "
-                        "none); use it under launchers that restart failed jobs.")
-    g.add_argument("--collective-timeout", type=timeout_seconds, default=d.collective_timeout, metavar="SECONDS",
-                   help=f"How long a rank waits in one collective before the job stops with a report naming the "
-                        f"ranks that never joined (default {d.collective_timeout:g}; docs/troubleshooting.md).")
-    g = p.add_argument_group("Metrics and console")
-    g.add_argument("--report-to", type=trackers, default=d.report_to, metavar="NAMES",
-                   help="Comma-separated trackers that get the run's series, every rank's figures included, one run "
-                        "per job: wandb (offline unless you are logged in), mlflow (OUTPUT_DIR/mlruns, or "
-                        "MLFLOW_TRACKING_URI), tensorboard (OUTPUT_DIR/tensorboard), trackio; none for no tracker "
-                        "(default wandb). A tracker that fails warns once and training goes on.")
-    g.add_argument("--no-wandb", action="store_true", help="Leave wandb out of --report-to.")
-    g.add_argument("--metrics", action=flag, default=d.metrics,
-                   help="hfdist's memory/throughput callbacks and trackers (--no-metrics leaves them out, to measure "
-                        "their cost).")
-    g.add_argument("--wandb-project", default=d.wandb_project, help="W&B project (default hfdist).")
-    g.add_argument("--compare-id", default=d.compare_id, help="W&B group shared by the runs of one comparison.")
-    g.add_argument("--verbose", action=flag, default=d.verbose,
-                   help="Show the libraries' messages on the screen too (they always go to OUTPUT_DIR/logs/).")
+    add_options(p, FinetuneConfig)
+    metrics = next(g for g in p._action_groups if g.title == METRICS.title)
+    metrics.add_argument("--no-wandb", action="store_true", help="Leave wandb out of --report-to.")
 
 
 def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -294,13 +272,10 @@ def config_from_namespace(args: argparse.Namespace) -> FinetuneConfig:
     """Parsed fine-tune options -> FinetuneConfig (other attributes of `args`, such as a CLI verb's, are left out).
     argparse refuses --max-steps together with --num-epochs (exit 2); without either, training runs the default
     --max-steps. --no-wandb takes wandb out of --report-to."""
-    fields = FinetuneConfig.__dataclass_fields__
-    values = {k: v for k, v in vars(args).items() if k in fields}
-    if values.get("max_steps") is None:
-        values["max_steps"] = FinetuneConfig.max_steps
+    config = dataclass_from_namespace(FinetuneConfig, args)
     if getattr(args, "no_wandb", False):
-        values["report_to"] = tuple(t for t in values.get("report_to", FinetuneConfig.report_to) if t != "wandb")
-    return FinetuneConfig(**values)
+        config = replace(config, report_to=tuple(t for t in config.report_to if t != "wandb"))
+    return config
 
 
 def parse_command(argv: list[str], prog: str | None = None) -> tuple[FinetuneConfig, bool]:

@@ -133,8 +133,9 @@ class Rung:
         return self.owns_sharding and not (self.uses_pipeline and self.dims.dp == 1)
 
     def with_num_processes(self, num_processes: int, *, tp: int | None = None, pp: int | None = None,
-                           dp_replicate: int | None = None, node_size: int | None = None) -> "Rung":
-        """The same rung on `num_processes` processes, with the tp / pp / dp_replicate degrees given (None: the
+                           cp: int | None = None, dp_replicate: int | None = None,
+                           node_size: int | None = None) -> "Rung":
+        """The same rung on `num_processes` processes, with the tp / pp / cp / dp_replicate degrees given (None: the
         rung's own; precedence CLI > YAML). The data-parallel axis absorbs the rest.
 
         A hybrid (HSDP) rung shards over the ranks of one node: `node_size` // (tp x pp) when the node is known (a
@@ -144,15 +145,15 @@ class Rung:
             LadderError: degrees that do not divide the processes, or that the rung's strategy does not have.
         """
         d = self.dims
-        tp, pp = tp or d.tp, pp or d.pp
-        self._check_degrees_apply(tp, pp, dp_replicate)
-        model_parallel = tp * pp * d.cp
+        tp, pp, cp = tp or d.tp, pp or d.pp, cp or d.cp
+        self._check_degrees_apply(tp, pp, cp, dp_replicate)
+        model_parallel = tp * pp * cp
         if num_processes < 1 or num_processes % model_parallel:
-            what, sizes = ("tensor x pipeline", f"tp x pp = {tp} x {pp}") if d.cp == 1 else \
-                ("tensor x pipeline x context", f"tp x pp x cp = {tp} x {pp} x {d.cp}")
+            what, sizes = ("tensor x pipeline", f"tp x pp = {tp} x {pp}") if cp == 1 else \
+                ("tensor x pipeline x context", f"tp x pp x cp = {tp} x {pp} x {cp}")
             raise LadderError(f"{self.name} cannot run on {num_processes} processes: its {what} degrees {sizes} = "
                               f"{model_parallel} must divide the processes. Use a multiple of {model_parallel} "
-                              "processes, or other --tp / --pp.")
+                              "processes, or other --tp / --pp / --cp.")
         dp = num_processes // model_parallel
         hybrid = self.fsdp is not None and self.fsdp.hybrid
         if self.kind is StrategyKind.SINGLE:
@@ -180,7 +181,7 @@ class Rung:
             if dp % replicate:
                 raise LadderError(f"--dp-replicate {replicate} does not divide {self.name}'s {dp} data-parallel ranks "
                                   f"({num_processes} processes / tp x pp = {model_parallel}). Use a divisor of {dp}.")
-            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp, cp=d.cp)
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp, cp=cp)
         pipeline = (self.pipeline or PipelineSettings()) if dims.pp > 1 else None
         fsdp = replace(self.fsdp, hybrid=hybrid or dims.dp_replicate > 1) if self.fsdp is not None else None
         return replace(self, num_processes=num_processes, dims=dims, pipeline=pipeline, fsdp=fsdp)
@@ -200,20 +201,22 @@ class Rung:
         given = {k: v for k, v in (("schedule", schedule), ("n_microbatches", n_microbatches)) if v is not None}
         return replace(self, pipeline=replace(self.pipeline, **given))
 
-    def _check_degrees_apply(self, tp: int, pp: int, dp_replicate: int | None) -> None:
+    def _check_degrees_apply(self, tp: int, pp: int, cp: int, dp_replicate: int | None) -> None:
         """Degrees the rung's strategy has no axis for are refused (a silently ignored --tp is a wrong run)."""
-        asked = [f"{flag} {v}" for flag, v, base in (("--tp", tp, self.dims.tp), ("--pp", pp, self.dims.pp))
+        asked = [f"{flag} {v}" for flag, v, base in (("--tp", tp, self.dims.tp), ("--pp", pp, self.dims.pp),
+                                                     ("--cp", cp, self.dims.cp))
                  if v != base] + ([f"--dp-replicate {dp_replicate}"] if dp_replicate is not None else [])
         if not asked:
             return
         what = ", ".join(asked)
         if self.kind in (StrategyKind.SINGLE, StrategyKind.DDP):
             raise LadderError(f"{what} cannot apply to {self.name}, which replicates the whole model on every rank. "
-                              "Pick a rung with those axes: fsdp_tp (--tp), pp (--pp), 3d (both), fsdp_hybrid "
-                              "(--dp-replicate).")
-        if self.uses_deepspeed and (pp > 1 or dp_replicate is not None):
-            raise LadderError(f"{what} cannot apply to {self.name}: DeepSpeed's ZeRO has no pipeline stages or "
-                              "replica groups for an HF model here. Use pp / 3d / fsdp_hybrid for those axes.")
+                              "Pick a rung with those axes: fsdp_tp (--tp), pp (--pp), 3d (both), fsdp_cp (--cp), "
+                              "fsdp_hybrid (--dp-replicate).")
+        if self.uses_deepspeed and (pp > 1 or cp > 1 or dp_replicate is not None):
+            raise LadderError(f"{what} cannot apply to {self.name}: DeepSpeed's ZeRO has no pipeline stages, context "
+                              "parallelism or replica groups for an HF model here. Use pp / 3d / fsdp_cp / "
+                              "fsdp_hybrid for those axes.")
         if self.uses_deepspeed and tp > 1 and self.zero_stage == 3:
             raise LadderError(f"--tp {tp} cannot apply to {self.name}: DeepSpeed's AutoTP does not compose with ZeRO-3 "
                               "(DeepSpeed 0.19). Use zero2_tp (ZeRO-2 + AutoTP) or fsdp_tp.")

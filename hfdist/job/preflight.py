@@ -120,36 +120,45 @@ def _device_memory_bytes(cfg: FinetuneConfig) -> int | None:
 
 
 def _plan(cfg: FinetuneConfig, rung: Rung, micro: int, mem: int, attention: str, with_others: bool):
-    """The memory plan of `rung` (and of every other rung) for this job, or None for an architecture the planner
-    does not count (others run unplanned on the data-parallel rungs)."""
+    """(the plan of every rung for this job on this world, or None without `with_others`; the plan of this job's own
+    layout), or None for an architecture the planner does not count (others run unplanned on the data-parallel
+    rungs)."""
     from hfdist.config.ladder import known_rung_names
     from hfdist.models.presets import DEFAULT_PRESET, load_config
     from hfdist.models.registry import is_supported
     from hfdist.plan import plan_rungs
+    from hfdist.plan.bytes import Workload
+    from hfdist.plan.layouts import Cluster, Layout
+    from hfdist.plan.planner import plan_layout
 
     spec = cfg.model or DEFAULT_PRESET
     config = load_config(spec)
     if not is_supported(config):
         return None
     planned = rung if rung.kind is not StrategyKind.SINGLE else load_rung("ddp").with_num_processes(1)
-    others = [load_rung(n) for n in known_rung_names() if n != planned.name] if with_others else []
-    on_gpu = torch.cuda.is_available()
-    dtype = "bf16" if effective_mixed_precision(rung, on_gpu, cfg.mixed_precision) == "bf16" else "fp32"
-    # A pipeline stage holds the activations of pipeline micro-batches, a fraction of the rank's batch.
-    plan_micro = micro // rung.pipeline.n_microbatches if rung.pipeline is not None else micro
-    plan = plan_rungs(config, [planned, *others], gpus_per_node=rung.num_processes, nodes=1,
-                      gpu_mem_bytes=mem, seq=cfg.seq_len, micro_batch=plan_micro, lora=cfg.lora, lora_r=cfg.lora_r,
-                      qlora=cfg.qlora,
-                      activation_checkpointing=cfg.activation_checkpointing, dtype=dtype, model=spec,
+    dtype = "bf16" if effective_mixed_precision(rung, torch.cuda.is_available(), cfg.mixed_precision) == "bf16" \
+        else "fp32"
+    cluster = Cluster(planned.num_processes)
+    workload = Workload(seq=cfg.seq_len, lora=cfg.lora, lora_r=cfg.lora_r, qlora=cfg.qlora, dtype=dtype,
+                        loss_chunk_size=cfg.loss_chunk_size or None, attention=attention)
+    layout = Layout(planned, micro, cfg.activation_checkpointing, cfg.global_batch_size)
+    mine = plan_layout(config, layout, cluster, gpu_mem_bytes=mem, workload=workload, model=spec)
+    if not with_others:
+        return None, mine
+    others = [load_rung(n) for n in known_rung_names()]
+    plan = plan_rungs(config, others, gpus_per_node=cluster.gpus_per_node, gpu_mem_bytes=mem, seq=cfg.seq_len,
+                      global_batch=cfg.global_batch_size, micro_batch=None, activation_checkpointing=None,
+                      lora=cfg.lora, lora_r=cfg.lora_r, qlora=cfg.qlora, dtype=dtype, model=spec,
                       loss_chunk_size=cfg.loss_chunk_size or None, attention=attention)
-    return plan, next(r for r in plan.rungs if r.name == planned.name)
+    return plan, mine
 
 
 def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str = "auto") -> None:
-    """Refuse a rung the memory planner predicts cannot fit, showing the ladder and the rung that would.
+    """Refuse a layout the memory planner predicts cannot fit, showing the ladder's best layouts and the one that
+    would fit.
 
     Raises:
-        ConfigError: the rung's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
+        ConfigError: the layout's predicted per-rank bytes exceed the device memory (--skip-plan-check overrides).
     """
     mem = _device_memory_bytes(cfg)
     if mem is None or cfg.skip_plan_check:
@@ -159,8 +168,8 @@ def plan_check(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str = "au
         return
     plan, mine = planned
     rec = plan.recommended
-    advice = (f"The simplest rung that fits is {rec.name}: {rec.command}" if rec is not None
-              else f"No rung fits: {plan.hint}")
+    advice = (f"The fastest predicted layout that fits is {rec.name} at {rec.layout.describe()}: {rec.command}"
+              if rec is not None else f"No rung fits: {plan.hint}")
     need = f"{mine.bytes.total / 1e9:.1f} GB" if mine.bytes is not None else "more than it can hold"
     raise ConfigError(
         f"{rung.name} is predicted to need {need} per device, more than the {mem / 1e9:.1f} GB available, so it "
@@ -183,7 +192,7 @@ def check_dense_mask(cfg: FinetuneConfig, rung: Rung, micro: int, attention: str
         return
     mem = _device_memory_bytes(cfg) or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // rung.num_processes
     dense, free = (_plan(cfg, rung, micro, mem, a, with_others=False) for a in (attention, AUTO))
-    if dense is None or dense[1].bytes is None:
+    if dense is None or dense[1].bytes is None or free[1].bytes is None:
         return
     mask = dense[1].bytes.activations - free[1].bytes.activations
     if mask > mem:

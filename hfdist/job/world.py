@@ -120,7 +120,7 @@ def resolve_rung(cfg: FinetuneConfig, node: Node | None = None) -> Rung:
     # on this node) all of them on a GPU machine; on CPU the YAML's shard group stands in for a node.
     node_size = node.local_world if node.launched and node.gpus else (count if node.gpus else None)
     try:
-        rung = rung.with_num_processes(count, tp=cfg.tp, pp=cfg.pp, dp_replicate=cfg.dp_replicate,
+        rung = rung.with_num_processes(count, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp_replicate=cfg.dp_replicate,
                                        node_size=node_size)
     except LadderError as exc:
         raise WorldError(f"{exc} (The process count {count} comes from {origin}.)") from exc

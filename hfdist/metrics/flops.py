@@ -18,12 +18,13 @@ MFU = achieved model FLOP/s per device / dense peak FLOP/s of the device (no 2:4
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
+
+if TYPE_CHECKING:  # the counts need no torch: the planner's cost model (hfdist.plan.cost) imports them torch-free
+    import torch
 
 __all__ = ["LORA_TARGETS", "TokenFlops", "matmul_params", "flops_per_token", "model_token_flops",
            "model_flops_per_token", "batch_lengths", "mfu", "tflops_per_device"]

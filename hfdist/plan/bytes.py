@@ -84,6 +84,7 @@ __all__ = [
     "dims_on_cluster",
     "rung_rank_bytes",
     "stage_layers",
+    "stage_params",
 ]
 
 GB = 10**9
@@ -237,16 +238,29 @@ def stage_layers(shape: ModelShape, pp: int) -> list[int]:
     return [len(r) for r in split_stages(shape.layers, pp)]
 
 
+def _layer_params(shape: ModelShape, tp: int) -> float:
+    """One decoder layer's parameters on a tp rank (projections split, norms whole)."""
+    return shape.layer_linear_params / tp + 2 * shape.hidden
+
+
+def stage_params(shape: ModelShape, dims: ParallelDims, stage: int, layers: int) -> tuple[float, float]:
+    """(parameters, of which outside the decoder layers) one rank of pipeline stage `stage` (holding `layers` decoder
+    layers) holds, before data-parallel sharding: the first stage also the embedding, the last the final norm and
+    lm_head, projections, embedding and lm_head divided by tp."""
+    first, last = stage == 0, stage == dims.pp - 1
+    embed = shape.embed_params / dims.tp if first else 0
+    # A tied lm_head needs its own copy of the embedding on the last stage once they are on different ranks.
+    head_own = shape.embed_params if (shape.tied and dims.pp > 1) else shape.head_params
+    head = (head_own / dims.tp + shape.hidden) if last else 0
+    return layers * _layer_params(shape, dims.tp) + embed + head, embed + head
+
+
 def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, stage: int,
                  layers: int, float8_params: float) -> RankBytes:
     pp, tp = dims.pp, dims.tp
-    first, last = stage == 0, stage == pp - 1
-    layer = shape.layer_linear_params / tp + 2 * shape.hidden
-    embed = shape.embed_params / tp if first else 0
-    # A tied lm_head needs its own copy of the embedding on the last stage once they are on different ranks.
-    head_own = shape.embed_params if (shape.tied and pp > 1) else shape.head_params
-    head = (head_own / tp + shape.hidden) if last else 0
-    params = layers * layer + embed + head
+    last = stage == pp - 1
+    layer = _layer_params(shape, tp)
+    params, root = stage_params(shape, dims, stage, layers)
     trainable = layers * shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora else params
     frozen = params if w.lora else 0
     pb = _per_param(rung, w)
@@ -310,7 +324,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp
                     if w.qlora else None)
-    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, embed + head,
+    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, root,
                                                 trainable / max(params, 1), float8_params, layer_stored)
     if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
         buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)

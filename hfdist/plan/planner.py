@@ -1,12 +1,15 @@
-"""The memory planner: per-rank GPU bytes of every rung of the ladder for a model and a cluster, and the simplest
-rung that fits, with its launch command, from the model config alone (no weights; a 405B plan takes milliseconds).
+"""The planner: every rung's layouts on a cluster (degrees, micro-batch, recompute: hfdist.plan.layouts), each
+one's per-rank bytes (hfdist.plan.bytes) and predicted step time (hfdist.plan.cost), each rung's best layout, and the
+fastest one that fits with its launch command, from the model config alone (no weights; a 405B plan takes a
+fraction of a second).
 
-The accounting (16 or 20 bytes per parameter, sharding per rung, offload, activations, buffers) is documented in
-hfdist.plan.bytes and hfdist.models.shape; this module walks the ladder in decision-table order (ddp, zero1, zero2,
-fsdp_full_shard, zero3, fsdp_hybrid, TP/3D rungs, offload rungs last), picks the first that fits, and says what
-to change when only offload or nothing fits.
+A rung's best layout is its fastest predicted one that fits (or, when none fits, its leanest); the recommendation is
+the fastest predicted of the rungs' best, offload rungs only when nothing else fits. When nothing fits, or only an
+offload rung does, the plan names the cheapest single change after which a rung fits, found by planning again with
+it (so the advice is true of the planner).
 
-    plan = plan_rungs(load_config("llama-3.1-70b"), gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB)
+    plan = plan_rungs(load_config("llama-3.1-70b"), gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB, seq=131072,
+                      activation_checkpointing=True, global_batch=32)
     print(plan.table()); plan.to_json(); plan.recommended.command
 """
 
@@ -16,33 +19,48 @@ import shlex
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Iterable
 
-from hfdist.config.dims import ParallelDims
 from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
 from hfdist.config.ladder import Rung, known_rung_names, load_rung
 from hfdist.models.attention import AUTO, uses_dense_mask
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import check_fp8, float8_params_per_layer
-from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, dims_on_cluster, offload_device, rung_rank_bytes
+from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, offload_device, rung_rank_bytes
+from hfdist.plan.cost import NOMINAL_HARDWARE, Hardware, StepCost, step_cost
+from hfdist.plan.layouts import Cluster, Layout, Pins, rung_layouts
 
-__all__ = ["Plan", "RungPlan", "plan_rungs", "plan_order"]
+__all__ = ["Plan", "RungPlan", "plan_rungs", "plan_layout", "plan_order", "Cluster", "Pins", "SPEED_TIE"]
+
+# Predicted speeds this close are a tie (the cost model leaves out overheads of this order), which the simpler rung
+# wins.
+SPEED_TIE = 0.03
+
 
 @dataclass(frozen=True)
 class RungPlan:
-    """One rung on this cluster: its layout, predicted bytes and launch command (bytes None if it cannot run)."""
+    """One rung on this cluster: its best layout, that layout's predicted bytes and step time and its launch command
+    (bytes None if no layout of the rung can run here, with the reason in `note`)."""
 
     name: str
-    dims: ParallelDims | None
+    layout: Layout | None
     bytes: RankBytes | None
     fits: bool
     command: str
     offload: str = "none"
     note: str = ""
+    cost: StepCost | None = None
+    layouts: int = 0  # the layouts considered
+    fitting: int = 0  # of which fit
+
+    @property
+    def dims(self):
+        """The best layout's degrees (None when the rung cannot run here)."""
+        return self.layout.dims if self.layout is not None else None
 
 
 @dataclass(frozen=True)
 class Plan:
-    """Every rung's per-rank memory for one model, cluster and workload; the recommendation is the first that fits."""
+    """Every rung's best layout for one model, cluster and workload; the recommendation is the fastest that fits."""
 
     model: str
     shape: ModelShape
@@ -52,6 +70,7 @@ class Plan:
     gpu_mem_bytes: int
     workload: Workload
     rungs: tuple[RungPlan, ...]
+    hardware: Hardware = NOMINAL_HARDWARE
     hint: str = ""
 
     @property
@@ -61,8 +80,14 @@ class Plan:
 
     @property
     def recommended(self) -> RungPlan | None:
-        """The simplest rung that fits (decision-table order), or None."""
-        return next((r for r in self.rungs if r.fits), None)
+        """The fastest predicted rung that fits without offload (else with it), or None; of rungs predicted within
+        SPEED_TIE of the fastest, the simplest (the plan's order): the cost model cannot tell them apart."""
+        fitting = [r for r in self.rungs if r.fits]
+        candidates = [r for r in fitting if r.offload == "none"] or fitting
+        if not candidates:
+            return None
+        fastest = max(r.cost.tokens_per_second for r in candidates)
+        return next(r for r in candidates if r.cost.tokens_per_second >= (1 - SPEED_TIE) * fastest)
 
     def assumptions(self) -> list[str]:
         """The accounting behind the numbers, one line each (shown under the table and in the JSON)."""
@@ -90,7 +115,6 @@ class Plan:
         if w.reference_model:
             train += ("; DPO: a frozen reference copy of the weights beside the policy, sharded like it, at the frozen "
                       "rate" if not w.lora else "; DPO: the reference is the base with the adapters off (no copy)")
-        ckpt = "with" if w.activation_checkpointing else "without"
         logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
                   if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
         attention = {"sdpa": "sdpa with a dense S x S document mask (the mask + its bias saved per layer counted)",
@@ -100,58 +124,65 @@ class Plan:
         return [
             states,
             train,
-            f"activations: seq {w.seq} x micro-batch {w.micro_batch}, {attention}, {ckpt} activation "
-            f"checkpointing, fp32 logits of {logits}; PP: 1F1B with pp micro-batches in flight",
+            f"activations: seq {w.seq} x each layout's micro-batch, {attention}, with or without recompute as the "
+            f"layout says, fp32 logits of {logits}; PP: 1F1B with pp micro-batches in flight",
             "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers"
             + (f"; --fp8 {w.fp8}: decoder projections in float8, gathered at 1 B/param where FSDP2 shards them "
                "(tensorwise); model states and activations as without" if w.fp8 else ""),
             "offload rungs count GPU bytes only; 1 GB = 1e9 bytes; allocator fragmentation not modelled",
+            f"speed (hfdist.plan.cost): FLOPs over the matmul rate, collectives' bytes over the bandwidth, the "
+            f"optimizer's traffic and the pipeline bubble, on {self.hardware.source}",
         ]
 
     def table(self) -> str:
-        """The human-readable plan: one row per rung, the recommendation and its command."""
+        """The human-readable plan: one row per rung (its best layout), the recommendation and its command."""
         s = self.shape
         n = s.total_params
         size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
         head = (f"hfdist plan: {self.model} ({size} params, {s.layers} layers, hidden "
                 f"{s.hidden}) on {self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.world} ranks, "
                 f"{self.gpu_mem_bytes / GB:g} GB each")
-        cols = ("rung", "layout", "weights", "grads", "master", "optim", "activ", "buffers", "total", "fits")
+        cols = ("rung", "best layout", "weights", "grads", "master", "optim", "activ", "buffers", "total", "fits",
+                "tok/s/GPU")
         rows = []
         for r in self.rungs:
-            layout = _describe_dims(r.dims) if r.dims else "-"
+            layout = r.layout.describe() if r.layout else "-"
             if r.bytes is None:
-                rows.append((r.name, layout, *["-"] * 7, "n/a"))
+                rows.append((r.name, layout, *["-"] * 7, "n/a", "-"))
                 continue
             b = r.bytes
             nums = (b.weights, b.grads, b.master, b.optimizer, b.activations, b.buffers, b.total)
-            fits = "yes" if r.fits else "no"
+            fits = f"yes ({r.fitting}/{r.layouts})" if r.fits else f"no (0/{r.layouts})"
             if r.offload != "none":
-                fits += f" (+{b.offloaded / GB:.1f} on {r.offload})"
-            rows.append((r.name, layout, *[f"{n / GB:.1f}" for n in nums], fits))
+                fits += f" +{b.offloaded / GB:.1f} on {r.offload}"
+            rows.append((r.name, layout, *[f"{n / GB:.1f}" for n in nums], fits,
+                         f"{r.cost.tokens_per_second_per_device:,.0f}"))
         widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
         fmt = "  ".join([f"{{:<{widths[0]}}}", f"{{:<{widths[1]}}}"]
-                        + [f"{{:>{wd}}}" for wd in widths[2:-1]] + [f"{{:<{widths[-1]}}}"])
+                        + [f"{{:>{wd}}}" for wd in widths[2:-2]] + [f"{{:<{widths[-2]}}}", f"{{:>{widths[-1]}}}"])
         lines = [head, "", fmt.format(*cols).rstrip(), *(fmt.format(*row).rstrip() for row in rows),
-                 "", "per-rank GB on the GPU (worst pipeline stage). Assumptions:"]
+                 "", "per-rank GB on the GPU (worst pipeline stage) of each rung's best layout: its fastest predicted "
+                 "that fits (fits: layouts that fit / considered), else its leanest. Assumptions:"]
         lines += [f"  - {a}" for a in self.assumptions()]
         lines.append("")
         rec = self.recommended
         if rec is None:
             lines.append(self.failure_message())
         else:
-            lines.append(f"Recommended: {rec.name} ({rec.bytes.total / GB:.1f} of {self.gpu_mem_bytes / GB:g} GB "
-                         f"per GPU)")
+            lines.append(f"Recommended: {rec.name}, {rec.layout.describe()} ({rec.bytes.total / GB:.1f} of "
+                         f"{self.gpu_mem_bytes / GB:g} GB per GPU; predicted fastest, "
+                         f"{rec.cost.tokens_per_second_per_device:,.0f} tokens/s per GPU)")
             lines.append(f"  {rec.command}")
             if rec.note:
                 lines.append(f"  note: {rec.note}")
+            lines.append("  `hfdist tune` measures the candidates on your own machine.")
         if self.hint and rec is not None:  # without a recommendation the failure message carries the fix
             lines.append(f"Hint: {self.hint}")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        """{"rungs": [{"name", "fits", "per_rank_bytes": {...}}, ...], "recommended": {"name", "command"} | None}
-        plus the inputs, the assumptions and any hint."""
+        """{"rungs": [{"name", "fits", "layout", "per_rank_bytes", "predicted", ...}, ...], "recommended": {"name",
+        "command"} | None} plus the inputs, the assumptions and any hint."""
         rec = self.recommended
         out: dict[str, Any] = {
             "model": {"spec": self.model, "params": self.shape.total_params, "trainable_params": self.trainable_params,
@@ -159,14 +190,9 @@ class Plan:
             "cluster": {"gpus_per_node": self.gpus_per_node, "nodes": self.nodes, "world": self.world,
                         "gpu_mem_bytes": self.gpu_mem_bytes},
             "workload": asdict(self.workload),
+            "hardware": asdict(self.hardware),
             "assumptions": self.assumptions(),
-            "rungs": [
-                {"name": r.name, "fits": r.fits,
-                 "per_rank_bytes": r.bytes.to_json() if r.bytes else None,
-                 "dims": r.dims.to_dict() if r.dims else None, "offload": r.offload, "command": r.command,
-                 **({"note": r.note} if r.note else {})}
-                for r in self.rungs
-            ],
+            "rungs": [_rung_json(r) for r in self.rungs],
             "recommended": {"name": rec.name, "command": rec.command} if rec else None,
         }
         if rec is None:
@@ -186,17 +212,31 @@ class Plan:
         parts = {"activations": b.activations, "model states": b.model_states, "buffers": b.buffers}
         big = max(parts, key=parts.get)
         fix = self.hint or "use GPUs with more memory, or a shorter --seq."
-        return (f"Nothing fits: even the leanest rung, {best.name}, needs {b.total / GB:.1f} GB per GPU "
-                f"({big} {parts[big] / GB:.1f} GB of it) but each GPU has {self.gpu_mem_bytes / GB:g} GB. "
-                f"Fix: {fix}")
+        return (f"Nothing fits: even the leanest layout, {best.name} at {best.layout.describe()}, needs "
+                f"{b.total / GB:.1f} GB per GPU ({big} {parts[big] / GB:.1f} GB of it) but each GPU has "
+                f"{self.gpu_mem_bytes / GB:g} GB. Fix: {fix}")
 
 
-def _describe_dims(d: ParallelDims) -> str:
-    return d.layout()
+def _rung_json(r: RungPlan) -> dict[str, Any]:
+    out: dict[str, Any] = {"name": r.name, "fits": r.fits, "per_rank_bytes": r.bytes.to_json() if r.bytes else None,
+                           "dims": r.dims.to_dict() if r.dims else None, "offload": r.offload, "command": r.command,
+                           "layouts": r.layouts, "fitting": r.fitting}
+    if r.layout is not None:
+        out["layout"] = {"micro_batch": r.layout.micro_batch, "global_batch": r.layout.global_batch,
+                         "activation_checkpointing": r.layout.activation_checkpointing,
+                         "options": r.layout.job_options()}
+    if r.cost is not None:
+        out["predicted"] = {"step_seconds": r.cost.seconds, "tokens_per_second": r.cost.tokens_per_second,
+                            "tokens_per_second_per_device": r.cost.tokens_per_second_per_device,
+                            "compute_seconds": r.cost.compute, "bubble_seconds": r.cost.bubble,
+                            "optimizer_seconds": r.cost.optimizer, "exposed_comm_seconds": r.cost.exposed_comm}
+    if r.note:
+        out["note"] = r.note
+    return out
 
 
 def plan_order(rungs: Iterable[Rung]) -> list[Rung]:
-    """Rungs in the order the recommendation walks: the rung table's plan_order ((single,) ddp, zero1, zero2,
+    """Rungs in the order the plan lists them: the rung table's plan_order ((single,) ddp, zero1, zero2,
     fsdp_full_shard, zero3, fsdp_hybrid, pp, fsdp_tp, zero2_tp, 3d, fsdp_cp), then rungs the table does not list,
     offload rungs last."""
     def key(r: Rung) -> tuple:
@@ -205,20 +245,16 @@ def plan_order(rungs: Iterable[Rung]) -> list[Rung]:
     return sorted(rungs, key=key)
 
 
-def _command(rung: Rung, model: str, world: int, dims: ParallelDims, w: Workload) -> str:
-    # Under PP the planned micro-batch is a pipeline micro-batch; a rank's batch holds n_microbatches of them.
-    per_rank = w.micro_batch * (rung.pipeline.n_microbatches if rung.pipeline is not None else 1)
+def _command(layout: Layout, model: str, w: Workload) -> str:
     if w.reference_model:  # preference training runs in a script of the user's, as examples/dpo_trl.py
-        return shlex.join(["torchrun", "--nproc-per-node", str(world), "examples/dpo_trl.py", "--config", rung.name,
-                           "--model", model, "--global-batch-size", str(max(per_rank * dims.dp // 2, 1))])
-    parts = ["accelerate", "launch", "scripts/finetune.py", "--config", f"{rung.name}.yaml",
-             "--num-processes", str(world), "--model", model]
+        return shlex.join(["torchrun", "--nproc-per-node", str(layout.rung.num_processes), "examples/dpo_trl.py",
+                           "--config", layout.rung.name, "--model", model,
+                           "--global-batch-size", str(max(layout.global_batch // 2, 1))])
+    flags = layout.flags()
+    parts = ["accelerate", "launch", "scripts/finetune.py", *flags[:4], "--model", model]
     if w.lora:
         parts += ["--qlora" if w.qlora else "--lora", "--lora-r", str(w.lora_r)]
-    parts += ["--seq-len", str(w.seq), "--micro-batch-size", str(per_rank),
-              "--global-batch-size", str(per_rank * dims.dp)]
-    if w.activation_checkpointing:
-        parts.append("--activation-checkpointing")
+    parts += ["--seq-len", str(w.seq), *flags[4:]]
     if w.attention != AUTO:
         parts += ["--attn-implementation", w.attention]
     if w.fp8:
@@ -237,83 +273,151 @@ def _check_takes_qlora(rung: Rung) -> None:
         raise PlanError("does not take --qlora (docs/qlora.md)") from exc
 
 
-def _rung_plan(shape: ModelShape, config, rung: Rung, model: str, gpus_per_node: int, nodes: int,
-               gpu_mem_bytes: int, w: Workload) -> RungPlan:
-    offload = offload_device(rung)
+def _refusal(config, layout: Layout, w: Workload) -> str:
+    """Why this layout cannot run the workload ("" when it can): the checks the job makes before launch."""
+    rung, dims = layout.rung, layout.dims
     try:
         if w.qlora:
             _check_takes_qlora(rung)
-        dims = dims_on_cluster(rung, gpus_per_node, nodes)
-        if dims.tp > 1:
-            from hfdist.parallel.tensor_check import validate_tp
-
-            validate_tp(config, dims.tp)
-        if dims.cp > 1:
-            from hfdist.parallel.context_check import check_cp
-
-            check_cp(config, dims.cp, w.seq, tp=dims.tp)
         if w.fp8:
-            check_fp8(w.fp8, replace(rung, dims=dims), config, seq_len=w.seq, lora=w.lora)
+            check_fp8(w.fp8, rung, config, seq_len=w.seq, lora=w.lora)
         if w.reference_model and dims.pp > 1:
             raise PlanError("DPO's loss compares whole sequences of two models; pipeline stages compute only the "
                             "last stage's token cross-entropy (hfdist.api refuses it)")
     except (PlanError, ValueError) as exc:
-        return RungPlan(rung.name, None, None, False, "", offload, note=f"cannot run here: {exc}")
-    if rung.fsdp is not None and rung.fsdp.activation_checkpointing:
-        w = replace(w, activation_checkpointing=True)
-    b = rung_rank_bytes(shape, rung, dims, w, float8_params_per_layer(config, dims.tp) if w.fp8 else 0.0)
+        return str(exc)
+    return ""
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every layout of one plan shares."""
+
+    config: Any
+    shape: ModelShape
+    model: str
+    cluster: Cluster
+    gpu_mem_bytes: int
+    workload: Workload
+    hardware: Hardware
+    flops_per_token: float
+
+
+def _evaluate(ctx: _Context, layout: Layout) -> tuple[RankBytes, StepCost]:
+    w = replace(ctx.workload, micro_batch=layout.pipeline_micro_batch,
+                activation_checkpointing=layout.activation_checkpointing)
+    fp8 = float8_params_per_layer(ctx.config, layout.dims.tp) if w.fp8 else 0.0
+    b = rung_rank_bytes(ctx.shape, layout.rung, layout.dims, w, fp8)
+    cost = step_cost(ctx.shape, layout.rung, layout.dims, w, global_batch=layout.global_batch,
+                     hardware=ctx.hardware, gpus_per_node=ctx.cluster.gpus_per_node,
+                     flops_per_token=ctx.flops_per_token)
+    return b, cost
+
+
+def _note(rung: Rung, layout: Layout, nodes: int) -> str:
     note = ""
-    if rung.owns_sharding and rung.dims.dp_replicate > 1 and rung.dims.dp_shard != dims.dp_shard:
-        note = (f"set parallelism_config_dp_shard_size: {dims.dp_shard} and parallelism_config_dp_replicate_size: "
-                f"{dims.dp_replicate} in accelerate_configs/{rung.name}.yaml (it ships with dp_shard "
-                f"{rung.dims.dp_shard} x dp_replicate {rung.dims.dp_replicate})")
+    if rung.owns_sharding and rung.dims.dp_replicate > 1 and rung.dims.dp_shard != layout.dims.dp_shard:
+        note = (f"set parallelism_config_dp_shard_size: {layout.dims.dp_shard} and "
+                f"parallelism_config_dp_replicate_size: {layout.dims.dp_replicate} in accelerate_configs/"
+                f"{rung.name}.yaml (it ships with dp_shard {rung.dims.dp_shard} x dp_replicate "
+                f"{rung.dims.dp_replicate})")
     if nodes > 1:
         note = "; ".join(x for x in (note, f"run the command on each of the {nodes} nodes with accelerate's "
                                      "--num_machines/--machine_rank/--main_process_ip") if x)
-    return RungPlan(rung.name, dims, b, b.total <= gpu_mem_bytes, _command(rung, model, gpus_per_node * nodes,
-                                                                            dims, w), offload, note)
+    return note
 
 
-def _plan(config, rungs: list[Rung], model: str, gpus_per_node: int, nodes: int, gpu_mem_bytes: int,
-          w: Workload) -> Plan:
+def _rung_plan(ctx: _Context, rung: Rung, layouts: list[Layout], reason: str) -> RungPlan:
+    offload = offload_device(rung)
+    runnable, refusals = [], []
+    for layout in layouts:
+        why = _refusal(ctx.config, layout, ctx.workload)
+        (refusals if why else runnable).append(why or layout)
+    if not runnable:
+        why = refusals[0] if refusals else reason
+        return RungPlan(rung.name, None, None, False, "", offload, note=f"cannot run here: {why}",
+                        layouts=len(layouts))
+    scored = [(layout, *_evaluate(ctx, layout)) for layout in runnable]
+    fitting = [s for s in scored if s[1].total <= ctx.gpu_mem_bytes]
+    if fitting:  # the fastest predicted; of ties (SPEED_TIE), the simplest: no recompute, fewest model-parallel ranks
+        fastest = max(s[2].tokens_per_second for s in fitting)
+        tied = [s for s in fitting if s[2].tokens_per_second >= (1 - SPEED_TIE) * fastest]
+        layout, b, cost = min(tied, key=lambda s: (s[0].activation_checkpointing, s[0].dims.tp * s[0].dims.pp
+                                                   * s[0].dims.cp, -s[2].tokens_per_second))
+    else:
+        layout, b, cost = min(scored, key=lambda s: s[1].total)
+    return RungPlan(rung.name, layout, b, bool(fitting), _command(layout, ctx.model, ctx.workload), offload,
+                    _note(rung, layout, ctx.cluster.nodes), cost, len(scored), len(fitting))
+
+
+def _context(config, model: str, cluster: Cluster, gpu_mem_bytes: int, w: Workload, hardware: Hardware) -> _Context:
+    from hfdist.metrics.flops import flops_per_token
+
     shape = ModelShape.from_config(config)
-    trainable = shape.layers * shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora else shape.total_params
-    plans = tuple(_rung_plan(shape, config, r, model, gpus_per_node, nodes, gpu_mem_bytes, w)
-                  for r in plan_order(rungs))
-    return Plan(model, shape, trainable, gpus_per_node, nodes, gpu_mem_bytes, w, plans)
+    fpt = flops_per_token(config, w.seq, lora=w.lora, lora_r=w.lora_r, lora_targets=w.lora_targets)
+    return _Context(config, shape, model, cluster, gpu_mem_bytes, w, hardware, fpt)
 
 
-def _find_fix(config, rungs: list[Rung], model: str, gpus_per_node: int, nodes: int, gpu_mem_bytes: int,
-              w: Workload, avoid_offload: bool) -> str:
-    """The first single change (in order of cost to the user) after which a rung fits, as advice."""
-    candidates: list[tuple[str, int, Workload]] = []
+def _plan(ctx: _Context, rungs: list[Rung], pins: Pins, global_batch: int | None) -> Plan:
+    w = ctx.workload
+    trainable = (ctx.shape.layers * ctx.shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora
+                 else ctx.shape.total_params)
+    plans = []
+    for rung in plan_order(rungs):
+        layouts, reason = rung_layouts(rung, ctx.config, ctx.cluster, global_batch=global_batch, seq=w.seq,
+                                       pins=pins)
+        plans.append(_rung_plan(ctx, rung, layouts, reason))
+    return Plan(ctx.model, ctx.shape, trainable, ctx.cluster.gpus_per_node, ctx.cluster.nodes, ctx.gpu_mem_bytes, w,
+                tuple(plans), ctx.hardware)
+
+
+def _find_fix(ctx: _Context, rungs: list[Rung], pins: Pins, global_batch: int | None, avoid_offload: bool) -> str:
+    """The first single change (in order of cost to the user) after which a rung fits, found by planning with it."""
+    w, nodes = ctx.workload, ctx.cluster.nodes
+    candidates: list[tuple[str, int, Workload, Pins]] = []
     if uses_dense_mask(w.attention):
-        candidates.append(("use --attn-implementation auto (no S x S mask)", nodes, replace(w, attention=AUTO)))
-    if not w.activation_checkpointing:
-        candidates.append(("add --activation-checkpointing", nodes, replace(w, activation_checkpointing=True)))
-    ckpt = replace(w, activation_checkpointing=True)
-    if w.micro_batch > 1:
-        candidates.append(("use --micro-batch 1 with --activation-checkpointing", nodes, replace(ckpt, micro_batch=1)))
-    qlora = ("train QLoRA adapters on a 4-bit base (--qlora) with --activation-checkpointing", nodes,
-             replace(ckpt, lora=True, qlora=True))
+        candidates.append(("use --attn-implementation auto (no S x S mask)", nodes, replace(w, attention=AUTO), pins))
+    pinned = [f"--{axis} {pins.degree(axis)}" for axis in ("tp", "pp", "cp") if pins.degree(axis) is not None]
+    if pinned:
+        candidates.append((f"leave the degrees to the planner (drop {' '.join(pinned)})", nodes, w,
+                           replace(pins, tp=None, pp=None, cp=None)))
+    ckpt = replace(pins, activation_checkpointing=None if pins.activation_checkpointing is False else
+                   pins.activation_checkpointing)
+    if pins.activation_checkpointing is False:
+        candidates.append(("allow --activation-checkpointing", nodes, w, ckpt))
+    if (pins.micro_batch or 1) > 1:
+        candidates.append(("use --micro-batch 1", nodes, w, replace(ckpt, micro_batch=1)))
+    qlora = ("train QLoRA adapters on a 4-bit base (--qlora)", nodes, replace(w, lora=True, qlora=True), ckpt)
     if w.lora and not w.qlora:  # the same adapters on a 4-bit base: cheaper than more nodes
         candidates.append(qlora)
     for k in (2, 4, 8, 16, 32):
-        candidates.append((f"use {nodes * k} nodes (--nodes {nodes * k}) with --activation-checkpointing",
-                           nodes * k, ckpt))
+        candidates.append((f"use {nodes * k} nodes (--nodes {nodes * k})", nodes * k, w, ckpt))
     if not w.lora:
-        candidates.append(("train LoRA adapters (--lora) with --activation-checkpointing", nodes,
-                           replace(ckpt, lora=True)))
-    if not w.lora:
-        candidates.append(qlora)
-    for advice, k, cand in candidates:
-        rec = next((r for r in _plan(config, rungs, model, gpus_per_node, k, gpu_mem_bytes, cand).rungs
-                    if r.fits and not (avoid_offload and r.offload != "none")), None)
+        candidates += [("train LoRA adapters (--lora)", nodes, replace(w, lora=True), ckpt), qlora]
+    for advice, k, cand, cand_pins in candidates:
+        cluster = replace(ctx.cluster, nodes=k)
+        trial = _plan(replace(ctx, cluster=cluster, workload=cand), rungs, cand_pins, global_batch)
+        fitting = [r for r in trial.rungs if r.fits and not (avoid_offload and r.offload != "none")]
+        rec = replace(trial, rungs=tuple(fitting)).recommended
         if rec is not None:
-            return f"{advice}: then {rec.name} fits ({rec.bytes.total / GB:.1f} GB per GPU)."
+            return f"{advice}: then {rec.name} fits at {rec.layout.describe()} ({rec.bytes.total / GB:.1f} GB per GPU)."
     what = "without offload" if avoid_offload else "at all"
-    return (f"no single change (activation checkpointing, micro-batch 1, up to {nodes * 32} nodes, LoRA, QLoRA) makes "
-            f"a rung fit {what}: use GPUs with more memory or a shorter --seq.")
+    return (f"no single change (the degrees, activation checkpointing, micro-batch 1, up to {nodes * 32} nodes, LoRA, "
+            f"QLoRA) makes a rung fit {what}: use GPUs with more memory or a shorter --seq.")
+
+
+def _workload(seq, micro_batch, lora, lora_r, qlora, lora_targets, activation_checkpointing, dtype,
+              bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model) -> Workload:
+    return Workload(seq, micro_batch or 1, lora, lora_r, qlora, tuple(lora_targets), bool(activation_checkpointing),
+                    dtype, bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model)
+
+
+def _check_cluster(gpus_per_node, nodes, gpu_mem_bytes) -> None:
+    bad = {k: v for k, v in (("gpus_per_node", gpus_per_node), ("nodes", nodes), ("gpu_mem_bytes", gpu_mem_bytes))
+           if not isinstance(v, int) or v < 1}
+    if bad:
+        raise PlanError(f"{bad} must be positive integers: describe the cluster as --nodes K x --gpus-per-node G "
+                        "GPUs of --gpu-mem-gb M each.")
 
 
 def plan_rungs(
@@ -324,11 +428,15 @@ def plan_rungs(
     nodes: int = 1,
     gpu_mem_bytes: int,
     seq: int = 2048,
-    micro_batch: int = 1,
+    global_batch: int | None = None,
+    micro_batch: int | None = 1,
+    activation_checkpointing: bool | None = False,
+    tp: int | None = None,
+    pp: int | None = None,
+    cp: int | None = None,
     lora: bool = False,
     lora_r: int = 16,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
-    activation_checkpointing: bool = False,
     dtype: str = "bf16",
     bytes_per_param_adam: int = 16,
     model: str = "model",
@@ -337,34 +445,49 @@ def plan_rungs(
     fp8: str | None = None,
     qlora: bool = False,
     reference_model: bool = False,
+    hardware: Hardware = NOMINAL_HARDWARE,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
 
     Args:
-        config: a transformers LlamaConfig (hfdist.models.load_config gives one for presets, folders, hub ids).
+        config: a transformers config of a registered architecture (hfdist.models.load_config gives one for presets,
+            folders, hub ids).
         rungs: Rung objects or names; default every shipped rung (hfdist.config.ladder.known_rung_names()).
+        global_batch: sequences per optimizer step over all ranks, the same for every layout; None: each layout runs
+            `micro_batch` per rank with no accumulation (its global batch follows its data-parallel degree).
+        micro_batch, activation_checkpointing, tp, pp, cp: pinned settings; None searches them (hfdist.plan.layouts;
+            micro_batch is a pipeline stage's micro-batch, what one forward holds).
         model: the --model value, used in the launch commands.
+        hardware: the rates the cost model predicts step times with (default: nominal H100 figures).
         Others: see Workload and the module docstring.
 
     Returns:
-        A Plan whose rungs are in decision-table order; `plan.recommended` is the first that fits. When none fits,
-        or only an offload rung does, `plan.hint` names the cheapest change that would make a (non-offload) rung fit.
+        A Plan whose rungs are in decision-table order, each at its best layout; `plan.recommended` is the fastest
+        that fits. When none fits, or only an offload rung does, `plan.hint` names the cheapest change that would
+        make a (non-offload) rung fit.
 
     Raises:
-        PlanError: non-positive sizes, unknown dtype or accounting. PlanModelError: not a Llama config.
+        PlanError: non-positive sizes, unknown dtype or accounting. PlanModelError: an architecture the registry does
+        not describe.
     """
-    bad = {k: v for k, v in (("gpus_per_node", gpus_per_node), ("nodes", nodes), ("gpu_mem_bytes", gpu_mem_bytes))
-           if not isinstance(v, int) or v < 1}
-    if bad:
-        raise PlanError(f"{bad} must be positive integers: describe the cluster as --nodes K x --gpus-per-node G "
-                        "GPUs of --gpu-mem-gb M each.")
-    w = Workload(seq, micro_batch, lora, lora_r, qlora, tuple(lora_targets), activation_checkpointing, dtype,
-                 bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model)
+    _check_cluster(gpus_per_node, nodes, gpu_mem_bytes)
+    w = _workload(seq, micro_batch, lora, lora_r, qlora, lora_targets, activation_checkpointing, dtype,
+                  bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model)
+    pins = Pins(tp, pp, cp, micro_batch, activation_checkpointing)
+    if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
+        raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}.")
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]
-    plan = _plan(config, loaded, model, gpus_per_node, nodes, gpu_mem_bytes, w)
+    ctx = _context(config, model, Cluster(gpus_per_node, nodes), gpu_mem_bytes, w, hardware)
+    plan = _plan(ctx, loaded, pins, global_batch)
     rec = plan.recommended
     if rec is None or rec.offload != "none":
-        plan = replace(plan, hint=_find_fix(config, loaded, model, gpus_per_node, nodes, gpu_mem_bytes, w,
-                                            avoid_offload=rec is not None))
+        plan = replace(plan, hint=_find_fix(ctx, loaded, pins, global_batch, avoid_offload=rec is not None))
     return plan
 
+
+def plan_layout(config, layout: Layout, cluster: Cluster, *, gpu_mem_bytes: int, workload: Workload,
+                model: str = "model", hardware: Hardware = NOMINAL_HARDWARE) -> RungPlan:
+    """The plan of one exact layout (a launched job's: hfdist.job.preflight), its micro-batch and recompute taken
+    from the layout."""
+    ctx = _context(config, model, cluster, gpu_mem_bytes, workload, hardware)
+    return _rung_plan(ctx, layout.rung, [layout], "")

@@ -141,7 +141,7 @@ class Simulation:
 
 
 def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = None, pp: int | None = None,
-                    dp_replicate: int | None = None, pp_schedule: str | None = None,
+                    cp: int | None = None, dp_replicate: int | None = None, pp_schedule: str | None = None,
                     pp_microbatches: int | None = None, gpus_per_node: int = 8, model_config=None) -> Rung:
     """The rung `config_name` fitted to `num_processes` ranks on nodes of `gpus_per_node` GPUs, as a GPU launch
     would fit it (hfdist.job.world), with the pipeline schedule / micro-batches given, checked against the model's
@@ -166,7 +166,7 @@ def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = No
     if gpus_per_node < 1:
         raise SimulateError(f"--gpus-per-node must be a positive integer, got {gpus_per_node!r}.")
     try:
-        rung = rung.with_num_processes(num_processes, tp=tp, pp=pp, dp_replicate=dp_replicate,
+        rung = rung.with_num_processes(num_processes, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate,
                                        node_size=min(gpus_per_node, num_processes))
     except LadderError as exc:
         raise SimulateError(str(exc)) from exc

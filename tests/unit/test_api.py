@@ -51,7 +51,8 @@ def test_a_strategy_is_a_rung_name_a_yaml_or_degrees_fitted_to_the_world(world):
 @pytest.mark.parametrize("n, call, words", [
     (4, lambda: resolve_strategy("single"), "runs one process"),
     (4, lambda: resolve_strategy(tp=3), "processes"),
-    (4, lambda: resolve_strategy("fsdp_tp", cp=2), "config=None"),
+    (4, lambda: resolve_strategy("fsdp_tp", dp_shard=2), "config=None"),
+    (4, lambda: resolve_strategy("ddp", cp=2), "replicates the whole model"),
     (5, lambda: resolve_strategy("fsdp_tp"), "must divide the processes"),
     (4, lambda: resolve_strategy("no_such_rung"), "Known rungs"),
 ])

@@ -40,7 +40,7 @@ def test_plan_check_plans_against_the_gpus_memory(gpu_host):
     with pytest.raises(ConfigError) as exc:
         plan_check(FinetuneConfig(config="ddp", model="llama-3.1-8b", seq_len=2048), ddp, micro=1)
     message = str(exc.value)
-    assert "more than the 80.0 GB available" in message and "The simplest rung that fits is" in message
+    assert "more than the 80.0 GB available" in message and "The fastest predicted layout that fits is" in message
     fsdp = load_rung("fsdp_full_shard").with_num_processes(8)
     plan_check(FinetuneConfig(config="fsdp_full_shard", model="llama-3.1-8b", seq_len=2048), fsdp, micro=1)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from hfdist.config.finetune import ConfigError
+from hfdist.config.finetune import PP_SCHEDULES, ConfigError
 from hfdist.config.ladder import Rung
 from hfdist.errors import HfdistError
 
@@ -31,13 +31,7 @@ class PipelineConfigError(HfdistError, ValueError):
 
 
 # Public schedule names -> torch.distributed.pipelining class names. Names follow torch's, minus "Schedule".
-SCHEDULES: dict[str, str] = {
-    "GPipe": "ScheduleGPipe",
-    "1F1B": "Schedule1F1B",
-    "Interleaved1F1B": "ScheduleInterleaved1F1B",
-    "InterleavedZeroBubble": "ScheduleInterleavedZeroBubble",
-    "ZBVZeroBubble": "ScheduleZBVZeroBubble",
-}
+SCHEDULES: dict[str, str] = {name: f"Schedule{name}" for name in PP_SCHEDULES}
 # Schedules that take a list of local stages (torch's PipelineScheduleMulti); the others take exactly one.
 MULTI_STAGE_SCHEDULES = frozenset({"Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"})
 
