@@ -4,27 +4,25 @@ the model as it was; where the fused loss cannot read lm_head's weight it says w
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 from hfdist.metrics.memory import LiveTensorBytes
 from hfdist.models.build import build_model
 from hfdist.models.chunked_loss import causal_lm_loss, chunked_token_sum_cross_entropy, fused_loss_blocker
+from tolerances import U_BF16, order_rtol
 
 VOCAB = 32768
 # The fused and the chunked loss sum what HF's loss sums, in another order: each logit row's exponentials and each
-# hidden-state gradient row are sums of VOCAB fp32 terms, whose rounding is about sqrt(VOCAB) x 6e-8 = 1.1e-5
-# relative (a random walk of unit roundoffs); 4 of those, 4.3e-5, bound the loss and every gradient (the layers below
-# lm_head add sums of at most 256 terms, far less). Measured: at most 8.9e-7 (a norm weight's gradient, fused), so
-# the bound is 49 x that.
-RTOL = 4 * math.sqrt(VOCAB) * 6e-8
+# hidden-state gradient row are sums of VOCAB fp32 terms: order_rtol(VOCAB) = 6.1e-5 (tests/tolerances.py) bounds the
+# loss and every gradient (the layers below lm_head reorder nothing). Measured: at most 8.9e-7 (a norm weight's
+# gradient, fused), so the bound is 69 x that.
+RTOL = order_rtol(VOCAB)
 # bf16 autocast, fused against recomputing: the two fp32 paths round the logits' gradient to bf16 (unit roundoff
-# 4e-3) from values computed in another order, and each bf16 matmul the gradient then crosses on its way to a weight
+# 3.9e-3) from values computed in another order, and each bf16 matmul the gradient then crosses on its way to a weight
 # (lm_head's, then 3 to 4 per decoder layer for layer 0's) may round them one bf16 ulp apart again: 13 roundings,
-# 5.2e-2 if all added up. Measured: at most 9.1e-3; the bound is 5.5 x that.
-BF16_RTOL = 5e-2
+# 13 x U_BF16 = 5.1e-2 if all added up. Measured: at most 9.1e-3; the bound is 5.6 x that.
+BF16_RTOL = 13 * U_BF16
 
 
 def _batch(seq: int = 40) -> dict[str, torch.Tensor]:

@@ -4,8 +4,6 @@ an fp32 loss and autograd's precision under bf16; and what torch's own fused op 
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,17 +11,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hfdist.metrics.memory import LiveTensorBytes
 from hfdist.models.fused_loss import FusedLossTargetError, fused_linear_cross_entropy
+from tolerances import U_BF16, order_rtol
 
 N, H, V = 96, 32, 1000
 # Every value compared below is a sum of at most V fp32 terms taken in another order than the unfused loss takes
-# them (a row's sum of exponentials, a hidden-state gradient's row): its rounding is about sqrt(V) x 6e-8 = 1.9e-6
-# relative (a random walk of unit roundoffs); 4 of those, 7.6e-6, bound it. Measured: at most 4.9e-7 (the hidden
-# states' gradient, chunks of 7 rows), so the bound is 15 x that.
-RTOL = 4 * math.sqrt(V) * 6e-8
-# bf16: the gradient's operands are rounded to bf16 (unit roundoff 4e-3) from fp32 values that the two paths compute
-# in another order, so a term may land one bf16 rounding apart: about 4e-3 relative in norm at most. Measured 2.7e-3
-# (fp32 weights under autocast) and 3.6e-3 (bf16 weights); 2e-2 is 5 x the unit roundoff and 5.5 x the measured.
-BF16_RTOL = 2e-2
+# them (a row's sum of exponentials, a hidden-state gradient's row): order_rtol(V) = 1.1e-5 (tests/tolerances.py).
+# Measured: at most 4.9e-7 (the hidden states' gradient, chunks of 7 rows), so the bound is 22 x that.
+RTOL = order_rtol(V)
+# bf16: the gradient's operands are rounded to bf16 (unit roundoff 3.9e-3) from fp32 values that the two paths
+# compute in another order, so a term may land one bf16 rounding apart: about U_BF16 relative in norm. Measured
+# 2.7e-3 (fp32 weights under autocast) and 3.6e-3 (bf16 weights); 5 x U_BF16 = 2e-2 is 5.4 x the larger.
+BF16_RTOL = 5 * U_BF16
 
 
 def _inputs(bias: bool = False, dtype: torch.dtype = torch.float32):
