@@ -41,24 +41,14 @@ from hfdist.errors import HfdistError
 from hfdist.models.fused_loss import fused_linear_cross_entropy, vocab_parallel_cross_entropy
 from hfdist.models.loss import IGNORE_INDEX, shift_labels, token_sum_cross_entropy
 from hfdist.models.registry import facts_for, is_supported
+from hfdist.torch_private import loss_parallel_active
 
 __all__ = ["DEFAULT_LOSS_CHUNK_SIZE", "VocabShardedLogitsError", "causal_lm_loss", "chunked_token_sum_cross_entropy",
-           "find_causal_lm_head", "fused_loss_blocker", "loss_parallel_active"]
+           "find_causal_lm_head", "fused_loss_blocker"]
 
 
 class VocabShardedLogitsError(HfdistError, RuntimeError):
     """lm_head returns vocab-sharded DTensor logits outside `loss_parallel()`."""
-
-
-def loss_parallel_active() -> bool:
-    """Whether `torch.distributed.tensor.parallel.loss_parallel()` is in effect.
-
-    torch keeps no public flag for it; while active it installs DTensor handlers for these ops.
-    """
-    from torch.distributed.tensor import DTensor
-
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    return torch.ops.aten._log_softmax.default in handlers
 
 
 def _replicated_sequence(hidden: torch.Tensor) -> torch.Tensor:
