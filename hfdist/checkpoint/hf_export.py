@@ -259,9 +259,9 @@ class _OneTensorAtATime:
 
     On CPU, gloo's collectives return once the work is marked done, and gloo's worker thread drops its own
     reference to the buffers only after that (ProcessGroupGloo's run loop): on busy cores the caller could allocate
-    the next tensor while the last still lives (2 x the largest tensor on zero3's rank 1, a second staging slice on
-    fsdp_tp's rank 0; tests/e2e/test_scale_memory.py). So each tensor made is watched (`_freed`) and the next waits
-    for it, boundedly (a tensor someone else keeps costs memory, never a hang)."""
+    the next tensor while the last still lives (tests/e2e/test_scale_memory.py caught two full tensors at once). So
+    each tensor made is watched (`_freed`) and the next waits for it, boundedly (a tensor someone else keeps costs
+    memory, never a hang)."""
 
     def __init__(self) -> None:
         self._last: threading.Event | None = None
