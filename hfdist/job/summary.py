@@ -39,6 +39,8 @@ class RunRecord:
     closing_table: Callable[[Mapping[str, str]], str]  # every rank's figures, then `outputs`
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval loss, perplexity, tokens
     best_step: int | None = None  # under --load-best: the checkpoint saved as the model
+    # Every checkpoint's cost (hfdist.checkpoint.trainer_hooks.CheckpointCost: step, background, held_s, write_s)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
 
 
 def check_blocks(rung: Rung, available: int) -> int:
@@ -117,11 +119,13 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "peak_flops": {"flops": run.peak_flops.flops, "source": run.peak_flops.source} if run.peak_flops else None,
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
         "eval": _evaluation(run),
+        "checkpoints": run.checkpoints,
     }
-    run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
-                          for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-                                    "load_peak_memory_bytes")
-                          if any(k in r for r in ranks)})
+    peaks = {f"peak/{k}": max(r.get(k, 0) for r in ranks)
+             for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "load_peak_memory_bytes")
+             if any(k in r for r in ranks)}
+    costs = {f"checkpoint/total_{k}": sum(c[k] for c in run.checkpoints) for k in ("held_s", "write_s")}
+    run.sink.set_summary({**peaks, **(costs if run.checkpoints else {})})
     where = {sink.label: sink.location for sink in run.sink.sinks.values() if sink.location}
     records = run.sink.finish()
     summary["wandb"] = records.pop("wandb", {"mode": "disabled", "run_dir": None, "error": None})
