@@ -14,7 +14,13 @@ Sub-packages (import them; importing hfdist itself stays cheap):
     hfdist.report     the comparison matrix and W&B reports
     hfdist.cli        the `hfdist` command
     hfdist.errors     HfdistError and the one-paragraph errors; hfdist.console: the screen and OUTPUT_DIR/logs
+    hfdist.dependencies  the dependency floors (hfdist/requirements/), checked here at import
 """
 
 __version__ = "0.1.0"
 __all__ = ["__version__"]
+
+from hfdist.dependencies import check as _check_dependencies  # noqa: E402 (after __version__, which errors may name)
+
+# An environment outside the tested floors fails here, with one paragraph naming the versions (hfdist.dependencies).
+_check_dependencies()
