@@ -15,7 +15,7 @@ from hfdist.api import prepare_model, resolve_strategy, strategy_trainer
 from hfdist.checkpoint.background import background_by_default
 from hfdist.config.finetune import parse_args
 
-SEQ, ROWS, STEPS = 32, 8, 3
+SEQ, ROWS, STEPS = 32, 8, 2
 
 
 def test_background_saves_are_the_default_on_accelerators_only():
@@ -34,7 +34,7 @@ class _Logs(TrainerCallback):
         self.logged.append(dict(logs))
 
 
-@pytest.mark.parametrize("save_async", [None, True, False])
+@pytest.mark.parametrize("save_async", [None, True])  # None: this CPU host's default, synchronous
 def test_every_checkpoint_reports_what_it_held_and_wrote(tmp_path, save_async):
     strategy = resolve_strategy("single")
     args = strategy.training_arguments(output_dir=str(tmp_path), global_batch_size=2, max_steps=STEPS,
@@ -47,13 +47,13 @@ def test_every_checkpoint_reports_what_it_held_and_wrote(tmp_path, save_async):
     trainer.train()
     background = bool(save_async)  # None on this CPU host: synchronous
     costs = trainer.checkpoint_costs
-    assert [c["step"] for c in costs] == [1, 2, 3] and all(c["background"] is background for c in costs)
+    assert [c["step"] for c in costs] == [1, 2] and all(c["background"] is background for c in costs)
     # Every write took time, and a synchronous save holds the loop at least as long as its own write takes.
     assert all(c["write_s"] > 0 and c["held_s"] > 0 for c in costs)
     if not background:
         assert all(c["held_s"] >= c["write_s"] for c in costs)
     logged = [entry for entry in logs.logged if "checkpoint/held_s" in entry]
-    assert [entry["checkpoint/step"] for entry in logged] == [1.0, 2.0, 3.0]
+    assert [entry["checkpoint/step"] for entry in logged] == [1.0, 2.0]
     assert logged[-1]["checkpoint/write_s"] == pytest.approx(costs[-1]["write_s"])
-    marker = json.loads((tmp_path / "checkpoint-3" / "hfdist_checkpoint.json").read_text())
+    marker = json.loads((tmp_path / "checkpoint-2" / "hfdist_checkpoint.json").read_text())
     assert marker["async_save"] is background
