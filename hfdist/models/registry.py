@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hfdist.errors import HfdistError
@@ -52,18 +53,52 @@ def transformers_tp_plan(model_type: str) -> dict[str, str]:
     decoder layer -> transformers' style name. Entries outside the decoder layers (hfdist splits the embedding
     and lm_head itself) are left out.
 
+    Read from the config class's source without importing transformers (the planner sizes presets without torch or
+    transformers, `hfdist plan`); from the class itself where the source does not spell the plan out.
+
     Raises:
         UnsupportedModelError: the config class ships no TP plan.
     """
-    from transformers import CONFIG_MAPPING
+    plan = _plan_in_source(model_type)
+    if plan is None:
+        from transformers import CONFIG_MAPPING
 
-    plan = getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)
+        plan = getattr(CONFIG_MAPPING[model_type], "base_model_tp_plan", None)
     if not plan:
         raise UnsupportedModelError(
             f"transformers' {model_type} config ships no base_model_tp_plan, so hfdist cannot tell which projections "
             "tensor parallelism splits. Give its registry entry an explicit `tp_plan` "
             "(hfdist/models/registry.py), as transformers' plans are written.")
     return {key.removeprefix(_LAYER_PREFIX): style for key, style in plan.items() if key.startswith(_LAYER_PREFIX)}
+
+
+def _plan_in_source(model_type: str) -> dict[str, str] | None:
+    """`base_model_tp_plan` as the literal transformers' configuration_<model_type>.py assigns it in the class whose
+    `model_type` is `model_type`; None where the file or the literal is not there."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("transformers")  # locates the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(spec.submodule_search_locations[0]) / "models" / model_type / f"configuration_{model_type}.py"
+    if not path.is_file():
+        return None
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        values = {}
+        for statement in node.body:
+            target = statement.targets[0] if isinstance(statement, ast.Assign) else getattr(statement, "target", None)
+            if isinstance(target, ast.Name) and getattr(statement, "value", None) is not None:
+                values[target.id] = statement.value
+        if "model_type" in values and "base_model_tp_plan" in values:
+            try:
+                if ast.literal_eval(values["model_type"]) == model_type:
+                    return ast.literal_eval(values["base_model_tp_plan"])
+            except ValueError:
+                return None
+    return None
 
 
 @functools.cache

@@ -55,7 +55,10 @@ def test_tp_split_is_transformers_plan(model_type):
     restated: each decoder-layer entry of the config class's plan has exactly its role in hfdist's facts."""
     from transformers import CONFIG_MAPPING
 
+    from hfdist.models.registry import _plan_in_source
+
     plan = CONFIG_MAPPING[model_type].base_model_tp_plan
+    assert _plan_in_source(model_type) == plan  # what the torch-free read finds is the class's own plan
     facts = REGISTRY[model_type]
     assert REGISTRY[model_type].tp_plan is None  # no entry restates it
     roles = {"colwise": facts.colwise, "rowwise": facts.rowwise, "replicated_with_grad_allreduce": facts.head_norms}
