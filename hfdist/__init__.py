@@ -1,6 +1,6 @@
 """hfdist: pick, launch and compare parallelism strategies for Hugging Face causal-LM fine-tunes.
 
-Sub-packages (import them; importing hfdist itself stays cheap):
+Sub-packages (import them; importing hfdist itself only checks the dependency floors, tens of milliseconds):
     hfdist.config     a run's configuration: FinetuneConfig, the ladder of rungs, degrees, precision rules
     hfdist.job        the fine-tuning job: launching, preflight checks, the run (config -> launch -> run)
     hfdist.parallel   DeviceMesh parallelism: the parallelize recipe, TP, FSDP2, pipeline stages, verification
@@ -20,7 +20,7 @@ Sub-packages (import them; importing hfdist itself stays cheap):
 __version__ = "0.1.0"
 __all__ = ["__version__"]
 
-from hfdist.dependencies import check as _check_dependencies  # noqa: E402 (after __version__, which errors may name)
+from hfdist.dependencies import check as _check_dependencies  # noqa: E402 (the package's own names first)
 
 # An environment outside the tested floors fails here, with one paragraph naming the versions (hfdist.dependencies).
 _check_dependencies()
