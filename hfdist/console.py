@@ -5,6 +5,7 @@ notes, DeepSpeed's accelerator detection (once per rank, even in an FSDP run), t
 notice, deprecation warnings, W&B's banners. `start()` routes each process's stdout and stderr:
 
     text starting with "hfdist" (hfdist's lines and error paragraphs)   -> screen and log
+      (also after the prefix Ray puts on the lines it forwards from a worker: "(RayTrainWorker pid=N) hfdist: ...")
     progress-bar redraws (text starting with "\\r", how tqdm draws)       -> screen
     uncaught exceptions (tracebacks of real failures)                   -> screen and log
     everything else (library logging, warnings, prints)                 -> log only; --verbose: screen too
@@ -25,6 +26,7 @@ import atexit
 import io
 import logging
 import os
+import re
 import sys
 import threading
 import traceback
@@ -38,6 +40,8 @@ SCREEN_PREFIX = "hfdist"
 # How hfdist's hand-over tells the processes it starts where their logs go and whether to be verbose.
 LOG_DIR_ENV = "HFDIST_LOG_DIR"
 VERBOSE_ENV = "HFDIST_VERBOSE"
+# The prefix Ray's driver puts on each line it forwards from a worker process (colour codes, the actor and its pid).
+_FORWARDED = re.compile(r"(\x1b\[[\d;]*m)?\(\w+ pid=\d+(, ip=[\w.:]+)?\)(\x1b\[[\d;]*m)? ")
 # Library progress bars off (their redraws would bypass the log), set before the libraries read them.
 _QUIET_ENV = {"HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
@@ -93,6 +97,12 @@ class _DeferredLog(io.TextIOBase):
             self._file.close()
 
 
+def _for_screen(line: str) -> bool:
+    """Whether a line is hfdist's (maybe forwarded by Ray from a worker)."""
+    forwarded = _FORWARDED.match(line)
+    return line.startswith(SCREEN_PREFIX, forwarded.end() if forwarded else 0)
+
+
 class _Router(io.TextIOBase):
     """A text stream that sends each line to the screen, the log, or both (module docstring)."""
 
@@ -111,7 +121,7 @@ class _Router(io.TextIOBase):
             elif self._bar and text.startswith("\n"):  # the newline that closes the bar
                 self._to_screen, self._bar = True, False
             elif self._line_start or self._bar:  # a new line, or another thread's text while a bar is drawn
-                self._to_screen, self._bar = self._verbose or text.startswith(SCREEN_PREFIX), False
+                self._to_screen, self._bar = self._verbose or _for_screen(text), False
             if self._to_screen:
                 self._screen.write(text)
             if not bar_part:  # bar redraws would fill the log with copies of one line

@@ -145,6 +145,9 @@ def _adapters(model: nn.Module, lora, reference_adapter: bool) -> nn.Module:
         return model
     from peft import get_peft_model
 
+    from hfdist.models.moe import moe_lora_config
+
+    lora = moe_lora_config(model, lora)  # an MoE model's routed experts stay frozen (docs/moe.md)
     model = get_peft_model(model, lora)
     if reference_adapter:
         model.add_adapter(REFERENCE_ADAPTER, lora)
@@ -229,6 +232,9 @@ def _checks(strategy: Strategy, config, compile: bool, fp8: str | None, qlora: b
         from hfdist.models.quantize import check_quantizable
 
         refuse_unless(rung, "qlora")
+        from hfdist.parallel.expert_check import check_moe
+
+        check_moe(config, rung, qlora=True)
         check_quantizable(config, shard=rung.dims.dp_shard * rung.dims.cp if rung.owns_sharding else 1)
     if fp8 is not None:
         from hfdist.parallel.float8_check import check_fp8

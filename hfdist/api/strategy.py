@@ -159,8 +159,8 @@ def _world() -> tuple[int, int | None]:
 
 def _rung_of_degrees(world: int, dp_replicate: int, dp_shard: int | None, tp: int, pp: int, cp: int) -> Rung:
     """The shipped mesh rung with these axes (its FSDP settings and name), with exactly these degrees."""
-    name = ("3d" if pp > 1 and tp > 1 else "pp" if pp > 1 else "fsdp_cp" if cp > 1 else "fsdp_tp" if tp > 1
-            else "fsdp_hybrid" if dp_replicate > 1 else "fsdp_full_shard")
+    name = ("3d" if pp > 1 and tp > 1 else "pp" if pp > 1 else "fsdp_tp_cp" if cp > 1 and tp > 1 else "fsdp_cp"
+            if cp > 1 else "fsdp_tp" if tp > 1 else "fsdp_hybrid" if dp_replicate > 1 else "fsdp_full_shard")
     rest = dp_replicate * tp * pp * cp
     try:
         dims = ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard or max(world // rest, 1), tp=tp, pp=pp, cp=cp)
@@ -175,9 +175,9 @@ def _rung_of_degrees(world: int, dp_replicate: int, dp_shard: int | None, tp: in
 
 
 def resolve_strategy(config: str | None = None, *, dp_replicate: int | None = None, dp_shard: int | None = None,
-                     tp: int | None = None, pp: int | None = None, cp: int | None = None,
+                     tp: int | None = None, pp: int | None = None, cp: int | None = None, ep: int | None = None,
                      pp_schedule: str | None = None, pp_microbatches: int | None = None,
-                     mixed_precision: str = "auto") -> Strategy:
+                     mixed_precision: str = "auto", cp_method: str = "auto") -> Strategy:
     """The strategy a script asked for, fitted to the world its launcher started.
 
     Args:
@@ -185,8 +185,11 @@ def resolve_strategy(config: str | None = None, *, dp_replicate: int | None = No
             (one process). None: build a mesh rung from the degrees (one process when none is given).
         dp_replicate, tp, pp: override the rung's degrees (CLI > YAML, as `hfdist finetune --tp/--pp`); with
             config=None they, dp_shard and cp are the degrees themselves.
+        ep: a mixture-of-experts model's expert-parallel degree on fsdp_ep / fsdp_tp (docs/moe.md).
         pp_schedule, pp_microbatches: a pipeline rung's schedule and micro-batches per step.
         mixed_precision: "auto" (the rung's on a GPU, fp32 on a CPU), "bf16" or "no".
+        cp_method: how the cp ranks split attention, as `hfdist finetune --cp-method` ("auto": Ulysses where the
+            heads allow, else hybrid, else ring; planned for the model by prepare_model).
 
     Raises:
         StrategyRefused: a config or degrees that do not fit the world, or settings hfdist cannot honour; the
@@ -197,6 +200,9 @@ def resolve_strategy(config: str | None = None, *, dp_replicate: int | None = No
     world, node = _world()
     try:
         if config is None:
+            if ep not in (None, 1):
+                raise StrategyRefused(f"ep={ep} splits an MoE model's experts over a rung that takes it: pass "
+                                      "config='fsdp_ep' (or 'fsdp_tp') with ep.")
             if world == 1 and not any(d not in (None, 1) for d in (dp_replicate, dp_shard, tp, pp, cp)):
                 rung = load_rung("single")
             else:
@@ -207,8 +213,8 @@ def resolve_strategy(config: str | None = None, *, dp_replicate: int | None = No
                                       f"({config}) takes tp / pp / cp / dp_replicate overrides only, the "
                                       "data-parallel axis absorbing the rest. Pass config=None with the degrees.")
             rung = load_rung(config).with_num_processes(world, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate,
-                                                        node_size=node)
-        rung = rung.with_pipeline(pp_schedule, pp_microbatches)
+                                                        node_size=node, ep=ep)
+        rung = rung.with_pipeline(pp_schedule, pp_microbatches).with_context(cp_method)
     except LadderError as exc:
         raise StrategyRefused(f"{exc} (The launched world has {world} processes.)") from exc
     if rung.kind is StrategyKind.SINGLE and world > 1:

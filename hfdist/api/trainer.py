@@ -219,7 +219,8 @@ def strategy_trainer(trainer_cls: T, strategy: Strategy) -> T:
         raise _unstaged_loss(trainer_cls.__name__, f"{owner.__module__}.{owner.__qualname__}.compute_loss", rung.name)
     mixins: list[type] = []
     if rung.uses_pipeline:
-        mixins.append(PipelineMixin)
+        # Under cp the batch is cut before stage 0 (ContextParallelMixin's step runs first, then the schedule's).
+        mixins += [ContextParallelMixin, PipelineMixin] if rung.dims.cp > 1 else [PipelineMixin]
     elif own_loss and (rung.uses_tp or rung.dims.cp > 1) and rung.owns_sharding:
         mixins.append(WholeOutputsMixin)
     elif rung.dims.cp > 1:

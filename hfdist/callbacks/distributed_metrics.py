@@ -3,7 +3,7 @@
     trainer = Trainer(..., callbacks=[DistributedMetricsCallback()])   # or TRL's SFTTrainer, under any launcher
 
 Each logging step the callback measures its rank's window (steps since the previous log), gathers every rank's
-figures in one collective, and adds `rank{r}/<figure>`, `<figure>/min|max|mean` (`/sum` for token counts) and
+figures in one collective (an MoE model's router load among them: hfdist.models.router_stats), and adds `rank{r}/<figure>`, `<figure>/min|max|mean` (`/sum` for token counts) and
 `slowest_rank` to the logs before any `report_to` integration sees them (hfdist.callbacks.placement), and to the
 log's entry in `state.log_history`. When training ends it gathers each rank's figures for the whole run
 (`.ranks`) and prints them as a table.
@@ -26,6 +26,7 @@ from hfdist.callbacks.progress import MetricsProgressCallback, rank_table
 from hfdist.callbacks.rank_metrics import aggregate_ranks, gather_records, slowest_rank, straggler_line
 from hfdist.callbacks.throughput import ThroughputMeter
 from hfdist.metrics.flops import TokenFlops, mfu, model_token_flops, tflops_per_device
+from hfdist.metrics.memory import ddp_bucket_bytes
 from hfdist.metrics.peaks import PeakFlops, device_peak_flops
 from hfdist.models.registry import UnsupportedModelError
 
@@ -33,10 +34,13 @@ __all__ = ["DistributedMetricsCallback", "WINDOW_KEYS", "RUN_KEYS"]
 
 _STATE_KEYS = ("param_bytes", "grad_bytes", "optimizer_bytes", "master_bytes")
 _RATE_KEYS = ("step_seconds", "data_wait_seconds", "tokens", "tokens_per_second", "samples_per_second", "tflops_per_device", "mfu")
+# An MoE model's router load (hfdist.models.router_stats): tokens of this rank's batch routed per expert per MoE layer
+# per step, the least and the most loaded expert.
+_ROUTER_KEYS = ("expert_tokens_min", "expert_tokens_max")
 # What one logging window reports per rank, in the order the gathered vector carries them.
-WINDOW_KEYS = (*_RATE_KEYS, *PEAK_KEYS, *_STATE_KEYS, *COUNT_KEYS)
+WINDOW_KEYS = (*_RATE_KEYS, *PEAK_KEYS, *_STATE_KEYS, *COUNT_KEYS, *_ROUTER_KEYS)
 # What the whole run reports per rank (`.ranks`, hfdist_summary.json).
-RUN_KEYS = (*WINDOW_KEYS, "steps", "setup_peak_memory_bytes")
+RUN_KEYS = (*WINDOW_KEYS, "steps", "setup_peak_memory_bytes", "training_peak_bytes")
 _LOW_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -140,8 +144,8 @@ class DistributedMetricsCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self._settle(args, state, model)
+        trainer = find_caller(Trainer)
         if not self._fixed_replica:
-            trainer = find_caller(Trainer)
             self.ranks_per_replica = trainer.get_tp_size() if trainer is not None else 1
         self._device = args.device
         self._distributed = args.world_size > 1
@@ -150,7 +154,8 @@ class DistributedMetricsCallback(TrainerCallback):
                   "process (each rank alone, on its own data). On a machine without GPUs, pass use_cpu=True to "
                   "TrainingArguments or set ACCELERATE_USE_CPU=1 for data-parallel training over CPU processes.")
         self._memory, self._throughput = MemoryMeter(), ThroughputMeter()  # a new run per train() call
-        self._memory.start(model, optimizer, args.device)
+        self._memory.start(model, optimizer, args.device,
+                           held_outside=ddp_bucket_bytes(trainer.model_wrapped) if trainer is not None else 0)
         self._throughput.start(model, args.device)
         self._throughput.idle()
         self._running = True
@@ -197,9 +202,13 @@ class DistributedMetricsCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not self._running or not logs or "loss" not in logs:  # training logs only: the same on every rank
             return
-        window = {**self._memory.take_window(), **self._rates(self._throughput.take_window())}
+        totals = self._throughput.take_window()
+        # The router load over the window's steps: this rank's tokens per expert, and the global batch's (the same
+        # on every rank: logged once, as moe/...).
+        mine, everyone = _router_load(self._model, totals["steps"])
+        window = {**self._memory.take_window(), **self._rates(totals), **mine}
         records = self._gather(window, WINDOW_KEYS)
-        figures = aggregate_ranks(records)
+        figures = {**aggregate_ranks(records), **{f"moe/{k}": v for k, v in everyone.items()}}
         slowest = slowest_rank(records)
         if slowest is not None:
             figures["slowest_rank"] = slowest
@@ -248,6 +257,13 @@ class DistributedMetricsCallback(TrainerCallback):
         if self.peak is not None and any("mfu" in r for r in self.ranks):
             notes.append(f"MFU against {self.peak.flops / 1e12:.4g} TFLOP/s ({self.peak.source}).")
         return rank_table(self.ranks, title=title, notes=notes, outputs=outputs)
+
+
+def _router_load(model: torch.nn.Module | None, steps: int) -> tuple[dict[str, float], dict[str, float]]:
+    """(this rank's, the global batch's) tokens per expert of an MoE model over the last `steps` steps
+    (hfdist.models.router_stats.RouterRecorder.take_window), or two empty dicts (a dense model)."""
+    recorder = getattr(model, "hfdist_router", None) if model is not None else None
+    return recorder.take_window(steps) if recorder else ({}, {})
 
 
 def _outputs(args) -> dict[str, str]:

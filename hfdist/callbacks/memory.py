@@ -3,6 +3,12 @@
 Windows cover training only: the meter starts at the first step's setup (the model load and the optimizer's
 creation are before it: their peak is kept apart as `setup_peak_memory_bytes`) and its last window closes when
 training ends, before anything a script does afterwards (an evaluation, saving the model).
+
+`training_peak_bytes` is what training needs at its peak, the figure the memory planner predicts: on a GPU the
+allocator's peak; on a CPU the model states present when training starts (parameters, any optimizer state and
+gradient buckets allocated already) plus what the process's resident set grew by during training. A CPU process's
+resident set also holds the interpreter, the libraries and the Trainer's set-up (hundreds of MB before any tensor),
+which no plan of the model's memory counts.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from hfdist.metrics.memory import (
     peak_memory_bytes,
     rank_state_bytes,
     reset_peak_memory,
+    start_peak_window,
 )
 
 __all__ = ["MemoryMeter", "PEAK_KEYS", "COUNT_KEYS"]
@@ -45,9 +52,15 @@ class MemoryMeter:
         self._run: dict[str, int] = {}
         self._counts_at_start: dict[str, int] = {}
         self._counts_seen: dict[str, int] = {}
+        self._held_at_start = self._resident_at_start = 0
 
-    def start(self, model: torch.nn.Module, optimizer, device: torch.device) -> None:
-        """Hook the model and optimizer and open the first window (the peak so far becomes the setup peak)."""
+    def start(self, model: torch.nn.Module, optimizer, device: torch.device, held_outside: int = 0) -> None:
+        """Hook the model and optimizer and open the first window (the peak so far becomes the setup peak).
+
+        Args:
+            held_outside: bytes of training state allocated already but not in the model's or optimizer's tensors
+                (DDP's gradient buckets), counted in `training_peak_bytes`.
+        """
         self._model, self._device = model, device
         inner = innermost_optimizer(optimizer)
         if inner is not None:
@@ -59,7 +72,8 @@ class MemoryMeter:
         self._run = {"setup_peak_memory_bytes": peak_memory_bytes(device)}
         counts = cuda_memory_stats(device)
         self._counts_at_start = self._counts_seen = {k: counts[k] for k in COUNT_KEYS if k in counts}
-        reset_peak_memory(device)
+        self._held_at_start = sum(rank_state_bytes(model, optimizer).values()) + held_outside
+        self._resident_at_start = start_peak_window(device)
 
     def _end_of_backward(self, param) -> None:
         self._window_grad_bytes = max(self._window_grad_bytes, rank_state_bytes(self._model)["grad_bytes"])
@@ -98,6 +112,11 @@ class MemoryMeter:
             hook.remove()
         self._hooks = []
         out = {**last, **self._run}
+        if self._device.type == "cuda":
+            out["training_peak_bytes"] = out["peak_memory_bytes"]
+        else:
+            out["training_peak_bytes"] = self._held_at_start + max(out["peak_memory_bytes"] - self._resident_at_start,
+                                                                    0)
         for key in COUNT_KEYS:
             if key in self._counts_seen:
                 out[key] = self._counts_seen[key] - self._counts_at_start.get(key, 0)

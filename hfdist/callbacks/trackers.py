@@ -89,10 +89,13 @@ class MlflowSink(TrackerSink):
         self.log(values, step=0)
 
     def finish(self, exit_code: int = 0) -> None:
-        """Mark the run finished (or failed)."""
+        """Mark the run finished, killed (preempted: it checkpointed and stopped) or failed."""
+        from hfdist.config.preemption import PREEMPTED_EXIT_CODE
+
         run, self._closed = self._run, True
+        status = {0: "FINISHED", PREEMPTED_EXIT_CODE: "KILLED"}.get(exit_code, "FAILED")
         if run is not None:
-            self._call("finish", run[0].set_terminated, run[1], "FINISHED" if exit_code == 0 else "FAILED")
+            self._call("finish", run[0].set_terminated, run[1], status)
 
 
 class TensorBoardSink(TrackerSink):

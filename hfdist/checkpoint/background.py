@@ -20,19 +20,18 @@ Rules (hfdist.checkpoint.trainer_hooks applies them):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import time
-
 import torch
 
 from hfdist.checkpoint.format import SHARDED_DIR, raise_write_error
 
-__all__ = ["BackgroundSave", "background_by_default"]
+__all__ = ["BackgroundSave", "background_by_default", "world_timeout"]
 
 
 def background_by_default(device: torch.device | str) -> bool:
@@ -41,9 +40,9 @@ def background_by_default(device: torch.device | str) -> bool:
     return torch.device(device).type != "cpu"
 
 
-def _world_timeout() -> timedelta | None:
-    """The world group's collective timeout (the --collective-timeout the job put on it), for the checkpoint group:
-    `new_group` would give it torch's 30 minutes."""
+def world_timeout() -> timedelta | None:
+    """The world group's collective timeout (the --collective-timeout the job put on it), for a group of hfdist's own
+    (the checkpoint writes', the preemption agreement's): `new_group` would give it torch's 30 minutes."""
     import torch.distributed as dist
 
     group = dist.distributed_c10d._get_default_group()
@@ -73,7 +72,7 @@ class BackgroundSave:
         import torch.distributed as dist
 
         if self._group is None and dist.is_available() and dist.is_initialized():
-            self._group = dist.new_group(backend="gloo", timeout=_world_timeout(), group_desc="hfdist_checkpoint")
+            self._group = dist.new_group(backend="gloo", timeout=world_timeout(), group_desc="hfdist_checkpoint")
         return self._group
 
     def _staging(self):

@@ -48,13 +48,21 @@ _RELEASE_WAIT_S = 5.0  # bounds the wait for a collective's worker thread to dro
 
 @dataclass(frozen=True)
 class ExportEntry:
-    """One tensor of the written checkpoint: its key in the file, the model's name for it, its full shape, the dtype
-    it is written in."""
+    """One tensor of the written checkpoint: its key in the file, the model's name for it, its shape in the file, the
+    dtype it is written in; `part`: where it lies in the model's tensor, whose shape is then `full_shape` (an MoE
+    layer's stacked experts are written one expert and projection at a time, as save_pretrained writes them)."""
 
     key: str
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype = SAVED_DTYPE
+    part: tuple | None = None
+    full_shape: tuple[int, ...] | None = None
+
+    @property
+    def model_shape(self) -> tuple[int, ...]:
+        """The shape of the model's tensor this entry is (part of)."""
+        return self.full_shape or self.shape
 
     @property
     def nbytes(self) -> int:
@@ -133,7 +141,8 @@ class SafetensorsStreamWriter:
 def checkpoint_entries(skeleton: nn.Module, adapter_only: bool, dtype: torch.dtype = SAVED_DTYPE) -> list[ExportEntry]:
     """The tensors of the checkpoint `skeleton` (the full model's structure, e.g. on the meta device) saves, in
     save_pretrained's order: its state dict without tied copies, or its LoRA adapter's entries (peft's names),
-    written in `dtype`."""
+    written in `dtype`; under the names and split as transformers' reverse conversion writes them
+    (hfdist.models.conversion.saved_layout: an MoE layer's experts one by one)."""
     state = skeleton.state_dict()
     names = {id(t): n for n, t in reversed(list(state.items()))}
     if adapter_only:
@@ -141,8 +150,17 @@ def checkpoint_entries(skeleton: nn.Module, adapter_only: bool, dtype: torch.dty
 
         return [ExportEntry(key, names[id(t)], tuple(t.shape), dtype)
                 for key, t in get_peft_model_state_dict(skeleton, state_dict=state).items()]
+    from hfdist.models.conversion import saved_layout
+
     tied = set(getattr(skeleton, "all_tied_weights_keys", None) or {})
-    return [ExportEntry(n, n, tuple(t.shape), dtype) for n, t in state.items() if n not in tied]
+    names = [n for n in state if n not in tied]
+    entries = []
+    for name, pieces in saved_layout(skeleton, names).items():
+        full = tuple(state[name].shape)
+        for key, part in pieces:
+            shape = full if part is None else tuple(torch.empty(full, device="meta")[part].shape)
+            entries.append(ExportEntry(key, name, shape, dtype, part, None if part is None else full))
+    return entries
 
 
 def _is_zero(tensor: torch.Tensor) -> bool:
@@ -307,7 +325,8 @@ def stream_hf_checkpoint(folder: str | Path, skeleton: nn.Module, full_tensor, *
 
     Args:
         full_tensor: ExportEntry -> the full tensor by the entry's model name (`entry.name`); may return None on a
-            process that does not write (it is still called there: a collective gather may need every rank).
+            process that does not write (it is still called there: a collective gather may need every rank). It is
+            called once for consecutive entries of one tensor (the parts of a stacked one).
         writes: whether this process writes the files (rank 0 of a save).
         dtype: the dtype the tensors are written in (and config.json records): fp32, the master weights, but for a
             merged export (hfdist.checkpoint.convert), bf16 like the models HF ships.
@@ -320,11 +339,14 @@ def stream_hf_checkpoint(folder: str | Path, skeleton: nn.Module, full_tensor, *
         writer = SafetensorsStreamWriter(folder, entries,
                                          "adapter_model.safetensors" if adapter_only else "model.safetensors",
                                          max_shard_bytes)
+    full, name = None, None
     for entry in entries:
-        full = full_tensor(entry)
+        if entry.name != name:
+            full = None  # gone before the next is made
+            full, name = full_tensor(entry), entry.name
         if writer is not None:
-            writer.write(entry.key, full)
-        del full
+            writer.write(entry.key, full if entry.part is None else full[entry.part])
+    del full
     if writer is not None:
         writer.close()
         _write_configs(folder, skeleton, adapter_only, dtype)
@@ -335,7 +357,7 @@ def _assemble(entry: ExportEntry, pieces: tuple, local: Mapping[str, torch.Tenso
     """On rank 0 the full fp32 tensor of `entry`, filled from its own slice and the others' (received straight
     into place when the slice is contiguous); on the other ranks None, after sending their slice if asked.
     `values`: this rank's slice when it is not the local tensor itself (DeepSpeed's fp32 master of it)."""
-    full = torch.empty(entry.shape, dtype=SAVED_DTYPE, device=_comm_device()) if rank == 0 else None
+    full = torch.empty(entry.model_shape, dtype=SAVED_DTYPE, device=_comm_device()) if rank == 0 else None
     staging = None  # one buffer for the slices that cannot be received in place (TP's rowwise under FSDP)
     for offsets, sizes, sender in pieces:
         if rank == sender:

@@ -95,6 +95,7 @@ class CheckpointingMixin:
         self._background = BackgroundSave()
         self._in_flight: str | None = None  # the checkpoint being written in the background
         self._in_flight_cost: CheckpointCost | None = None
+        self.last_save: tuple[int, float] | None = None  # rank 0: (step, seconds) of the last checkpoint that landed
         super().__init__(*args, **kwargs)
 
     def _in_background(self) -> bool:
@@ -143,7 +144,7 @@ class CheckpointingMixin:
         background = self._in_background()
         cost = CheckpointCost(self.state.global_step, background)
         finish = (partial(self._finish_checkpoint, staging, final, self.state.global_step, background,
-                          self.state.best_model_checkpoint) if self.args.should_save else None)
+                          self.state.best_model_checkpoint, started) if self.args.should_save else None)
         try:
             cost.write_s = self._write_checkpoint(staging, background, finish)
         except OSError as exc:
@@ -166,16 +167,20 @@ class CheckpointingMixin:
         self.checkpoint_costs.append(slowest)
         self.log({f"checkpoint/{key}": float(value) for key, value in slowest.items()})
 
-    def _finish_checkpoint(self, staging: Path, final: Path, step: int, background: bool, best: str | None) -> None:
-        """Rank 0, once every rank's files are written: the marker, the rename, the rotation of older checkpoints
-        (which sees complete checkpoints only, the newest among them this one, and keeps `best`: the checkpoint of
-        the best evaluation loss when this save began)."""
+    def _finish_checkpoint(self, staging: Path, final: Path, step: int, background: bool, best: str | None,
+                           started: float) -> None:
+        """Rank 0, once every rank's files are written: the marker (with the seconds the save took since `started`:
+        the grace a preemption needs, hfdist.train.preemption), the rename, the rotation of older checkpoints (which
+        sees complete checkpoints only, the newest among them this one, and keeps `best`: the checkpoint of the best
+        evaluation loss when this save began)."""
         from transformers.trainer_utils import rotate_checkpoints
 
-        write_marker(staging, {**self.checkpoint_identity, "async_save": background}, step)
+        seconds = time.perf_counter() - started
+        write_marker(staging, {**self.checkpoint_identity, "async_save": background, "save_seconds": seconds}, step)
         replace_staging(staging, final)
         rotate_checkpoints(output_dir=str(final.parent), save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=best, use_mtime=False)
+        self.last_save = (step, seconds)
 
     def _wait_for_checkpoint(self) -> None:
         """Block until the checkpoint being written in the background (if any) is complete, and record its cost
@@ -245,4 +250,18 @@ class CheckpointingMixin:
         if checkpoint is None or not self._saves_dcp():
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name(), self._adapters_only())
-        self.lr_scheduler.load_state_dict(torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True))
+        state = torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True)
+        self.lr_scheduler.load_state_dict(_regrouped(state, len(self.optimizer.param_groups)))
+
+
+def _regrouped(state: dict, groups: int) -> dict:
+    """A scheduler state saved with another number of param groups, fitted to `groups`: transformers gives expert
+    parallelism's experts (on their own device mesh) param groups of their own, so a checkpoint resharded onto or
+    off an ep layout has more or fewer groups. Each per-group list holds one value repeated (one schedule for every
+    group, as the Trainer makes it); a state whose groups differ is left as it is (torch then refuses it)."""
+    out = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = state.get(key)
+        if isinstance(values, list) and values and len(values) != groups and all(v == values[0] for v in values):
+            out[key] = [values[0]] * groups
+    return out

@@ -4,6 +4,7 @@
     hfdist prepare job.yaml
     hfdist configs
     hfdist plan --model llama-3.1-70b --gpus-per-node 8 --nodes 4 --gpu-mem-gb 80
+    hfdist tune job.yaml --budget 20
     hfdist compare --configs ddp fsdp_full_shard zero3
     hfdist simulate --model llama-3.1-405b --config 3d --num-processes 512 --tp 8 --pp 4
     hfdist checkpoint export outputs/finetune/checkpoint-100 --to hf exported/
@@ -25,7 +26,7 @@ from hfdist.errors import HfdistError
 
 __all__ = ["main", "build_parser", "VERB_MODULES"]
 
-VERB_MODULES = ("finetune", "prepare", "configs", "plan", "compare", "simulate", "checkpoint")
+VERB_MODULES = ("finetune", "prepare", "configs", "plan", "tune", "compare", "simulate", "checkpoint")
 
 
 def _verbs():

@@ -10,12 +10,10 @@ import argparse
 import os
 import sys
 
-from hfdist.config.finetune import USAGE, add_finetune_arguments
+from hfdist.config.finetune import MODULE_ENTRY, USAGE, add_finetune_arguments
 
 __all__ = ["VERB", "run_finetune", "exit_after_run"]
 
-# What a hand-over starts in each rank (hfdist.job.launch.ensure_world): this verb again.
-MODULE_ENTRY = ["-m", "hfdist.cli", "finetune"]
 
 
 def run_finetune(argv: list[str], entry: list[str]) -> int:
@@ -29,6 +27,12 @@ def run_finetune(argv: list[str], entry: list[str]) -> int:
         if print_only:
             print(job_text(cfg), end="")
             return 0
+        from hfdist.job.launch import HANDED_OVER_ENV
+
+        if cfg.launcher == "ray" and not os.environ.get(HANDED_OVER_ENV):  # this process is Ray's driver
+            from hfdist.job.ray_launch import ray_launch
+
+            return ray_launch(cfg)
         from hfdist.job.run import finetune
 
         return finetune(cfg, entry, argv)

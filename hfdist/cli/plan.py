@@ -24,7 +24,7 @@ what FSDP2 and DDP hold in total; 20 = DeepSpeed's own accounting (adds a 4-byte
 
 def add_args(p: argparse.ArgumentParser) -> None:
     from hfdist.config.arg_types import non_negative_int
-    from hfdist.config.finetune import FP8_RECIPES
+    from hfdist.config.finetune import CP_METHODS, FP8_RECIPES
     from hfdist.plan import ADAM_BYTES_CHOICES, DTYPES, Workload
 
     d = Workload()
@@ -50,6 +50,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(f"--{axis}", type=int, default=None,
                        help=f"pin the {what} (default: every degree the model and the cluster allow is considered; "
                             f"rungs without the axis are left out)")
+    p.add_argument("--cp-method", choices=CP_METHODS, default=None,
+                   help="pin how the cp ranks split attention, as `hfdist finetune --cp-method` (default: every method "
+                        "that can split the model at each cp degree is considered: ulysses, ring, hybrid)")
     p.add_argument("--loss-chunk-size", type=non_negative_int, default=d.loss_chunk_size, metavar="N",
                    help=f"sequence positions per chunk of the chunked loss, as `hfdist finetune --loss-chunk-size` "
                         f"(default {d.loss_chunk_size}): one chunk's logits are counted; 0: the whole sequence's")
@@ -85,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
         config, gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu_mem_bytes=int(args.gpu_mem_gb * GB),
         seq=args.seq,
         global_batch=args.global_batch_size or args.gpus_per_node * args.nodes * (args.micro_batch or 1),
-        micro_batch=args.micro_batch, tp=args.tp, pp=args.pp, cp=args.cp, lora=args.lora, lora_r=args.lora_r, qlora=args.qlora,
+        micro_batch=args.micro_batch, tp=args.tp, pp=args.pp, cp=args.cp, cp_method=args.cp_method, lora=args.lora,
+        lora_r=args.lora_r, qlora=args.qlora,
         activation_checkpointing=args.activation_checkpointing, dtype=args.dtype,
         bytes_per_param_adam=args.bytes_per_param_adam, model=args.model, loss_chunk_size=args.loss_chunk_size or None,
         attention=args.attn_implementation,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from hfdist.config.finetune import CP_METHODS
+
 __all__ = ["VERB"]
 
 _SIMULATE_HELP = """\
@@ -15,20 +17,26 @@ optimizer bytes next to the planner's prediction. Seconds on a laptop for Llama-
 
 Example: hfdist simulate --model llama-3.1-70b --config 3d --num-processes 512 --tp 8 --pp 4
 
-Mesh rungs only (fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp); DeepSpeed rungs are refused (their engine needs
-real memory and collectives), use `hfdist plan` for them. Exit code 1 when verification fails.
+Mesh rungs only (fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp, fsdp_tp_cp); DeepSpeed rungs are
+refused (their engine needs real memory and collectives), use `hfdist plan` for them. Exit code 1 when
+verification fails.
 """
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset name (llama-3.1-8b, ...), local checkpoint folder, or HF id")
-    p.add_argument("--config", required=True, help="mesh rung: fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp "
-                                                   "(or a YAML path)")
+    p.add_argument("--config", required=True, help="mesh rung: fsdp_full_shard, fsdp_hybrid, fsdp_tp, pp, 3d, fsdp_cp, "
+                                                   "fsdp_tp_cp, fsdp_ep (or a YAML path)")
     p.add_argument("--num-processes", type=int, required=True, help="ranks to simulate (the world size)")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: the YAML's)")
     p.add_argument("--pp", type=int, default=None, help="pipeline stages (default: the YAML's)")
     p.add_argument("--cp", type=int, default=None, help="context-parallel degree (default: the YAML's)")
+    p.add_argument("--cp-method", choices=CP_METHODS, default="auto",
+                   help="how the cp ranks split attention (default auto: ulysses where the heads allow, else hybrid, "
+                        "else ring); the plan is applied and verified as a run's")
     p.add_argument("--dp-replicate", type=int, default=None, help="replica groups of a hybrid rung")
+    p.add_argument("--ep", type=int, default=None,
+                   help="expert-parallel degree of an MoE model on fsdp_ep / fsdp_tp (default: the YAML's)")
     p.add_argument("--pp-schedule", default=None, help="pipeline schedule (default: the YAML's)")
     p.add_argument("--pp-microbatches", type=int, default=None,
                    help="pipeline micro-batches per step (default: the YAML's; 1F1B needs at least pp)")
@@ -57,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
     from hfdist.plan.simulate import simulate, simulation_rung
 
     rung = simulation_rung(args.config, args.num_processes, tp=args.tp, pp=args.pp, cp=args.cp,
-                           dp_replicate=args.dp_replicate,
+                           dp_replicate=args.dp_replicate, ep=args.ep,
                            pp_schedule=args.pp_schedule, pp_microbatches=args.pp_microbatches,
-                           gpus_per_node=args.gpus_per_node, model_config=load_config(args.model))
+                           gpus_per_node=args.gpus_per_node, model_config=load_config(args.model),
+                           cp_method=args.cp_method)
     sim = simulate(args.model, rung, mixed_precision=args.mixed_precision,
                    activation_checkpointing=args.activation_checkpointing, gpus_per_node=args.gpus_per_node,
                    step_seq=args.seq if args.step else None, micro_batch=args.micro_batch,

@@ -4,8 +4,9 @@ The world is factored as dp_replicate x dp_shard x cp x pp x tp (outermost to in
 accelerate's ParallelismConfig use: tp innermost so its frequent collectives stay between neighbouring ranks (one
 node), data parallelism outermost so its once-per-step collectives may cross nodes. cp (context parallelism: the
 ranks holding one sequence's chunks, hfdist.parallel.context) sits next to dp_shard, so FSDP2 can shard over the
-flattened dp_shard x cp axis; cp and pp do not compose yet (hfdist.job.preflight refuses it), so their relative
-order is moot.
+flattened dp_shard x cp axis; under pipeline stages the batch is cut over cp before stage 0, and each stage's cp
+group holds the same layers. ep (expert parallelism) is no axis of the world: it borrows its ranks from dp_shard,
+which the MoE layers' experts see as dp_shard_mod_ep x ep (hfdist.parallel.expert).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class ParallelDims:
         tp: tensor-parallel degree.
         cp: context-parallel degree: ranks that each hold 1/cp of every sequence (the same parameters, sharded
             together with dp_shard by FSDP2).
+        ep: expert-parallel degree: the dp_shard ranks over which an MoE layer's experts are split whole (E / ep
+            each); it divides dp_shard and adds no process.
     """
 
     dp_replicate: int = 1
@@ -39,6 +42,7 @@ class ParallelDims:
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    ep: int = 1
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in asdict(self).items() if not isinstance(v, int) or v < 1}
@@ -47,6 +51,10 @@ class ParallelDims:
                 f"Parallel degrees must be positive integers, got {self.describe()} (bad: {bad}). "
                 "Fix the config's parallelism sizes or the --num-processes flag."
             )
+        if self.dp_shard % self.ep:
+            raise DimsError(f"ep={self.ep} borrows its ranks from the dp_shard={self.dp_shard} ranks FSDP2 shards "
+                            f"over, so it must divide them ({self.describe()}). Use an --ep dividing {self.dp_shard}, "
+                            "or more processes.")
 
     @property
     def world_size(self) -> int:
@@ -65,9 +73,10 @@ class ParallelDims:
 
     def describe(self) -> str:
         """Every factor and the product, for error messages and logs."""
+        experts = f" (experts over ep={self.ep} of the dp_shard ranks)" if self.ep > 1 else ""
         return (
             f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x pp={self.pp} x "
-            f"tp={self.tp} = {self.world_size} processes"
+            f"tp={self.tp} = {self.world_size} processes{experts}"
         )
 
     def layout(self) -> str:
@@ -121,7 +130,7 @@ class ParallelDims:
             return mesh["dp_replicate", shard]
 
     def to_dict(self) -> dict[str, int]:
-        """Plain dict of the five degrees (for summaries and W&B configs)."""
+        """Plain dict of the degrees (for summaries and W&B configs)."""
         return asdict(self)
 
 

@@ -19,7 +19,7 @@ __all__ = ["refuse_unless", "rungs_taking", "speaking_entry"]
 def _shape(rung: Rung) -> tuple:
     """What decides whether an option can run: who applies the parallelism and which axes it has."""
     return (rung.kind, rung.zero_stage, rung.offload_param, rung.offload_optimizer, rung.uses_pipeline, rung.uses_tp,
-            rung.dims.cp > 1)
+            rung.dims.cp > 1, rung.dims.ep > 1 and not rung.uses_tp)
 
 
 def speaking_entry(rung: Rung) -> str | None:

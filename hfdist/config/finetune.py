@@ -21,13 +21,14 @@ from hfdist.config.arg_types import (
 )
 from hfdist.config.job_file import CommandParser, job_yaml, parse_with_job_file
 from hfdist.config.options import OptionGroup, add_options, dataclass_from_namespace, option
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, signal_name
 from hfdist.config.rungs import RUNG_INFO
 from hfdist.errors import HfdistError
 
-__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "PP_SCHEDULES", "USAGE", "LR_SCHEDULERS",
-           "TRACKERS", "add_finetune_arguments", "build_parser", "config_from_namespace", "parse_args",
-           "parse_command", "job_text", "optimisation_arguments", "evaluation_arguments", "lora_settings",
-           "non_negative_int", "positive_int"]
+__all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "LAUNCHERS", "MODULE_ENTRY", "PP_SCHEDULES",
+           "CP_METHODS", "USAGE", "LR_SCHEDULERS", "TRACKERS", "add_finetune_arguments", "build_parser",
+           "config_from_namespace", "parse_args", "parse_command", "job_text", "optimisation_arguments",
+           "evaluation_arguments", "lora_settings", "non_negative_int", "positive_int"]
 
 USAGE = """Fine-tune a Hugging Face causal LM with a parallelism strategy from the config ladder.
 
@@ -52,7 +53,13 @@ FP8_RECIPES = ("tensorwise", "rowwise")
 # SchedulerType values; tests/unit/test_job_file.py builds each).
 # torch.distributed.pipelining's schedules --pp-schedule takes, by torch's class names minus "Schedule"
 # (hfdist.parallel.pipeline.plan.SCHEDULES maps them to the classes).
+# What starts the ranks (--launcher): accelerate's launch (hfdist's hand-over, or a world torchrun started) or Ray Train.
+LAUNCHERS = ("accelerate", "ray")
+# What a hand-over starts in each rank (hfdist.job.launch.ensure_world): `hfdist finetune`, as a module.
+MODULE_ENTRY = ["-m", "hfdist.cli", "finetune"]
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+# How context-parallel ranks split attention (--cp-method; hfdist.parallel.context_check.plan_cp), auto first.
+CP_METHODS = ("auto", "ulysses", "ring", "hybrid")
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 
@@ -89,13 +96,32 @@ class FinetuneConfig:
     num_processes: int | None = option(
         None, "Processes to run; the data-parallel axis absorbs the change. Default: one per GPU of this node on a "
         "GPU machine, the YAML's num_processes on CPU.", group=STRATEGY, type=positive_int)
+    launcher: str = option(
+        "accelerate", "What starts the processes: accelerate (default: hfdist hands over to accelerate launch, or "
+        "joins the world torchrun or Slurm started) or ray (Ray Train's TorchTrainer, one worker per GPU of the Ray "
+        "cluster or --num-processes on CPU; RAY_ADDRESS names the cluster, else a local one starts; "
+        "docs/clusters.md).", group=STRATEGY, choices=LAUNCHERS)
+    max_failures: int = option(
+        0, "Under --launcher ray: how many times Ray Train restarts the worker group after a lost worker, each time "
+        "from the latest checkpoint (default {default}; torchrun's --max-restarts does this for a world it starts).",
+        group=STRATEGY,
+        type=non_negative_int, metavar="N")
     tp: int | None = option(None, "Tensor-parallel degree (overrides the YAML's).", group=STRATEGY, type=positive_int)
     pp: int | None = option(None, "Pipeline stages (overrides the YAML's).", group=STRATEGY, type=positive_int)
     cp: int | None = option(
         None, "Context-parallel degree: ranks that each hold 1/cp of every sequence (overrides the YAML's; "
         "docs/long-context.md).", group=STRATEGY, type=positive_int)
+    cp_method: str = option(
+        "auto", "How the cp ranks split attention: ulysses (all-to-all over heads; cp x tp must divide them), ring "
+        "(keys and values passed around the cp ranks; any head count), hybrid (Ulysses inside groups, a ring across), "
+        "or auto (default: ulysses where the heads allow, else hybrid, else ring; the run says why). Refused before "
+        "launch where it cannot run (docs/long-context.md).", group=STRATEGY, choices=CP_METHODS)
     dp_replicate: int | None = option(
         None, "Model replicas of a hybrid-sharded rung (default: one per node; overrides the YAML's).",
+        group=STRATEGY, type=positive_int)
+    ep: int | None = option(
+        None, "Expert-parallel degree of a mixture-of-experts model on fsdp_ep or fsdp_tp: each of ep ranks holds 1/ep "
+        "of every MoE layer's experts, borrowed from the data-parallel ranks (overrides the YAML's; docs/moe.md).",
         group=STRATEGY, type=positive_int)
     mixed_precision: str = option(
         "auto", "bf16: compute in bf16 (fp32 weights, gradient reduction and loss), on GPU and CPU alike; no: fp32; "
@@ -209,6 +235,10 @@ class FinetuneConfig:
     # Output and checkpoints
     output_dir: str = option("outputs/finetune", "Where everything is written (default {default}).", group=OUTPUT)
     overwrite: bool = option(False, "Allow writing into a non-empty --output-dir.", group=OUTPUT)
+    save_model: bool = option(
+        True, "Save the trained model (or adapter) to --output-dir at the end and score the check batch it must "
+        "reproduce (default); --no-save-model leaves both out (a throughput run, `hfdist tune`'s probes).",
+        group=OUTPUT)
     save_steps: int = option(
         50, "Write OUTPUT_DIR/checkpoint-N every N optimizer steps (0: none; default {default}).", group=OUTPUT,
         type=non_negative_int)
@@ -223,6 +253,11 @@ class FinetuneConfig:
     resume: bool = option(
         False, "Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has none); "
         "use it under launchers that restart failed jobs.", group=OUTPUT)
+    preempt_signal: str | None = option(
+        None, "A signal that preempts the run besides SIGTERM and SIGUSR1 (a name such as SIGUSR2, or a number): "
+        "received by any rank, every rank writes a checkpoint at the end of the step in progress and the job exits "
+        f"{PREEMPTED_EXIT_CODE}; --resume continues it (docs/clusters.md).", group=OUTPUT, type=signal_name,
+        metavar="SIGNAL")
     collective_timeout: float = option(
         300.0, "How long a rank waits in one collective before the job stops with a report naming the ranks that "
         "never joined (default {default}; docs/troubleshooting.md).", group=OUTPUT, type=timeout_seconds,

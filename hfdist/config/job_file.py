@@ -99,6 +99,8 @@ def _value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
             raise JobFileError(f"The job file {path} sets {key} to {value!r}; it is an on/off setting ({flag}): "
                                "write true or false.")
         return value
+    if isinstance(value, (list, tuple)) and not value and isinstance(action.default, tuple):
+        return ()  # an empty list where the setting is a list: none of them (--report-to none prints as [])
     text = ",".join(str(v) for v in value) if isinstance(value, (list, tuple)) else str(value)
     try:
         result = action.type(text) if action.type is not None else text

@@ -28,6 +28,7 @@ __all__ = [
     "Rung",
     "FsdpSettings",
     "PipelineSettings",
+    "ContextSettings",
     "LadderError",
     "CONFIG_ROOT",
     "RUNG_INFO",
@@ -88,6 +89,16 @@ class PipelineSettings:
 
 
 @dataclass(frozen=True)
+class ContextSettings:
+    """How the cp ranks split attention (--cp-method; hfdist.parallel.context_check.plan_cp): the method asked for,
+    and once planned for the model and --seq-len, the method chosen, its Ulysses degree and why."""
+
+    method: str = "auto"
+    ulysses: int | None = None  # None: not planned yet
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class Rung:
     """One launchable strategy: where its configs are and what it does to the model."""
 
@@ -104,6 +115,7 @@ class Rung:
     offload_optimizer: str = "none"
     fsdp: FsdpSettings | None = None
     pipeline: PipelineSettings | None = None
+    context: ContextSettings = ContextSettings()
     info: RungInfo | None = None
     notes: tuple[str, ...] = ()  # what hfdist translated from the config file, printed once by the run
 
@@ -129,14 +141,15 @@ class Rung:
 
     @property
     def uses_fsdp(self) -> bool:
-        """hfdist applies FSDP2: every mesh rung, except a pipeline with one data-parallel rank."""
-        return self.owns_sharding and not (self.uses_pipeline and self.dims.dp == 1)
+        """hfdist applies FSDP2: every mesh rung, except a pipeline with one data-parallel rank and no cp (FSDP2
+        reduces the cp ranks' gradients)."""
+        return self.owns_sharding and not (self.uses_pipeline and self.dims.dp * self.dims.cp == 1)
 
     def with_num_processes(self, num_processes: int, *, tp: int | None = None, pp: int | None = None,
                            cp: int | None = None, dp_replicate: int | None = None,
-                           node_size: int | None = None) -> "Rung":
-        """The same rung on `num_processes` processes, with the tp / pp / cp / dp_replicate degrees given (None: the
-        rung's own; precedence CLI > YAML). The data-parallel axis absorbs the rest.
+                           node_size: int | None = None, ep: int | None = None) -> "Rung":
+        """The same rung on `num_processes` processes, with the tp / pp / cp / dp_replicate / ep degrees given (None:
+        the rung's own; precedence CLI > YAML). The data-parallel axis absorbs the rest; ep borrows from it.
 
         A hybrid (HSDP) rung shards over the ranks of one node: `node_size` // (tp x pp) when the node is known (a
         GPU node, or a launched world), else its configured dp_shard (the CPU runs' simulated node).
@@ -145,8 +158,9 @@ class Rung:
             LadderError: degrees that do not divide the processes, or that the rung's strategy does not have.
         """
         d = self.dims
-        tp, pp, cp = tp or d.tp, pp or d.pp, cp or d.cp
+        tp, pp, cp, ep = tp or d.tp, pp or d.pp, cp or d.cp, ep or d.ep
         self._check_degrees_apply(tp, pp, cp, dp_replicate)
+        self._check_ep_applies(ep, cp)
         model_parallel = tp * pp * cp
         if num_processes < 1 or num_processes % model_parallel:
             what, sizes = ("tensor x pipeline", f"tp x pp = {tp} x {pp}") if cp == 1 else \
@@ -181,7 +195,12 @@ class Rung:
             if dp % replicate:
                 raise LadderError(f"--dp-replicate {replicate} does not divide {self.name}'s {dp} data-parallel ranks "
                                   f"({num_processes} processes / tp x pp = {model_parallel}). Use a divisor of {dp}.")
-            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp, cp=cp)
+            if (dp // replicate) % ep:
+                raise LadderError(f"--ep {ep} borrows its ranks from {self.name}'s {dp // replicate} dp_shard ranks "
+                                  f"({num_processes} processes / tp x pp x cp = {model_parallel}), which it does not "
+                                  f"divide. Use an --ep dividing {dp // replicate}, or a multiple of "
+                                  f"{ep * model_parallel * replicate} processes.")
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=dp // replicate, pp=pp, tp=tp, cp=cp, ep=ep)
         pipeline = (self.pipeline or PipelineSettings()) if dims.pp > 1 else None
         fsdp = replace(self.fsdp, hybrid=hybrid or dims.dp_replicate > 1) if self.fsdp is not None else None
         return replace(self, num_processes=num_processes, dims=dims, pipeline=pipeline, fsdp=fsdp)
@@ -200,6 +219,31 @@ class Rung:
                               "no pipeline stages (pp=1). Use --config pp.yaml or 3d.yaml, or drop these options.")
         given = {k: v for k, v in (("schedule", schedule), ("n_microbatches", n_microbatches)) if v is not None}
         return replace(self, pipeline=replace(self.pipeline, **given))
+
+    def with_context(self, method: str) -> "Rung":
+        """The rung with --cp-method applied ("auto" keeps the rung's own choice: planned per model).
+
+        Raises:
+            ConfigError: a method given for a rung without context parallelism.
+        """
+        if method == "auto":
+            return self
+        if self.dims.cp == 1:
+            raise ConfigError(f"--cp-method {method} applies to rungs with context parallelism, and {self.name} has "
+                              "none (cp=1). Use --config fsdp_cp / fsdp_tp_cp, or --cp N on a mesh rung, or drop "
+                              "--cp-method.")
+        return replace(self, context=ContextSettings(method))
+
+    def _check_ep_applies(self, ep: int, cp: int) -> None:
+        """--ep only where the rung table says the rung splits experts (its `takes_ep`; a YAML of the user's: an
+        FSDP2 mesh without pipeline or context parallelism, fsdp_ep's and fsdp_tp's shapes)."""
+        plain_mesh = self.kind is StrategyKind.MESH and not self.uses_pipeline and cp == 1
+        if ep == 1 or (plain_mesh and (self.info is None or self.info.takes_ep)):
+            return
+        takers = ", ".join(n for n, i in RUNG_INFO.items() if i.takes_ep)
+        raise LadderError(f"--ep {ep} cannot apply to {self.name}: expert parallelism splits a mixture-of-experts "
+                          f"model's experts over FSDP2's ranks on {takers} only, without pipeline or context "
+                          "parallelism. Use --config fsdp_ep (or fsdp_tp) with --ep, or drop --ep.")
 
     def _check_degrees_apply(self, tp: int, pp: int, cp: int, dp_replicate: int | None) -> None:
         """Degrees the rung's strategy has no axis for are refused (a silently ignored --tp is a wrong run)."""
@@ -366,13 +410,14 @@ def load_rung(name_or_path: str) -> Rung:
             tp = int(pc.get("parallelism_config_tp_size", 1))
             pp = int(pc.get("parallelism_config_pp_size", 1))
             cp = int(pc.get("parallelism_config_cp_size", 1) or 1)
+            ep = int(pc.get("parallelism_config_ep_size", 1) or 1)  # hfdist's key (accelerate passes it over)
             shard = int(pc.get("parallelism_config_dp_shard_size", num_processes // max(replicate * tp * pp * cp, 1)))
             fsdp = read_fsdp_config(cfg.get("fsdp_config"), path)
             if fsdp.hybrid and "parallelism_config_dp_replicate_size" not in pc:
                 # FSDP1 HYBRID_SHARD: shard over one machine's processes, replicate across the machines.
                 replicate = int(cfg.get("num_machines", 1) or 1)
                 shard = num_processes // max(replicate * tp * pp * cp, 1)
-            dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, pp=pp, tp=tp, cp=cp)
+            dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, pp=pp, tp=tp, cp=cp, ep=ep)
             dims.check_world(num_processes)
             pipeline = PipelineSettings(
                 schedule=str(pc.get("parallelism_config_pp_schedule", PipelineSettings.schedule)),

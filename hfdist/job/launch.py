@@ -10,15 +10,23 @@ with one GPU visible (transformers would otherwise spread it over all of them wi
 The hand-over runs accelerate through hfdist.job.quiet_launch, so a failed run ends with hfdist's paragraph, not
 with the launch stack's tracebacks: ranks leave their error paragraphs in a folder the hand-over reads when the
 launch fails, and the hand-over prints each distinct paragraph once, last.
+
+Preemption (hfdist.train.preemption): the process that hands over forwards the preemption signals it receives to the
+launch (Kubernetes signals a container's first process only), whose torch elastic agent forwards them to the ranks and
+waits for them (hfdist.config.preemption.elastic_forwarding_env); a run whose ranks stopped for a preemption
+exits PREEMPTED_EXIT_CODE, whichever process got the signal.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Sequence
 
@@ -26,6 +34,7 @@ from hfdist import console
 from hfdist.config.finetune import FinetuneConfig
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, elastic_forwarding_env, preempt_signals, preempted_note
 from hfdist.errors import ERROR_DIR_ENV, HfdistError, collected_errors
 from hfdist.job.world import Node
 
@@ -87,13 +96,32 @@ def single_gpu_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "CUDA_VISIBLE_DEVICES": visible[0] if visible else "0"}
 
 
-def _hand_over(cmd: list[str], env: dict[str, str], what: str) -> int:
-    """Run the launch command, and when it fails end the screen with the ranks' hfdist paragraphs (or one line
-    saying which rank failed); returns the exit code (2 when the ranks stopped on bad input, as one process does)."""
+@contextlib.contextmanager
+def _forwarding(child: subprocess.Popen, signals: Sequence[str]) -> Iterator[None]:
+    """While `child` runs: each of `signals` this process receives is sent on to it (not acted on here)."""
+    previous = {}
+    for name in signals:
+        sig = signal.Signals[name]
+        previous[sig] = signal.signal(sig, lambda signum, frame: child.send_signal(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _hand_over(cmd: list[str], env: dict[str, str], what: str, signals: Sequence[str] = ()) -> int:
+    """Run the launch command, forwarding `signals` to it, and when it fails end the screen with the ranks' hfdist
+    paragraphs (or one line saying which rank failed); returns the exit code (2 when the ranks stopped on bad input,
+    as one process does; PREEMPTED_EXIT_CODE when they stopped for a preemption: rank 0 printed why)."""
     with tempfile.TemporaryDirectory(prefix="hfdist-errors-") as errors:
-        code = subprocess.call(cmd, env={**env, ERROR_DIR_ENV: errors})
+        child = subprocess.Popen(cmd, env={**env, ERROR_DIR_ENV: errors})
+        with _forwarding(child, signals):
+            code = child.wait()
         if code == 0:
             return 0
+        if preempted_note(errors) is not None:
+            return PREEMPTED_EXIT_CODE
         paragraphs, failures = collected_errors(Path(errors))
     for text in paragraphs:
         print(text, file=sys.stderr, flush=True)
@@ -133,7 +161,9 @@ def ensure_world(rung: Rung, cfg: FinetuneConfig, entry: Sequence[str], script_a
             for note in rung.notes:
                 print(note, flush=True)
         return None
-    env = {**os.environ, HANDED_OVER_ENV: "1", **console.launch_env(cfg.output_dir, cfg.verbose)}
+    signals = preempt_signals(cfg.preempt_signal)
+    env = {**os.environ, HANDED_OVER_ENV: "1", **console.launch_env(cfg.output_dir, cfg.verbose),
+           **elastic_forwarding_env(signals, os.environ)}
     if rung.kind is StrategyKind.SINGLE:
         if node.gpus <= 1:
             return None
@@ -141,9 +171,9 @@ def ensure_world(rung: Rung, cfg: FinetuneConfig, entry: Sequence[str], script_a
         # replica): the single rung restarts itself with one GPU visible.
         print(f"hfdist: single runs on one GPU of {node.gpus}: restarting with CUDA_VISIBLE_DEVICES="
               f"{single_gpu_env(env)['CUDA_VISIBLE_DEVICES']}", flush=True)
-        return _hand_over([sys.executable, *entry, *script_args], single_gpu_env(env), "the single run")
+        return _hand_over([sys.executable, *entry, *script_args], single_gpu_env(env), "the single run", signals)
     cmd = accelerate_command(rung, entry, script_args, on_gpu=node.gpus > 0)
     print(f"hfdist: starting {rung.num_processes} process{'es' if rung.num_processes > 1 else ''} for {rung.name} "
           f"({rung.dims.layout()}): accelerate launch --config_file {rung.yaml_path} ...",
           flush=True)
-    return _hand_over(cmd, env, rung.name)
+    return _hand_over(cmd, env, rung.name, signals)

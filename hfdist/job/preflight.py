@@ -18,11 +18,27 @@ from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_fp8, effective_mixed_precision
 from hfdist.job.world import Node
-from hfdist.parallel.fit import check_model_fits
+from hfdist.parallel.context_check import check_cp_attention
+from hfdist.parallel.fit import check_context_parallel, check_model_fits, plan_context
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["check_deepspeed_json", "plan_check", "check_nvme_offload", "check_qlora", "check_attention",
+__all__ = ["plan_context_parallel", "check_deepspeed_json", "plan_check", "check_nvme_offload", "check_qlora", "check_attention",
            "check_dense_mask", "check_evaluation", "check_lora", "check_trackers", "preflight"]
+
+
+def plan_context_parallel(cfg: FinetuneConfig, rung: Rung) -> Rung:
+    """The rung with its context parallelism planned for the job's model and --seq-len (hfdist.parallel.fit
+    .plan_context: --cp-method, or auto's choice and why); the rung itself without cp. Run by the launcher and by
+    every rank, so all apply the plan checked before launch.
+
+    Raises:
+        ContextParallelError: a method that cannot split the model or cut --seq-len, naming what would work.
+    """
+    if rung.dims.cp == 1:
+        return rung
+    from hfdist.models.presets import load_config
+
+    return plan_context(load_config(cfg.model), rung, cfg.seq_len)
 
 
 def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum: int) -> None:
@@ -66,6 +82,17 @@ def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
     from hfdist.models.registry import LORA_TARGETS, facts_for, is_supported
 
     known = facts_for(config).lora_targets if is_supported(config) else LORA_TARGETS
+    if is_supported(config) and facts_for(config).moe is not None:
+        from hfdist.models.moe import peft_converted_targets
+
+        converted = peft_converted_targets(config.model_type)
+        asked = [m for m in cfg.lora_target_modules or () if m in converted]
+        if asked:
+            raise ConfigError(f"--lora-target-modules {','.join(asked)} on this mixture-of-experts model: peft 0.21 "
+                              "would adapt the routed experts' stacked weights under those names, which hfdist's expert "
+                              "parallelism cannot split by whole experts; hfdist keeps the routed experts frozen "
+                              "(docs/moe.md). Target the attention projections (q_proj,k_proj,v_proj,o_proj).")
+        known = tuple(t for t in known if t not in converted)
     unknown = [m for m in cfg.lora_target_modules or () if m not in known]
     if unknown:
         raise ConfigError(f"--lora-target-modules names {', '.join(unknown)}, which {'are' if len(unknown) > 1 else 'is'} "
@@ -300,7 +327,9 @@ def check_qlora(cfg: FinetuneConfig, rung: Rung, config) -> None:
         raise ConfigError("--qlora does not run with --compile: bitsandbytes' 4-bit layers re-wrap their packed "
                           "weight on every call, which hfdist has not verified under torch.compile. Drop --compile.")
     from hfdist.models.quantize import check_quantizable
+    from hfdist.parallel.expert_check import check_moe
 
+    check_moe(config, rung, cfg.seq_len, qlora=True)  # an MoE model's experts have no 4-bit form: refused
     check_quantizable(config, shard=rung.dims.dp_shard * rung.dims.cp if rung.owns_sharding else 1)
 
 
@@ -314,12 +343,21 @@ def _check_gpu_settings(rung: Rung) -> None:
     refuse_on_gpu(read_accelerate_yaml(rung.yaml_path), rung.owns_sharding, rung.yaml_path)
 
 
+def _check_launcher(cfg: FinetuneConfig) -> None:
+    """--max-failures is Ray Train's restarts; torchrun has its own."""
+    if cfg.max_failures and cfg.launcher != "ray":
+        raise ConfigError(f"--max-failures {cfg.max_failures} restarts Ray Train's worker group, so it needs --launcher "
+                          "ray. Without Ray, launch with torchrun --max-restarts N and pass --resume (each restart "
+                          "continues from the latest checkpoint; docs/multi-node.md), or drop --max-failures.")
+
+
 def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     """Checks that cost nothing and must fail before any process starts: output dir, memory plan, model vs rung."""
     from hfdist.checkpoint.resume import resume_point
     from hfdist.models.build import check_checkpoint_weights
     from hfdist.models.presets import load_config
 
+    _check_launcher(cfg)
     _check_output_dir(cfg)
     check_evaluation(cfg)
     check_trackers(cfg)
@@ -334,6 +372,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     _check_seq_len(config, cfg.seq_len)
     check_qlora(cfg, rung, config)
     check_model_fits(config, rung, cfg.seq_len)
+    check_cp_attention(check_context_parallel(config, rung, cfg.seq_len), attention)
     on_gpu = torch.cuda.is_available()
     fp8 = effective_fp8(rung, on_gpu, cfg.fp8)
     if fp8 is not None:

@@ -32,6 +32,7 @@ def _record_failures(failures: dict[int, int]) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Run `accelerate launch` with `argv`; returns the exit code of the failed rank (0 when every rank succeeded)."""
     from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from hfdist import console
@@ -50,7 +51,26 @@ def main(argv: list[str] | None = None) -> int:
         _record_failures(codes)
         _, first = exc.get_first_failure()
         return first.exitcode if first.exitcode > 0 else 1
+    except SignalException as exc:  # the agent got a signal and forwarded it to the ranks
+        _wait_for_ranks()
+        return 128 + int(exc.sigval)  # as a shell reports a process the signal ended (the hand-over reads the ranks')
     return 0
+
+
+def _wait_for_ranks() -> None:
+    """After the agent forwarded a signal: wait until every rank (a child of this process) has exited, ignoring more
+    of the signals the agent forwards. A second signal (Slurm signals every process of a job; hfdist's hand-over
+    forwards its own) would otherwise end the agent's wait early and this process with it, while the ranks are still
+    writing their checkpoint; the ranks stop on their own (hfdist.train.preemption)."""
+    import signal
+
+    for name in os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM").split(","):
+        signal.signal(signal.Signals[name.strip()], signal.SIG_IGN)
+    while True:
+        try:
+            os.wait()
+        except ChildProcessError:
+            return
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ from hfdist.config.dims import batch_layout
 from hfdist.config.finetune import FinetuneConfig, evaluation_arguments, lora_settings, optimisation_arguments
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation, effective_fp8, settle_mixed_precision
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, advertised_grace, preempt_signals
 from hfdist.job.launch import HANDED_OVER_ENV, ensure_world
-from hfdist.job.preflight import preflight
+from hfdist.job.preflight import plan_context_parallel, preflight
 from hfdist.job.summary import RunRecord, check_blocks, first_blocks, with_rank_records, write_job_file, write_summary
-from hfdist.job.world import resolve_rung
+from hfdist.job.world import launcher_argv, resolve_rung
 
 if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launcher process
     from hfdist.api import Strategy
@@ -151,6 +152,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.models.attention import resolve_attention
     from hfdist.models.presets import is_preset
     from hfdist.train.evaluation import EvaluationSchedule
+    from hfdist.train.injected_faults import injected_faults
     from hfdist.train.watchdog import StepWatchCallback
 
     on_gpu = torch.cuda.is_available()
@@ -160,6 +162,9 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     translation = cpu_translation(rung, on_gpu, cfg.mixed_precision, cfg.fp8)
     if translation is not None and rung.kind is not StrategyKind.SINGLE and _is_rank0():
         print(translation.line(rung), flush=True)
+    if rung.dims.cp > 1 and _is_rank0():
+        print(f"hfdist: context parallelism cp={rung.dims.cp} by {rung.context.method}: {rung.context.reason}",
+              flush=True)
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
     attention = resolve_attention(cfg.attn_implementation, on_gpu=on_gpu, cp=rung.dims.cp)
     args = _training_arguments(cfg, chosen)
@@ -186,7 +191,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                 "pp_schedule": rung.pipeline.schedule if rung.pipeline else None,
                 "pp_microbatches": rung.pipeline.n_microbatches if rung.pipeline else None,
                 "compile": cfg.compile, "fp8": fp8, "attn_implementation": attention,
-                "device": "cuda" if on_gpu else "cpu"}
+                **_context_record(rung), "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
     losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
@@ -200,11 +205,14 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
     if prepared.eval is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint
         callbacks.append(EvaluationSchedule(at_saves=cfg.load_best))
+    callbacks += injected_faults(int(os.environ.get("RANK", "0")), rung.name)  # tests: nothing unless HFDIST_INJECT_*
     # The job's callbacks replace the API's default metrics callback (print_table=False: the summary closes the run).
     trainer = strategy_trainer(Trainer, chosen)(
         model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval, data_collator=collator,
         processing_class=tokenizer, callbacks=callbacks, metrics=False, checkpoint_identity=checkpoint_identity(cfg, rung),
-        loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async)
+        loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async,
+        preempt_signals=preempt_signals(cfg.preempt_signal),
+        preempt_grace=advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get(HANDED_OVER_ENV))))
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load)
@@ -220,7 +228,7 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
         The process exit code.
     """
     # No --config: one process, or the world `accelerate launch --config_file X` started (read back from it).
-    rung = resolve_rung(cfg)
+    rung = plan_context_parallel(cfg, resolve_rung(cfg))  # every rank applies the plan the launcher checked
     micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
     if not os.environ.get(HANDED_OVER_ENV):
         # Before hand-over, or on every rank of a world another launcher started (nothing is written before these
@@ -242,25 +250,36 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
         print(resume_line(resume_from, cfg, rung), flush=True)
     with watch.watching():  # a collective timeout: every surviving rank reports who never joined, and leaves
         train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
-        if cfg.load_best:
+        preempted = run.trainer.preempted  # a checkpoint of the last step is written: no more work in the grace
+        check_loss, saved = None, {}
+        if cfg.load_best and preempted is None:
             watch.where("loading the best checkpoint")
             run.losses.best_step = run.trainer.load_best_checkpoint()
-        watch.where("scoring the check batch")
-        check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
-                                                         run.trainer.data_collator))
-        watch.where("saving the model")
-        saved = _save_measured(run, cfg.output_dir)
+        if cfg.save_model and preempted is None:
+            watch.where("scoring the check batch")
+            check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
+                                                             run.trainer.data_collator))
+            watch.where("saving the model")
+            saved = _save_measured(run, cfg.output_dir)
     watch.stop()
 
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
                                                   "precision": precision, **_compile_record(cfg, rung, run),
-                                                  **_fp8_record(run)})
+                                                  **_fp8_record(run), **run.trainer.preemption.rank_record()})
     with watch.alone("writing the summary", "SUMMARY"):  # and finishing W&B's run (an upload, online)
         if _is_rank0():
-            write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from)
+            write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from,
+                          preempted.record() if preempted else None)
     _leave_process_group()
-    return 0
+    return PREEMPTED_EXIT_CODE if preempted else 0
+
+
+def _context_record(rung: Rung) -> dict[str, Any]:
+    """How the cp ranks split attention, and why (the summary's strategy; None without cp)."""
+    context = rung.context if rung.dims.cp > 1 else None
+    return {"cp_method": context and context.method, "cp_ulysses": context and context.ulysses,
+            "cp_method_reason": context and context.reason}
 
 
 def _compile_record(cfg: FinetuneConfig, rung: Rung, run: Run) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 from hfdist.config.finetune import FinetuneConfig, job_text
 from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, leave_preempted_note, preempted_line
 
 if TYPE_CHECKING:
     from hfdist.callbacks.trackers import Trackers
@@ -103,9 +104,15 @@ def write_job_file(cfg: FinetuneConfig) -> Path:
     return path
 
 
-def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | None, check_loss: float,
-                   ranks: list[dict], resume_from: Path | None) -> None:
-    """Rank 0: close the W&B run with the peaks, write OUTPUT_DIR/hfdist_summary.json and print the closing table."""
+def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | None, check_loss: float | None,
+                  ranks: list[dict], resume_from: Path | None, preempted: dict[str, Any] | None = None) -> None:
+    """Rank 0: close the W&B run with the peaks, write OUTPUT_DIR/hfdist_summary.json and print the closing table.
+
+    Args:
+        check_loss: the check batch's loss after training (None: preempted, nothing scored).
+        preempted: where a preempted run stopped (hfdist.train.preemption.Preempted.record), else None; the
+            trackers get `preempted_at_step` and close with the preempted exit code.
+    """
     summary = {
         "strategy": run.strategy,
         "config": asdict(cfg),
@@ -120,23 +127,35 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
         "eval": _evaluation(run),
         "checkpoints": run.checkpoints,
+        "preempted": preempted,
     }
     peaks = {f"peak/{k}": max(r.get(k, 0) for r in ranks)
              for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "load_peak_memory_bytes")
              if any(k in r for r in ranks)}
     costs = {f"checkpoint/total_{k}": sum(c[k] for c in run.checkpoints) for k in ("held_s", "write_s")}
     run.sink.set_summary({**peaks, **(costs if run.checkpoints else {})})
+    if preempted is not None:
+        run.sink.set_summary({"preempted_at_step": preempted["step"]})
     where = {sink.label: sink.location for sink in run.sink.sinks.values() if sink.location}
-    records = run.sink.finish()
+    records = run.sink.finish(PREEMPTED_EXIT_CODE if preempted else 0)
     summary["wandb"] = records.pop("wandb", {"mode": "disabled", "run_dir": None, "error": None})
     summary["trackers"] = records
     _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
     losses = run.losses
-    print(f"hfdist: {run.strategy['name']} done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
-          f"steps", flush=True)
+    if preempted is not None:
+        line = preempted_line(run.strategy["name"], preempted["step"], preempted["signal"],
+                              sorted(r["rank"] for r in ranks if "preempt_signal" in r), preempted["save_seconds"],
+                              preempted["checkpoint"])
+        print(line, flush=True)
+        leave_preempted_note(line)
+    else:
+        print(f"hfdist: {run.strategy['name']} done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
+              f"steps", flush=True)
     if summary["eval"] is not None:
         print(_evaluation_line(summary["eval"]), flush=True)
-    outputs = {"model": cfg.output_dir, "summary": str(Path(cfg.output_dir) / SUMMARY_NAME)}
+    saved = {"checkpoint": preempted["checkpoint"]} if preempted else {"model": cfg.output_dir} if cfg.save_model \
+        else {}
+    outputs = {**saved, "summary": str(Path(cfg.output_dir) / SUMMARY_NAME)}
     outputs.update({f"{label} run": location for label, location in where.items()})
     print(run.closing_table(outputs), flush=True)
 

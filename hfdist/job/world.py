@@ -5,8 +5,8 @@ Process count, in precedence order (CLI > YAML > default):
     the world a launcher already started (torchrun, `accelerate launch --config_file`, Slurm)
     on a GPU machine: the GPUs of this node (one process per GPU)
     on CPU: the YAML's num_processes (what each shipped rung is tested with)
---tp / --pp / --dp-replicate override the YAML's degrees; the data-parallel axis absorbs the rest, and a hybrid
-(HSDP) rung shards over the processes of one node. More processes on a node than it has GPUs is refused before any
+--tp / --pp / --cp / --dp-replicate / --ep override the YAML's degrees (--cp-method: how cp splits attention); the
+data-parallel axis absorbs the rest, and a hybrid (HSDP) rung shards over the processes of one node. More processes on a node than it has GPUs is refused before any
 process starts (a rank past the last GPU would die in set_device).
 
 A world started by `accelerate launch --config_file X.yaml` without --config is read back from the launcher: its
@@ -35,7 +35,7 @@ from hfdist.config.ladder import (
     resolve_deepspeed_json,
 )
 
-__all__ = ["Node", "WorldError", "resolve_rung", "rung_from_launcher_env", "launcher_config_file"]
+__all__ = ["Node", "WorldError", "resolve_rung", "rung_from_launcher_env", "launcher_argv", "launcher_config_file"]
 
 
 class WorldError(LadderError):
@@ -121,11 +121,11 @@ def resolve_rung(cfg: FinetuneConfig, node: Node | None = None) -> Rung:
     node_size = node.local_world if node.launched and node.gpus else (count if node.gpus else None)
     try:
         rung = rung.with_num_processes(count, tp=cfg.tp, pp=cfg.pp, cp=cfg.cp, dp_replicate=cfg.dp_replicate,
-                                       node_size=node_size)
+                                       node_size=node_size, ep=cfg.ep)
     except LadderError as exc:
         raise WorldError(f"{exc} (The process count {count} comes from {origin}.)") from exc
     _check_gpus(rung, node)
-    return rung.with_pipeline(cfg.pp_schedule, cfg.pp_microbatches)
+    return rung.with_pipeline(cfg.pp_schedule, cfg.pp_microbatches).with_context(cfg.cp_method)
 
 
 def _env_flag(name: str) -> bool:
@@ -158,16 +158,20 @@ def _deepspeed_rung_from_env(world: int) -> Rung:
     return replace(rung, name=twin.name, yaml_path=twin.yaml_path, info=twin.info) if twin else rung
 
 
-def launcher_config_file() -> Path | None:
-    """The --config_file of the `accelerate launch` that started this rank, from the launcher's command line.
-
-    accelerate starts the ranks from its own process (torch's elastic agent runs inside it), so on Linux the
-    parent's /proc cmdline holds it. None when not found (another launcher, another OS).
-    """
+def launcher_argv() -> list[str]:
+    """The command line of the process that started this one (torchrun, or `accelerate launch`: torch's elastic
+    agent runs inside it and starts the ranks), from /proc on Linux; [] where it cannot be read."""
     try:
-        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        return Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
     except OSError:
-        return None
+        return []
+
+
+def launcher_config_file() -> Path | None:
+    """The --config_file of the `accelerate launch` that started this rank, from the launcher's command line
+    (launcher_argv). None when not found (another launcher, another OS).
+    """
+    argv = launcher_argv()
     for i, arg in enumerate(argv):
         value = argv[i + 1] if arg == "--config_file" and i + 1 < len(argv) else None
         if arg.startswith("--config_file="):

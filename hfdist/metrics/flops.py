@@ -5,7 +5,8 @@ Conventions (the PaLM appendix B / Megatron / torchtitan `get_num_flop_per_token
   input and 2N for the gradient of its weight: 6N for a trained weight. A frozen weight (the LoRA base) skips the
   weight-gradient matmul: 4N. N counts the q/k/v/o (GQA aware), gate/up/down projections of every layer and the
   lm_head; the embedding is a lookup, not a matmul, and is left out (a tied lm_head still does its matmul, so it
-  is counted).
+  is counted). An MoE layer counts what a token's matmuls use: its top-k routed experts (gate, up, down), the router
+  and a shared expert (active parameters; the dispatch's all-to-all and the expert sort are not FLOPs).
 - Attention: 12·L·H·Q·T per token (QKᵀ and ·V, 2 FLOPs per multiply-add, forward + 2× in backward). Causal
   masking makes half of these FLOPs useless, and causal-aware counts (FlashAttention's benchmarks) halve the
   term; like torchtitan and PaLM we count full attention, so MFU here is comparable with theirs. FlashAttention's
@@ -35,23 +36,13 @@ def _shape(config: Any) -> ModelShape:
 
 
 def matmul_params(config: Any) -> int:
-    """Weights that take part in a matmul: every layer's projection weights plus the lm_head.
+    """Weights that take part in a matmul: every layer's projection weights plus the lm_head; of an MoE layer, the
+    ones a token's matmuls use (its top-k experts, the router, the shared expert: active parameters, so MFU counts
+    the work done, not the experts held).
 
     Biases, norms and the embedding table (a lookup) are left out; a tied lm_head is counted once.
     """
-    shape = _shape(config)
-    return shape.layers * shape.layer_matmul_params + shape.hidden * shape.vocab
-
-
-def _attention_flops(shape: ModelShape, seq_len: int) -> float:
-    return 12.0 * shape.layers * shape.heads * shape.head_dim * seq_len
-
-
-def _combine(base: int, lora: int, trainable_fraction: float, attention: float) -> float:
-    if not 0.0 <= trainable_fraction <= 1.0:
-        raise ValueError(f"trainable_fraction must lie in [0, 1], got {trainable_fraction}.")
-    # forward 2N + input gradient 2N for every weight; the weight gradient (2N) only for trained ones
-    return (4.0 + 2.0 * trainable_fraction) * base + 6.0 * lora + attention
+    return _shape(config).matmul_params
 
 
 def flops_per_token(config: Any, seq_len: int, *, include_attention: bool = True, lora: bool = False,
@@ -75,8 +66,8 @@ def flops_per_token(config: Any, seq_len: int, *, include_attention: bool = True
     lora_params = shape.layers * shape.lora_layer_params(lora_r, tuple(lora_targets)) if lora else 0
     if trainable_fraction is None:
         trainable_fraction = 0.0 if lora else 1.0
-    attention = _attention_flops(shape, seq_len) if include_attention else 0.0
-    return _combine(matmul_params(config), lora_params, trainable_fraction, attention)
+    return shape.training_flops_per_token(seq_len if include_attention else 0, lora_params=lora_params,
+                                          trainable_fraction=trainable_fraction)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -136,8 +127,9 @@ def model_token_flops(model: torch.nn.Module) -> TokenFlops:
     lora_params = _model_lora_params(inner)
     config = inner.config
     frozen_base = lora_params > 0 or hasattr(inner, "peft_config")
-    return TokenFlops(matmul=_combine(matmul_params(config), lora_params, 0.0 if frozen_base else 1.0, 0.0),
-                      attention=_attention_flops(_shape(config), 1))
+    shape = _shape(config)
+    matmul = shape.training_flops_per_token(0, lora_params=lora_params, trainable_fraction=0.0 if frozen_base else 1.0)
+    return TokenFlops(matmul=matmul, attention=shape.training_flops_per_token(1) - shape.training_flops_per_token(0))
 
 
 def model_flops_per_token(model: torch.nn.Module, seq_len: int, *, include_attention: bool = True) -> float:

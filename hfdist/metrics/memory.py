@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["held_tensor", "innermost_optimizer", "rank_state_bytes", "peak_memory_bytes", "current_memory_bytes",
+__all__ = ["held_tensor", "innermost_optimizer", "rank_state_bytes", "ddp_bucket_bytes", "peak_memory_bytes", "current_memory_bytes",
            "reset_peak_memory", "cuda_peaks_kept_through_resets", "start_peak_window", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes",
            "freed_memory_returned_to_os", "MMAP_THRESHOLD_BYTES"]
 
@@ -107,6 +107,17 @@ def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
         optimizer_bytes = _storage_bytes(state_tensors, set())
     return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
             "master_bytes": master_bytes}
+
+
+def ddp_bucket_bytes(model: torch.nn.Module) -> int:
+    """Bytes of DistributedDataParallel's gradient buckets around `model` (0 for any other module): with torch's
+    default gradient_as_bucket_view=False the reducer holds a flat copy of every trainable gradient, allocated when
+    DDP wraps the model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel) or model.gradient_as_bucket_view:
+        return 0
+    return sum(p.numel() * p.element_size() for p in model.module.parameters() if p.requires_grad)
 
 
 def _vm_hwm_bytes() -> int | None:

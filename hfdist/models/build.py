@@ -23,16 +23,20 @@ __all__ = ["meta_model", "check_checkpoint_weights", "checkpoint_folder", "lora_
 
 
 def _implementation(attn_implementation: str | None) -> dict:
-    """from_config's attention argument; hfdist's document attention is registered with transformers first."""
+    """from_config's attention argument (hfdist's document attention is registered with transformers first) and,
+    on CPU, its experts one: an MoE model's routed experts as transformers' loop over the experts, not its default
+    grouped GEMM, whose CPU kernel (torch's reference one) is ~13x slower at the sizes a CPU trains (the same
+    numbers; on GPU transformers' grouped_mm stays)."""
+    kwargs = {} if torch.cuda.is_available() else {"experts_implementation": "eager"}
     if attn_implementation is None:
-        return {}
+        return kwargs
     from hfdist.models.attention import DOCUMENT_ATTENTION
 
     if attn_implementation == DOCUMENT_ATTENTION:
         from hfdist.models.document_attention import register_document_attention
 
         register_document_attention()
-    return {"attn_implementation": attn_implementation}
+    return {**kwargs, "attn_implementation": attn_implementation}
 
 
 def meta_model(spec: str | None, vocab_size: int | None = None, dtype: torch.dtype = torch.float32,

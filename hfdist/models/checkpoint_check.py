@@ -4,7 +4,9 @@ that exist, and the model's weights there at the model's shapes.
 Every rank later reads its slices of each tensor through torch.distributed.checkpoint, which meets a file cut short
 (a copy or download that stopped) as an AssertionError deep inside a rank, after the launch, and a tensor of another
 shape as a size mismatch there. Here the headers alone are read (8 bytes of length, then JSON naming each tensor's
-dtype, shape and byte range), so the check costs milliseconds at any model size.
+dtype, shape and byte range), so the check costs milliseconds at any model size. Names follow transformers' own
+conversion (hfdist.models.conversion): a checkpoint holding an MoE layer's experts one by one matches the model's
+stacked experts, as from_pretrained would load it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 
 from hfdist.models.presets import ModelSpecError
 
-__all__ = ["safetensors_header", "check_checkpoint_files"]
+__all__ = ["safetensors_header", "checkpoint_headers", "check_checkpoint_files"]
 
 _INDEX = "model.safetensors.index.json"
 
@@ -43,7 +45,7 @@ def safetensors_header(file: Path) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v["shape"]) for k, v in tensors.items()}
 
 
-def _headers(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+def checkpoint_headers(folder: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """Tensor name -> (file, shape) over the folder's safetensors files, through its index when there is one."""
     index = folder / _INDEX
     files = sorted(folder.glob("*.safetensors"))
@@ -78,15 +80,26 @@ def check_checkpoint_files(folder: Path, config) -> None:
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
 
-    from hfdist.models.load import hf_key
+    from hfdist.models.conversion import checkpoint_layout, hf_key
 
-    found = _headers(folder)
+    found = checkpoint_headers(folder)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config)
     model.tie_weights()
+    layout = checkpoint_layout(model, found)
     missing, wrong = [], []
     for name, param in model.named_parameters():  # a tied lm_head is the embedding: listed once
         key = hf_key(name)
+        if key in layout.stacked:
+            source = layout.stacked[key]
+            shape = source.shape({k: found[k][1] for keys in source.groups for k in keys})[0]
+            if shape != tuple(param.shape):
+                first = source.groups[0][0]
+                wrong.append(f"{key} stacks {sum(map(len, source.groups))} tensors like {first} "
+                             f"({list(found[first][1])} in {found[first][0].name}) into "
+                             f"{list(shape) if shape else 'no common shape'}, the model's is {list(param.shape)}")
+            continue
+        key = layout.direct.get(key, key)
         if key not in found:
             missing.append(key)
         elif found[key][1] != tuple(param.shape):

@@ -8,7 +8,8 @@ TP / pipeline shards are cut by the same planner that reads a real checkpoint's 
 
 Distributions as transformers and peft initialise (PreTrainedModel._init_weights, LoraLayer.reset_lora_parameters):
 Linear and Embedding weights N(0, initializer_range) (an embedding's padding row 0), biases 0, norm weights 1, LoRA
-A kaiming-uniform(a=sqrt(5)), LoRA B 0.
+A kaiming-uniform(a=sqrt(5)), LoRA B 0; an MoE layer's stacked experts and its router's weight N(0,
+initializer_range), as the MoE models' own _init_weights draw them.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def init_rule(module_path: str, module: nn.Module, tensor_name: str, std: float)
         return InitRule("normal", std, zero_row=module.padding_idx)
     if _is_norm(module):
         return InitRule("ones")
+    kind = type(module).__name__
+    if ("Experts" in kind and tensor_name in ("gate_up_proj", "down_proj")) or ("Router" in kind and
+                                                                            tensor_name == "weight"):
+        return InitRule("normal", std)
     return None
 
 

@@ -9,6 +9,11 @@ converts them to the model's dtype (a bf16 checkpoint into fp32 weights) on the 
 slices (no rank-0 scatter): a rank touches 1/N of the checkpoint, the reads run in parallel, and no process
 holds more than one tensor it does not keep.
 
+A checkpoint that holds a tensor under another name or split otherwise than the model (an MoE layer's experts one
+by one, stacked in the model; renamed modules) is read through transformers' own conversion mapping
+(hfdist.models.conversion): a rank's slice of a stacked tensor is read as the slices of the per-expert tensors it
+covers (`StackedReader`), so a rank holding E / ep experts reads those experts only.
+
 ZeRO-3 partitions are flat ranges of each parameter, not tensor slices, so `load_gathered` fills them the
 DeepSpeed way: one parameter at a time gathered, rank 0 reads or generates its full values, DeepSpeed
 re-partitions them on leaving `GatheredParameters`.
@@ -27,19 +32,13 @@ from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.futures import Future
 
+from hfdist.models.conversion import StackedSource, hf_key
 from hfdist.models.init import InitRule, SeededInitReader, init_rule, initial_values
 
 __all__ = ["TensorSource", "WeightPlan", "weight_plan", "hf_key", "local_tensors", "load_weights", "load_gathered",
-           "SafetensorsSliceReader", "checkpoint_files", "read_rows"]
+           "SafetensorsSliceReader", "StackedReader", "checkpoint_files", "read_rows"]
 
-_PEFT_PREFIX = "base_model.model."
 _INDEX = "model.safetensors.index.json"
-
-
-def hf_key(name: str) -> str:
-    """The name a parameter has in a HF checkpoint: a peft LoRA model's names without its wrapper prefix and
-    `.base_layer` (the adapters' own names keep their `lora_A.<adapter>` part)."""
-    return name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
 
 
 @dataclass(frozen=True)
@@ -47,13 +46,16 @@ class TensorSource:
     """Where one tensor's values come from: checkpoint key `key` (rule None), or the seeded init of `key`.
 
     `packed`: the model holds it as a 4-bit packed weight (QLoRA's base), whose rows hfdist.models.quantize reads
-    and quantises; `load_weights` leaves it alone.
+    and quantises; `load_weights` leaves it alone. `stacked`: the checkpoint tensors it is stacked from (`key` is
+    then the model's name), with each group's extent along the concatenated dim (`widths`).
     """
 
     key: str
     shape: tuple[int, ...]
     rule: InitRule | None = None
     packed: bool = False
+    stacked: StackedSource | None = None
+    widths: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,11 @@ class WeightPlan:
     def seeded(self) -> dict[str, tuple[tuple[int, ...], InitRule]]:
         """Key -> (shape, rule) of the seeded tensors."""
         return {s.key: (s.shape, s.rule) for s in self.tensors.values() if s.rule is not None}
+
+    @property
+    def stacked(self) -> dict[str, TensorSource]:
+        """Model name -> source of the tensors stacked from several checkpoint tensors."""
+        return {s.key: s for s in self.tensors.values() if s.stacked is not None}
 
 
 def _checkpoint_keys(folder: Path) -> dict[str, Path]:
@@ -99,6 +106,18 @@ def _source_shape(module: nn.Module, local: str, p: torch.Tensor) -> tuple[tuple
     return tuple(p.shape), False
 
 
+def _checkpoint_layout(model: nn.Module, checkpoint: Path | None):
+    """(checkpoint key -> (file, shape), the checkpoint's layout for the model: hfdist.models.conversion)."""
+    from hfdist.models.checkpoint_check import checkpoint_headers
+    from hfdist.models.conversion import CheckpointLayout, checkpoint_layout
+
+    if checkpoint is None:
+        return {}, CheckpointLayout({}, {})
+    headers = checkpoint_headers(checkpoint)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return headers, checkpoint_layout(base, headers)
+
+
 def weight_plan(model: nn.Module, checkpoint: Path | None, seed: int) -> WeightPlan:
     """Decide where each tensor of `model` (full, typically on the meta device, LoRA already injected) gets its
     values. Tied parameters share their first name's source (a tied lm_head loads the embedding).
@@ -108,7 +127,7 @@ def weight_plan(model: nn.Module, checkpoint: Path | None, seed: int) -> WeightP
     """
     config = getattr(model, "config", None)
     std = float(getattr(config, "initializer_range", None) or 0.02)
-    available = _checkpoint_keys(checkpoint) if checkpoint is not None else {}
+    available, layout = _checkpoint_layout(model, checkpoint)
     # A tied parameter appears under several names; its first (the embedding before lm_head) decides key and rule.
     first_seen: dict[int, tuple[str, InitRule | None]] = {}
     tensors: dict[str, TensorSource] = {}
@@ -119,6 +138,12 @@ def weight_plan(model: nn.Module, checkpoint: Path | None, seed: int) -> WeightP
             first, rule = first_seen.setdefault(id(p), (name, init_rule(path, module, local, std)))
             key = hf_key(first)
             shape, packed = _source_shape(module, local, p)
+            if key in layout.stacked and "lora_" not in key:
+                source = layout.stacked[key]
+                widths = source.shape({k: available[k][1] for group in source.groups for k in group})[1]
+                tensors[name] = TensorSource(key, shape, stacked=source, widths=tuple(widths))
+                continue
+            key = layout.direct.get(key, key)
             if key in available and "lora_" not in key:
                 tensors[name] = TensorSource(key, shape, packed=packed)
             elif checkpoint is not None and "lora_" not in key:
@@ -166,6 +191,42 @@ class SafetensorsSliceReader(HuggingFaceStorageReader):
         return done
 
 
+class StackedReader(SeededInitReader):
+    """A `torch.distributed.checkpoint` storage of the model's stacked tensors (an MoE layer's experts), each slice a
+    rank asks for read as the slices of the checkpoint tensors it is stacked from, one file opening per piece: a
+    rank reads only its experts, only its rows of them.
+
+    Args:
+        sources: model name -> its stacked TensorSource.
+        files: checkpoint key -> safetensors file.
+    """
+
+    def __init__(self, sources: dict[str, TensorSource], files: dict[str, Path]) -> None:
+        super().__init__({key: (s.shape, None) for key, s in sources.items()}, seed=0)
+        self.sources, self.files = sources, files
+
+    def read_data(self, plan, planner) -> Future:
+        for item in plan.items:
+            target = planner.resolve_tensor(item).detach()
+            read_box(self.sources[item.storage_index.fqn], self.files, tuple(item.storage_offsets),
+                     tuple(item.lengths), target)
+            planner.commit_tensor(item, target)
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
+
+def read_box(source: TensorSource, files: dict[str, Path], offsets: tuple[int, ...], lengths: tuple[int, ...],
+             out: torch.Tensor) -> torch.Tensor:
+    """The box (`offsets`, `lengths`) of a stacked tensor, read into `out` piece by piece (converted to its dtype)."""
+    from safetensors import safe_open
+
+    for key, index, into in source.stacked.pieces(list(source.widths), offsets, lengths):
+        with safe_open(str(files[key]), framework="pt") as f:
+            out[into].copy_(f.get_slice(key)[index])
+    return out
+
+
 def local_tensors(modules: list[tuple[nn.Module, object]]) -> dict[str, torch.Tensor]:
     """A rank's parameters by their name in the full model, sharded as they are kept.
 
@@ -197,12 +258,13 @@ def load_weights(tensors: Mapping[str, torch.Tensor], plan: WeightPlan) -> None:
 
     from_checkpoint: dict[str, torch.Tensor] = {}
     seeded: dict[str, torch.Tensor] = {}
+    stacked: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         source = plan.tensors.get(name)
         if source is None or source.packed:
             continue  # buffers without a checkpoint entry keep the values they were built with; 4-bit weights
             # are quantised from their rows by hfdist.models.quantize
-        target = seeded if source.rule is not None else from_checkpoint
+        target = seeded if source.rule is not None else stacked if source.stacked is not None else from_checkpoint
         # Tied parameters are one object on a rank (TP and FSDP keep the tie): the same key twice is that object.
         assert target.get(source.key, tensor) is tensor, f"{name}: two distinct tensors load {source.key}"
         target[source.key] = tensor
@@ -212,6 +274,8 @@ def load_weights(tensors: Mapping[str, torch.Tensor], plan: WeightPlan) -> None:
             dcp.load(from_checkpoint, storage_reader=SafetensorsSliceReader(str(plan.checkpoint)), no_dist=True)
         if seeded:
             dcp.load(seeded, storage_reader=SeededInitReader(plan.seeded, plan.seed), no_dist=True)
+        if stacked:
+            dcp.load(stacked, storage_reader=StackedReader(plan.stacked, checkpoint_files(plan)), no_dist=True)
 
 
 def checkpoint_files(plan: WeightPlan) -> dict[str, Path]:
@@ -223,6 +287,8 @@ def _full_tensor(source: TensorSource, plan: WeightPlan, files: dict[str, Path])
     """One tensor's full values: read from the checkpoint (the file opened for this tensor only) or generated."""
     if source.rule is not None:
         return initial_values(source.key, source.shape, source.rule, plan.seed)
+    if source.stacked is not None:
+        return read_box(source, files, (0,) * len(source.shape), source.shape, torch.empty(source.shape))
     from safetensors import safe_open
 
     with safe_open(str(files[source.key]), framework="pt") as f:

@@ -1,7 +1,8 @@
 """Model presets and config loading: a preset name, a local checkpoint folder or a HF id -> a HF config.
 
 Presets make the project self-contained (nothing is downloaded): tiny ones of each registered architecture train
-on a CPU in seconds, the real-shape ones (Llama-3.2-1B, 3.1-8B/70B/405B) feed the planner and meta-device code.
+on a CPU in seconds, the real-shape ones (Llama-3.2-1B, 3.1-8B/70B/405B, Qwen3-30B-A3B, Llama 4 Scout) feed the
+planner and meta-device code.
 `preset_shape` reads a preset without importing transformers, so `hfdist plan` on a preset starts in a blink.
 """
 
@@ -39,6 +40,9 @@ PRESETS: dict[str, Preset] = {
     "llama-tiny": Preset("llama", _TINY),
     # An odd layer count (pipeline stages of unequal size) with GQA: layouts that hide nothing (resume tests).
     "llama-tiny-odd": Preset("llama", {**_TINY, "num_hidden_layers": 5}),
+    # 6 query heads over 2 kv heads (head dim 16): cp=4, or cp=2 under tp=2 (3 heads per tp rank), cannot split the
+    # heads, so context parallelism runs its ring there (hfdist.parallel.context_check.plan_cp).
+    "llama-tiny-6h": Preset("llama", {**_TINY, "hidden_size": 96, "num_attention_heads": 6}),
     # Mistral's sliding window, shorter than many packed documents at the tests' --seq-len 64: every layer slides.
     "mistral-tiny": Preset("mistral", {**_TINY, "sliding_window": 32}),
     "qwen2-tiny": Preset("qwen2", {**_TINY, "use_sliding_window": False}),
@@ -47,6 +51,17 @@ PRESETS: dict[str, Preset] = {
     # SmolLM3 (no hfdist TP entry: transformers' base_model_tp_plan is read); its 4th layer has no rotary embedding.
     # Its config's default token ids (128000-128004) lie outside the tiny vocabulary; the tokenizer sets pad.
     "smollm3-tiny": Preset("smollm3", {**_TINY, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
+    # Mixture-of-experts (hfdist.models.moe): 8 experts so ep in {1, 2, 4, 8} splits them whole. Qwen3-MoE with
+    # one dense layer among its MoE layers (mlp_only_layers), Mixtral's top-2 of 8, Llama 4's top-1 with a shared
+    # expert, dense and MoE layers interleaved and a NoPE layer (the fourth).
+    "qwen3-moe-tiny": Preset("qwen3_moe", {**_TINY, "head_dim": 32, "use_sliding_window": False, "num_experts": 8,
+                                           "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                           "norm_topk_prob": True, "mlp_only_layers": [3]}),
+    "mixtral-tiny": Preset("mixtral", {**_TINY, "intermediate_size": 64, "num_local_experts": 8,
+                                       "num_experts_per_tok": 2}),
+    "llama4-tiny": Preset("llama4_text", {**_TINY, "head_dim": 16, "intermediate_size": 64,
+                                          "intermediate_size_mlp": 128, "num_local_experts": 8,
+                                          "num_experts_per_tok": 1, "interleave_moe_layer_step": 2}),
     "llama-small": Preset("llama", dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4,
                                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                                         tie_word_embeddings=False)),
@@ -71,6 +86,24 @@ PRESETS: dict[str, Preset] = {
                                            num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
                                            max_position_embeddings=131072, tie_word_embeddings=False,
                                            rms_norm_eps=1e-5, rope_parameters=_LLAMA3_ROPE)),
+    # Mixture-of-experts models at their real shapes (config only: the planner and meta-device code).
+    "qwen3-30b-a3b": Preset("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                              num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                                              vocab_size=151936, num_experts=128, num_experts_per_tok=8,
+                                              moe_intermediate_size=768, norm_topk_prob=True, decoder_sparse_step=1,
+                                              mlp_only_layers=[], max_position_embeddings=40960,
+                                              use_sliding_window=False, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "llama-4-scout": Preset("llama4_text", dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384,
+                                                num_hidden_layers=48, num_attention_heads=40, num_key_value_heads=8,
+                                                head_dim=128, vocab_size=202048, num_local_experts=16,
+                                                num_experts_per_tok=1, interleave_moe_layer_step=1,
+                                                max_position_embeddings=10485760, attention_chunk_size=8192,
+                                                tie_word_embeddings=False, rms_norm_eps=1e-5,
+                                                rope_parameters={"rope_type": "llama3", "factor": 16.0,
+                                                                 "low_freq_factor": 1.0, "high_freq_factor": 1.0,
+                                                                 "original_max_position_embeddings": 8192,
+                                                                 "rope_theta": 500000.0})),
 }
 
 DEFAULT_PRESET = "llama-small"

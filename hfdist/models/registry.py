@@ -12,7 +12,10 @@ What transformers already ships is read from it, not restated:
 
 An entry holds the rest: projection biases the modeling code always adds (Qwen2's q/k/v), which layers' attention
 slides, the norms on the residual stream. A new architecture with Llama's layout and a `base_model_tp_plan` is an
-entry of only those facts. An architecture not listed here is refused by name (`facts_for`), never guessed.
+entry of only those facts. The mixture-of-experts architectures (Qwen3-MoE, Mixtral, Llama 4's text model) add their
+MoE facts (hfdist.models.moe_facts: router, stacked experts, shared expert, aux loss); of their TP plan hfdist reads
+the attention's part, present in every layer (a layer's MLP is the MoE facts' to describe). An architecture not
+listed here is refused by name (`facts_for`), never guessed.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from hfdist.errors import HfdistError
+from hfdist.models.moe_facts import LLAMA4_TEXT, MIXTRAL, QWEN3_MOE, MoeFacts
 
 __all__ = ["ModelFacts", "UnsupportedModelError", "REGISTRY", "LORA_TARGETS", "IGNORE_INDEX", "facts_for",
            "is_supported", "supported_types", "transformers_tp_plan"]
@@ -31,8 +35,9 @@ __all__ = ["ModelFacts", "UnsupportedModelError", "REGISTRY", "LORA_TARGETS", "I
 # The label value HF causal LMs' loss skips (prompt tokens, padding); every registered architecture uses it.
 IGNORE_INDEX = -100
 
-# What `--lora` adapts by default, where no model is at hand (the planner): Llama's decoder-layer projections
-# (short names, as peft's target_modules take them). With a model, `ModelFacts.lora_targets` is its own list.
+# What `--lora` adapts by default, where no model is at hand (the planner), and on an MoE model (its routed experts
+# stay frozen): Llama's decoder-layer projections (short names, as peft's target_modules take them). With a dense
+# model, `ModelFacts.lora_targets` is its own list.
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", "down_proj")
 
 # transformers' TP style names (base_model_tp_plan values) -> the role hfdist's own plan gives the module.
@@ -41,6 +46,7 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "o_proj", 
 # variants, packed or expert styles) is a layout hfdist's TP plan does not implement and is refused by name.
 _STYLE_ROLES = {"colwise": "colwise", "rowwise": "rowwise", "replicated_with_grad_allreduce": "head_norms"}
 _LAYER_PREFIX = "layers.*."
+_ATTENTION = "self_attn."  # the part of an MoE architecture's plan hfdist's TP plan follows (module docstring)
 
 
 class UnsupportedModelError(HfdistError, ValueError):
@@ -73,7 +79,7 @@ def transformers_tp_plan(model_type: str) -> dict[str, str]:
 
 
 def _plan_in_source(model_type: str) -> dict[str, str] | None:
-    """`base_model_tp_plan` as the literal transformers' configuration_<model_type>.py assigns it in the class whose
+    """`base_model_tp_plan` as the literal transformers' configuration module assigns it in the class whose
     `model_type` is `model_type`; None where the file or the literal is not there."""
     import ast
     import importlib.util
@@ -81,8 +87,11 @@ def _plan_in_source(model_type: str) -> dict[str, str] | None:
     spec = importlib.util.find_spec("transformers")  # locates the package without importing it
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(spec.submodule_search_locations[0]) / "models" / model_type / f"configuration_{model_type}.py"
-    if not path.is_file():
+    models = Path(spec.submodule_search_locations[0]) / "models"
+    # Its own module, or its family's (llama4_text's config lives in models/llama4/configuration_llama4.py).
+    paths = [models / name / f"configuration_{name}.py" for name in (model_type, model_type.rsplit("_", 1)[0])]
+    path = next((p for p in paths if p.is_file()), None)
+    if path is None:
         return None
     for node in ast.walk(ast.parse(path.read_text())):
         if not isinstance(node, ast.ClassDef):
@@ -125,6 +134,7 @@ class ModelFacts:
         sliding_window_everywhere: a set `config.sliding_window` makes every layer's attention sliding (Mistral).
         window_from_layer_types: attention masks follow `config.layer_types`, full or sliding per layer (Qwen2/3).
         ignore_index: the label value the loss skips.
+        moe: the mixture-of-experts facts (hfdist.models.moe), None for a dense architecture.
     """
 
     model_type: str
@@ -135,6 +145,7 @@ class ModelFacts:
     sliding_window_everywhere: bool = False
     window_from_layer_types: bool = False
     ignore_index: int = IGNORE_INDEX
+    moe: MoeFacts | None = None
     # Paths inside the causal LM (the same for every registered architecture).
     embed: str = "model.embed_tokens"
     layers: str = "model.layers"
@@ -150,6 +161,8 @@ class ModelFacts:
     def _paths(self, role: str) -> tuple[str, ...]:
         """The decoder-layer paths the TP plan gives `role` ("colwise", "rowwise", "head_norms"), in plan order."""
         plan = self.tp_plan if self.tp_plan is not None else transformers_tp_plan(self.model_type)
+        if self.moe is not None:
+            plan = {path: style for path, style in plan.items() if path.startswith(_ATTENTION)}
         unknown = sorted({style for style in plan.values() if style not in _STYLE_ROLES})
         if unknown:
             raise UnsupportedModelError(
@@ -180,8 +193,9 @@ class ModelFacts:
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
-        """Short names of the projections `--lora` adapts: all of them."""
-        return tuple(name.split(".")[-1] for name in self.linears)
+        """Short names of the projections `--lora` adapts: all of them (an MoE model's dense MLP and shared expert
+        projections too; its routed experts stay frozen: hfdist.models.moe.moe_lora_config)."""
+        return LORA_TARGETS if self.moe is not None else tuple(name.split(".")[-1] for name in self.linears)
 
     def head_dim(self, config: Any) -> int:
         """Per-head width (configs may set it apart from hidden / heads, as Qwen3 does)."""
@@ -189,8 +203,9 @@ class ModelFacts:
 
     def linear_shapes(self, config: Any) -> dict[str, tuple[int, int, bool]]:
         """(in_features, out_features, has_bias) of each decoder-layer projection the architecture has, keyed by
-        short name."""
-        h, hd, i = int(config.hidden_size), self.head_dim(config), int(config.intermediate_size)
+        short name (of an MoE architecture: a dense layer's, whose MLP is `moe.dense_width` wide)."""
+        h, hd = int(config.hidden_size), self.head_dim(config)
+        i = self.moe.dense_width(config) if self.moe is not None else int(config.intermediate_size)
         heads = int(config.num_attention_heads)
         kv = int(getattr(config, "num_key_value_heads", None) or heads)
         attn_bias = bool(getattr(config, "attention_bias", False))
@@ -224,6 +239,11 @@ REGISTRY: dict[str, ModelFacts] = {
     # SmolLM3: Llama's layout; every 4th layer without rotary embeddings (config.no_rope_layers, read by its own
     # attention), and those layers slide when use_sliding_window is set (config.layer_types).
     "smollm3": ModelFacts("smollm3", window_from_layer_types=True),
+    "qwen3_moe": ModelFacts("qwen3_moe", window_from_layer_types=True, moe=QWEN3_MOE),
+    "mixtral": ModelFacts("mixtral", sliding_window_everywhere=True, moe=MIXTRAL),
+    # Llama 4's text model: its qk norm is a weightless L2 norm; its chunked-attention layers are full attention at
+    # the sequence lengths hfdist trains it on (hfdist.parallel.expert_check refuses longer ones).
+    "llama4_text": ModelFacts("llama4_text", moe=LLAMA4_TEXT),
 }
 
 

@@ -54,6 +54,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from hfdist.errors import HfdistError
+from hfdist.models.moe import MoeShape
 from hfdist.models.registry import UnsupportedModelError, facts_for
 
 __all__ = ["ModelShape", "PlanModelError", "NF4_BLOCK_SIZE", "NF4_NESTED_BLOCK_SIZE", "packed_nbytes",
@@ -77,6 +78,10 @@ def quant_state_nbytes(out_features: int, in_features: int) -> int:
     return blocks + 4 * -(-blocks // NF4_NESTED_BLOCK_SIZE) + 4 * (16 + 256) + 4
 
 
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+
+
 class PlanModelError(HfdistError, ValueError):
     """A LoRA target or setting the planner cannot count."""
 
@@ -93,9 +98,11 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     tied: bool = False
-    # (in_features, out_features, has_bias) per decoder-layer projection, from the registry.
+    # (in_features, out_features, has_bias) per decoder-layer projection, from the registry (an MoE model: a dense
+    # layer's; its MoE layers' blocks are `moe`'s).
     linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict, compare=False)
     head_norm_params: int = 0  # per layer (Qwen3's q_norm + k_norm)
+    moe: MoeShape | None = None  # a mixture-of-experts model's MoE layers
 
     @classmethod
     def from_config(cls, config) -> "ModelShape":
@@ -117,17 +124,42 @@ class ModelShape:
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             linears=facts.linear_shapes(config),
             head_norm_params=facts.head_norm_params(config),
+            moe=MoeShape.from_config(config, facts.moe) if facts.moe is not None else None,
         )
 
-    @property
-    def layer_linear_params(self) -> int:
-        """Parameters of one decoder layer's projections (what tensor parallelism splits)."""
-        return sum(n_in * n_out + (n_out if bias else 0) for n_in, n_out, bias in self.linears.values())
+    def _mlp_mean(self, dense: float, moe_block: float) -> float:
+        """A per-layer figure averaged over the layers: `dense` for a dense layer's MLP, `moe_block` for an MoE
+        layer's block."""
+        m = self.moe.layers
+        return ((self.layers - m) * dense + m * moe_block) / self.layers
+
+    def _projections(self, names: tuple[str, ...], bias: bool = True) -> int:
+        return sum(n_in * n_out + (n_out if b and bias else 0) for name, (n_in, n_out, b) in self.linears.items()
+                   if name in names)
+
+    def _per_layer(self, moe_block: int, bias: bool) -> float:
+        """Projection parameters of a layer (biases when `bias`), an MoE model's MLPs averaged with `moe_block`."""
+        attention = self._projections(_ATTENTION, bias)
+        dense = self._projections(_MLP, bias)
+        return attention + (dense if self.moe is None else self._mlp_mean(dense, moe_block))
 
     @property
-    def layer_matmul_params(self) -> int:
-        """Weights of one decoder layer's projections, biases left out (what the matmuls multiply by)."""
-        return sum(n_in * n_out for n_in, n_out, _ in self.linears.values())
+    def layer_linear_params(self) -> float:
+        """Parameters of one decoder layer's projections (what tensor parallelism splits; an MoE model's experts are
+        split over the tp ranks too, by FSDP2: hfdist.parallel.expert); an MoE model's: the mean over its layers."""
+        return self._per_layer(self.moe.block_params(self.hidden) if self.moe else 0, bias=True)
+
+    @property
+    def layer_matmul_params(self) -> float:
+        """Weights of one decoder layer's projections, biases left out (what the matmuls multiply by); an MoE
+        model's: the mean over its layers, every expert counted (active_layer_matmul_params: what a token uses)."""
+        return self._per_layer(self.moe.block_params(self.hidden) if self.moe else 0, bias=False)
+
+    @property
+    def active_layer_matmul_params(self) -> float:
+        """The weights one token's matmuls use in a decoder layer (mean over layers): an MoE layer's top-k experts,
+        router and shared expert; a dense model's every projection."""
+        return self._per_layer(self.moe.active_params(self.hidden) if self.moe else 0, bias=False)
 
     @property
     def layer_params(self) -> int:
@@ -147,7 +179,16 @@ class ModelShape:
     @property
     def total_params(self) -> int:
         """Every parameter, counted once (a tied lm_head shares the embedding's)."""
-        return self.embed_params + self.layers * self.layer_params + self.hidden + self.head_params
+        return round(self.embed_params + self.layers * self.layer_params + self.hidden + self.head_params)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token uses: an MoE model's total less its unchosen experts (total_params for a dense
+        model)."""
+        if self.moe is None:
+            return self.total_params
+        unused = (self.moe.experts - self.moe.top_k) * 3 * self.hidden * self.moe.expert_width
+        return self.total_params - self.moe.layers * unused
 
     @property
     def layer_packed_bytes(self) -> int:
@@ -158,6 +199,23 @@ class ModelShape:
     def layer_quant_state_bytes(self) -> int:
         """Bytes of the quantisation states of one decoder layer's 4-bit projections."""
         return sum(quant_state_nbytes(n_out, n_in) for n_in, n_out, _ in self.linears.values())
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights that take part in a token's matmuls: every layer's projections (an MoE layer's: its top-k experts,
+        router and shared expert, the active parameters) plus lm_head (the embedding is a lookup; a tied lm_head
+        still does its matmul, counted once)."""
+        return round(self.layers * self.active_layer_matmul_params) + self.hidden * self.vocab
+
+    def training_flops_per_token(self, seq_len: int, *, lora_params: int = 0, trainable_fraction: float = 1.0) -> float:
+        """Training FLOPs (forward + backward) per token of sequences `seq_len` long (hfdist.metrics.flops states the
+        conventions): (4 + 2 x trainable fraction) x matmul params + 6 x LoRA params + 12 L H Q T attention (full,
+        not causal-halved; seq_len 0 leaves it out)."""
+        if not 0.0 <= trainable_fraction <= 1.0:
+            raise ValueError(f"trainable_fraction must lie in [0, 1], got {trainable_fraction}.")
+        # forward 2N + input gradient 2N for every weight; the weight gradient (2N) only for trained ones
+        attention = 12.0 * self.layers * self.heads * self.head_dim * seq_len
+        return (4.0 + 2.0 * trainable_fraction) * self.matmul_params + 6.0 * lora_params + attention
 
     @property
     def largest_projection(self) -> int:
@@ -198,6 +256,10 @@ class ModelShape:
             inner += (4 + elem) * (q + kv) + 4 * (self.heads + self.kv_heads)
         lora = elem * lora_r * lora_targets
         per_token = norms / tp + gathered_inputs + inner / tp + lora
+        if self.moe is not None:  # an MoE layer saves its block's tensors instead of a dense MLP's (tp-local tokens)
+            compute, fp32 = self.moe.activation_elements(h)
+            dense_mlp = (elem * 4 * i) / tp + (5 if autocast else 2) * elem * h / 2  # gate/up input: half of gathered
+            per_token += self._mlp_mean(0, (elem * compute + 4 * fp32) / tp - dense_mlp)
         return int(tokens * per_token)
 
     def head_activation_bytes(self, tokens: int, elem: int, tp: int = 1, logit_tokens: int | None = None) -> int:

@@ -1,7 +1,8 @@
 """A model's config against a rung, before any process starts or anything is built: the architecture hfdist's TP and
 PP know, tp dividing the sizes it splits, the FSDP layer class a YAML names, cp against the heads, the sequence and
-the other axes. Read by the launcher's pre-checks (hfdist.job.preflight) and by hfdist.api.prepare_model; each
-failure one paragraph naming the fix.
+its --cp-method, an MoE model's experts against the rung and ep (hfdist.parallel.expert_check). Read by the
+launcher's pre-checks (hfdist.job.preflight) and by hfdist.api.prepare_model; each failure one paragraph naming the
+fix.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch
 from hfdist.config.finetune import ConfigError
 from hfdist.config.ladder import Rung
 
-__all__ = ["check_model_fits", "check_model_fits_rung", "check_context_parallel"]
+__all__ = ["check_model_fits", "check_model_fits_rung", "check_context_parallel", "plan_context"]
 
 
 def check_model_fits(config, rung: Rung, seq_len: int | None = None) -> None:
@@ -23,6 +24,9 @@ def check_model_fits(config, rung: Rung, seq_len: int | None = None) -> None:
     """
     check_model_fits_rung(config, rung)
     check_context_parallel(config, rung, seq_len)
+    from hfdist.parallel.expert_check import check_moe
+
+    check_moe(config, rung, seq_len)
 
 
 def check_model_fits_rung(config, rung: Rung) -> None:
@@ -49,24 +53,46 @@ def check_model_fits_rung(config, rung: Rung) -> None:
         _check_layer_class(config, rung.fsdp.layer_cls_to_wrap)
 
 
-def check_context_parallel(config, rung: Rung, seq_len: int | None = None) -> None:
-    """A context-parallel rung against the model, the sequence length and the other axes, before any process.
+def check_context_parallel(config, rung: Rung, seq_len: int | None = None):
+    """A context-parallel rung against the model and the sequence length, before any process: the plan of its
+    --cp-method (hfdist.parallel.context_check.check_cp), or the one already planned (`plan_context`).
+
+    Returns:
+        The CpPlan, or None without cp.
 
     Raises:
-        ConfigError / ContextParallelError: naming the sizes or the axis, and what would work.
+        ContextParallelError: naming the sizes or the method, and what would work.
     """
-    cp = rung.dims.cp
-    if cp == 1:
-        return
-    if rung.uses_pipeline:
-        raise ConfigError(f"{rung.name} asks for context parallelism (cp={cp}) together with pipeline stages "
-                          f"(pp={rung.dims.pp}, schedule {rung.pipeline.schedule if rung.pipeline else '?'}); hfdist "
-                          "supports no pipeline schedule with cp yet (its stages pass whole sequences between "
-                          "ranks). Set parallelism_config_pp_size: 1 (cp composes with FSDP2 and TP: dp_shard x cp "
-                          "x tp), or parallelism_config_cp_size: 1 with pp.")
-    from hfdist.parallel.context_check import check_cp
+    from hfdist.parallel.context_check import CpPlan, check_cp
 
-    check_cp(config, cp, seq_len, tp=rung.dims.tp)
+    cp, context = rung.dims.cp, rung.context
+    if cp == 1:
+        return None
+    if context.ulysses is not None:  # planned already (for this model and --seq-len): the same plan, re-checked
+        plan = CpPlan(context.method, cp, context.ulysses, context.reason)
+        check_cp(config, cp, seq_len, tp=rung.dims.tp, method=context.method)
+        if seq_len is not None and seq_len % plan.seq_multiple:
+            raise ConfigError(f"The {plan.method} plan of {rung.name} cuts rows into multiples of "
+                              f"{plan.seq_multiple} tokens, not --seq-len {seq_len}.")
+        return plan
+    return check_cp(config, cp, seq_len, tp=rung.dims.tp, method=context.method)
+
+
+def plan_context(config, rung: Rung, seq_len: int | None = None) -> Rung:
+    """The rung with its context parallelism planned for this model and sequence length (the method --cp-method
+    asked for or auto chose, its Ulysses degree, why), so every rank applies the plan the launcher checked.
+
+    Raises:
+        ContextParallelError: a method that cannot split the model or cut the sequence, naming what would work.
+    """
+    from dataclasses import replace
+
+    from hfdist.config.ladder import ContextSettings
+
+    plan = check_context_parallel(config, rung, seq_len)
+    if plan is None:
+        return rung
+    return replace(rung, context=ContextSettings(plan.method, plan.ulysses, plan.reason))
 
 
 def _check_layer_class(config, name: str) -> None:

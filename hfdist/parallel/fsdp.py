@@ -74,6 +74,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     param_dtype: torch.dtype | None = None,
     offload_params: bool = False,
+    expert_mesh=None,
 ) -> nn.Module:
     """Shard `model` in place with FSDP2: each transformer layer is one unit, the root holds the rest.
 
@@ -84,6 +85,8 @@ def apply_fsdp(
         param_dtype: compute dtype of the all-gathered params (bf16 under --mixed-precision bf16, on CPU too; the
             sharded params stay fp32); gradients are then reduced in fp32. None: compute in the params' dtype.
         offload_params: keep sharded params and optimizer state in CPU RAM (GPU only).
+        expert_mesh: an MoE model's experts are units of their own over this mesh, sharded first
+            (hfdist.parallel.expert.shard_experts: expert parallelism, or tensor parallelism on an MoE model).
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -93,6 +96,11 @@ def apply_fsdp(
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None),
         offload_policy=CPUOffloadPolicy() if offload_params else OffloadPolicy(),
     )
+    if expert_mesh is not None:
+        from hfdist.parallel.expert import shard_experts
+
+        shard_experts(model, expert_mesh, mesh.size(), reshard_after_forward=reshard_after_forward,
+                      mp_policy=kwargs["mp_policy"], offload_policy=kwargs["offload_policy"])
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's params (embeddings, final norm, lm_head) are used last in backward: no point resharding them.

@@ -7,12 +7,16 @@ before the last two steps, and then only this rank's shards:
     mesh = dims.build_mesh(device)          the DeviceMesh: dp_replicate x dp_shard x cp x pp x tp
     convert_to_float8(model, recipe)        float8 linears in the decoder layers (--fp8; hfdist.parallel.float8)
     apply_tp(model, mesh["tp"])             Megatron TP + sequence parallel + vocab-parallel loss (tp > 1)
-    apply_cp(model, mesh["cp"])             attention over sequences sharded across cp ranks (Ulysses, cp > 1)
+    apply_ep(model, mesh ep axis)           an MoE model's experts split whole over ep ranks, tokens dispatched by
+                                            all-to-all (ep > 1, or tp > 1: each tp rank routes its own tokens)
+    apply_cp(model, mesh["cp"])             attention over sequences sharded across cp ranks (cp > 1: Ulysses,
+                                            ring or hybrid, as rung.context planned)
     apply_ac(model)                         activation checkpointing per decoder layer (asked for or in the YAML)
     apply_compile(model)                    torch.compile per decoder layer, in place (--compile)
     split into pipeline stages              this rank's stages only; the rest of the model is dropped (pp > 1)
     apply_fsdp(module, dp_mesh)             FSDP2 per decoder layer + root, per stage under PP (kept gathered
-                                            through the step there: reshard_after_forward); over dp_shard x cp
+                                            through the step there: reshard_after_forward); over dp_shard x cp;
+                                            an MoE model's experts first, over dp_shard / ep x tp
     materialize(module, device)             only the local shards, allocated on the rank's device
     load_weights(local tensors, plan)       each rank reads just its slices of the checkpoint (or seeded init)
 
@@ -47,6 +51,7 @@ from torch import nn
 
 from hfdist.config.features import refuse_unless
 from hfdist.config.ladder import Rung
+from hfdist.models.moe import moe_layers
 
 __all__ = ["parallelize", "reshard_after_forward", "apply_ac", "apply_compile", "check_compile", "compile_record",
            "verify_compiled", "uses_fsdp", "fsdp_shard_ranks"]
@@ -171,10 +176,18 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
         from hfdist.parallel.tensor import apply_tp
 
         apply_tp(model, mesh["tp"])
+    expert_mesh = None
+    if dims.ep > 1 or (rung.uses_tp and moe_layers(model)):  # experts split over ep, or routing tp-local tokens
+        from hfdist.parallel.expert import apply_ep, expert_meshes
+
+        ep_mesh, expert_mesh = expert_meshes(mesh, dims.ep, dims.tp)
+        apply_ep(model, ep_mesh)
     if dims.cp > 1:
         from hfdist.parallel.context import apply_cp
+        from hfdist.parallel.fit import check_context_parallel
 
-        apply_cp(model, mesh["cp"], tp=dims.tp)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        apply_cp(model, mesh["cp"], tp=dims.tp, plan=check_context_parallel(base.config, rung))
     if activation_checkpointing or rung.fsdp.activation_checkpointing:
         apply_ac(model)
     if compile:
@@ -186,7 +199,7 @@ def parallelize(model: nn.Module, rung: Rung, *, device: torch.device, mixed_pre
         return apply_fsdp(module, dp_mesh, layer_cls_name=rung.fsdp.layer_cls_to_wrap,
                           reshard_after_forward=reshard_after_forward(rung),
                           param_dtype=torch.bfloat16 if mixed_precision == "bf16" else None,
-                          offload_params=rung.fsdp.offload_params and device.type == "cuda")
+                          offload_params=rung.fsdp.offload_params and device.type == "cuda", expert_mesh=expert_mesh)
 
     if not rung.uses_pipeline:
         model = shard(model)
@@ -221,5 +234,6 @@ def _split_pipeline(model: nn.Module, rung: Rung, mesh, shard, device: torch.dev
                             activation_mesh=mesh["tp"] if rung.uses_tp else None)
     if weights is not None:
         _materialize_and_load([(stage, stage.original_name) for stage in runner.stages], device, weights)
-    # FSDP2 averages gradients over the dp replicas; the loss normaliser is scaled by dp to undo that.
-    return PipelineModel(runner, config, loss_scale=rung.dims.dp if shard is not None else 1)
+    # FSDP2 averages gradients over the dp replicas and the cp ranks; the loss normaliser is scaled by dp x cp to
+    # undo that.
+    return PipelineModel(runner, config, loss_scale=rung.dims.dp * rung.dims.cp if shard is not None else 1)

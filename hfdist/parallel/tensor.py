@@ -62,6 +62,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, VocabShardedLogitsError, causal_lm_loss
 from hfdist.models.registry import ModelFacts, facts_for
+from hfdist.parallel.expert import is_expert_param
 from hfdist.parallel.tensor_check import TPError, valid_tp_degrees, validate_tp
 from hfdist.parallel.tensor_styles import (
     GatherSequence,
@@ -110,6 +111,7 @@ def tp_plan(
     loss_parallel: bool = True,
     tied_embeddings: bool = False,
     lora_targets: frozenset[str] = frozenset(),
+    config=None,
 ) -> dict[str, ParallelStyle]:
     """The tensor-parallel plan of an architecture: module glob (relative to the causal LM) -> parallel style.
 
@@ -119,6 +121,8 @@ def tp_plan(
         loss_parallel: keep lm_head's output vocab-sharded for `tp_causal_lm_loss`; otherwise gather full logits.
         tied_embeddings: the input embedding shares lm_head's weight (config.tie_word_embeddings).
         lora_targets: short names of the projections wrapped by peft LoRA layers.
+        config: the model's config; an MoE model's MLP side is planned per layer from it
+            (hfdist.parallel.expert.moe_tp_plan).
     """
     residual = Shard(1) if sequence_parallel else Replicate()
     # A norm's weight gradient is a partial sum where the norm sees 1/tp of the tokens (sequence parallel); without
@@ -143,7 +147,7 @@ def tp_plan(
         **{f"{layer}.{norm_name}": norm for norm_name in facts.layer_norms},
         # Attention and the MLP compute on the full sequence.
         f"{layer}.self_attn": GatherSequence(residual, spec),
-        f"{layer}.mlp": GatherSequence(residual, spec),
+        **({f"{layer}.mlp": GatherSequence(residual, spec)} if facts.moe is None else {}),
         # (batch, seq, heads, head_dim) with this rank's heads: each rank's weight gradient covers its heads only.
         **{f"{layer}.{head_norm}": LocalNorm(weight_grad=Partial(), reducer=reducer) for head_norm in facts.head_norms},
         facts.final_norm: norm,
@@ -151,15 +155,20 @@ def tp_plan(
                                     output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                     use_local_output=not loss_parallel),
     }
+    def linear(path: str, colwise: bool) -> dict[str, ParallelStyle]:
+        if path.split(".")[-1] in lora_targets:
+            return _lora_entries(path, colwise, residual, reducer)
+        if colwise:
+            return {path: LocalLinear(split=0)}
+        return {path: LocalLinear(split=1, reduce_to=residual, reducer=reducer)}  # partial sums -> residual shard
+
     for name in facts.linears:
-        colwise = name in facts.colwise
-        path = f"{layer}.{name}"
-        if name.split(".")[-1] in lora_targets:
-            plan.update(_lora_entries(path, colwise, residual, reducer))
-        elif colwise:
-            plan[path] = LocalLinear(split=0)
-        else:  # the partial sums become a local shard of the residual stream
-            plan[path] = LocalLinear(split=1, reduce_to=residual, reducer=reducer)
+        plan.update(linear(f"{layer}.{name}", name in facts.colwise))
+    if facts.moe is not None:  # an MoE block routes the rank's own tokens (no gather); dense MLPs as usual
+        from hfdist.parallel.expert import moe_tp_plan
+
+        plan.update(moe_tp_plan(config, facts, {"gather": GatherSequence(residual, spec), "linear": linear,
+                                                "router": LocalNorm(weight_grad=Partial(), reducer=reducer)}))
     return plan
 
 
@@ -195,7 +204,11 @@ def _lora_targets(causal_lm: nn.Module, facts: ModelFacts) -> frozenset[str]:
     if len(set(per_layer)) > 1:
         raise TPError("LoRA targets differ between decoder layers (peft layers_to_transform?); the tensor-parallel "
                       "plan needs the same targets in every layer.")
-    return per_layer[0] if per_layer else frozenset()
+    targets = per_layer[0] if per_layer else frozenset()
+    if facts.moe is not None:  # an MoE model's dense MLPs and shared expert, wherever they are
+        targets |= {path.split(".")[-1] for path, m in causal_lm.named_modules() if hasattr(m, "lora_A")
+                    and path.split(".")[-1] in ("gate_proj", "up_proj", "down_proj")}
+    return targets
 
 
 def apply_tp(
@@ -225,7 +238,10 @@ def apply_tp(
     if any(isinstance(p, DTensor) for p in causal_lm.parameters()):
         raise TPError("The model already holds DTensor parameters: apply_tp must run once, before FSDP.")
     tied = causal_lm.lm_head.weight is causal_lm.model.embed_tokens.weight
-    plan = tp_plan(facts, sequence_parallel, loss_parallel, tied, _lora_targets(causal_lm, facts))
+    if facts.moe is not None and not sequence_parallel:
+        raise TPError("An MoE model's blocks route each tp rank's own sequence shard: tensor parallelism on it needs "
+                      "sequence_parallel=True.")
+    plan = tp_plan(facts, sequence_parallel, loss_parallel, tied, _lora_targets(causal_lm, facts), causal_lm.config)
     frozen = {name for name, p in causal_lm.named_parameters() if not p.requires_grad}
     parallelize_module(causal_lm, tp_mesh, plan)
     # SequenceParallel (torch 2.13) re-registers norm weights with requires_grad=True; frozen LoRA bases stay frozen.
@@ -234,7 +250,9 @@ def apply_tp(
     if tied:
         # Each style registers its own Parameter; both shard the vocab dim (Shard(0)), so the tie can be restored.
         causal_lm.lm_head.weight = causal_lm.model.embed_tokens.weight
-    plain = [name for name, p in causal_lm.named_parameters() if not isinstance(p, DTensor)]
+    # Routed experts are not split by tp: hfdist.parallel.expert places them (over ep, FSDP2 over dp x tp).
+    plain = [name for name, p in causal_lm.named_parameters() if not isinstance(p, DTensor)
+             and not is_expert_param(name)]
     if plain:
         raise TPError(f"The tensor-parallel plan left parameters unsplit and unreplicated: {plain[:5]}; this model "
                       f"has modules the {facts.model_type} plan does not know.")

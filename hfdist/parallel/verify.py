@@ -38,6 +38,7 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from hfdist.parallel.expert import is_expert_param
     from hfdist.parallel.fsdp import fsdp_unit_class, is_instance_of_named
 
     assert rung.fsdp is not None
@@ -59,6 +60,8 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
     if d.tp > 1:
         want_shape = (*want_shape, d.tp)
     for name, p in model.named_parameters():
+        if is_expert_param(name) and (d.ep > 1 or d.tp > 1):
+            continue  # placed over ep and FSDP2's expert mesh: _check_experts
         if not isinstance(p, DTensor):
             _fail(rung, f"parameter {name} is a plain tensor, not a sharded DTensor")
         # FSDP2 shards dim 0 of a TP-split weight as a _StridedShard (torch-private, no Shard subclass).
@@ -73,20 +76,51 @@ def _check_fsdp(rung: Rung, model: nn.Module) -> None:
             _fail(rung, f"{name} is not column-split over tp (placements {p.placements})")
 
 
+def _check_experts(rung: Rung, model: nn.Module) -> None:
+    """ep (or tp on an MoE model): every MoE block dispatches through hfdist's experts, each rank holding its E / ep
+    experts (hfdist.parallel.expert.check_experts), and each experts module is an FSDP2 unit of its own."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from hfdist.models.moe import moe_layers
+    from hfdist.parallel.expert import check_experts
+    from hfdist.parallel.expert_check import ExpertParallelError
+
+    try:
+        check_experts(model, rung.dims.ep)
+    except ExpertParallelError as exc:
+        _fail(rung, str(exc))
+    unsharded = [layer.path for layer in moe_layers(model) if not isinstance(layer.experts, FSDPModule)]
+    if unsharded:
+        _fail(rung, f"the experts of {unsharded[0]} (and {len(unsharded) - 1} more) are not an FSDP2 unit")
+
+
 def _check_context_parallel(rung: Rung, model: nn.Module) -> None:
-    """cp: every attention layer exchanges over a cp group of the asked size, through the cp attention."""
-    from hfdist.parallel.context import CP_ATTENTION
+    """cp: every attention layer attends through the cp attention of one plan, over groups of the asked sizes (the
+    whole cp group; its Ulysses groups and ring), and the method is the one the run asked for (--cp-method)."""
+    from hfdist.parallel.context import CP_ATTENTIONS
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = [m for name, m in base.named_modules() if name.endswith("self_attn")]
     specs = [getattr(m, "hfdist_cp", None) for m in layers]
-    if base.config._attn_implementation != CP_ATTENTION or not layers or None in specs:
+    if base.config._attn_implementation not in CP_ATTENTIONS.values() or not layers or None in specs:
         _fail(rung, f"context parallelism (cp={rung.dims.cp}) is not in effect: the model attends with "
                     f"'{base.config._attn_implementation}' and {specs.count(None)} of {len(layers)} attention "
                     "layers have no cp group")
-    sizes = {dist.get_world_size(group) for group, _, _ in specs}
-    if sizes != {rung.dims.cp}:
-        _fail(rung, f"the attention layers exchange over groups of {sorted(sizes)} ranks, not cp={rung.dims.cp}")
+    plans = {spec.plan for spec in specs}
+    plan = plans.pop()
+    if plans or base.config._attn_implementation != CP_ATTENTIONS[plan.method]:
+        _fail(rung, f"the attention layers run different context-parallel plans ({sorted(p.method for p in plans)} "
+                    f"and {plan.method} under '{base.config._attn_implementation}')")
+    asked = rung.context
+    if asked.method not in ("auto", plan.method) or asked.ulysses not in (None, plan.ulysses):
+        _fail(rung, f"context parallelism runs {plan.method} (Ulysses over {plan.ulysses}), but {asked.method}"
+                    f"{f' (Ulysses over {asked.ulysses})' if asked.ulysses else ''} was planned (--cp-method)")
+    sizes = {tuple(dist.get_world_size(g) if g is not None else None for g in (s.group, s.ulysses_group, s.ring_group))
+             for s in specs}
+    want = (rung.dims.cp, plan.ulysses if plan.ulysses > 1 else None, plan.ring if plan.ring > 1 else None)
+    if sizes != {want}:
+        _fail(rung, f"the attention layers exchange over groups of (cp, ulysses, ring) = {sorted(sizes)} ranks, not "
+                    f"{want} ({plan.method}, cp={rung.dims.cp})")
 
 
 def _check_pipeline(rung: Rung, model: nn.Module) -> None:
@@ -152,14 +186,14 @@ def _check_lora(rung: Rung, model: nn.Module) -> None:
 
 
 def _check_attention(rung: Rung, model: nn.Module, attention: str) -> None:
-    """The attention implementation every layer reads is the one the run resolved (under cp: the one the Ulysses
-    exchange calls on the gathered sequence)."""
-    from hfdist.parallel.context import CP_ATTENTION
+    """The attention implementation every layer reads is the one the run resolved (under cp: the base the cp
+    attention computes with, or whose boundaries the ring reads)."""
+    from hfdist.parallel.context import CP_ATTENTIONS
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     in_effect = {base.config._attn_implementation}
-    if in_effect == {CP_ATTENTION}:
-        in_effect = {m.hfdist_cp[2] for m in base.modules() if getattr(m, "hfdist_cp", None) is not None}
+    if in_effect <= set(CP_ATTENTIONS.values()):
+        in_effect = {m.hfdist_cp.base for m in base.modules() if getattr(m, "hfdist_cp", None) is not None}
     if in_effect != {attention}:
         _fail(rung, f"the model attends with {', '.join(sorted(map(str, in_effect)))}, not the "
                     f"--attn-implementation resolved for this run ({attention}), so packed documents would not be "
@@ -221,6 +255,10 @@ def verify_strategy(rung: Rung, wrapped: nn.Module, model: nn.Module, lora: bool
         _check_pipeline(rung, model)
     elif rung.owns_sharding:
         _check_fsdp(rung, model)
+        from hfdist.models.moe import moe_layers
+
+        if rung.dims.ep > 1 or (rung.uses_tp and moe_layers(model)):
+            _check_experts(rung, model)
     if rung.dims.cp > 1:
         _check_context_parallel(rung, model)
     if rung.uses_deepspeed:

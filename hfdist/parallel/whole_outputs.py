@@ -13,10 +13,10 @@ produce exactly those:
 - CP: the decoder takes the whole rows and cuts them itself. The attention inputs are built for the whole rows first
   (hfdist.data.collation.attention_inputs from the position ids: a row is one causal sequence unless its position
   ids restart, as in packed rows; a 2-D padding mask must be right-padding, whose pads no real token attends to
-  under causal attention), the rows are padded to a multiple of cp, and each cp rank runs its chunk through the
-  decoder layers (attention over the whole sequence by Ulysses, hfdist.parallel.context). The decoder's output is
-  gathered back to the whole sequence on every cp rank; the gather's backward adds the cp ranks' gradients of each
-  chunk, because every rank computed the same loss from it and FSDP2 averages the gradients over dp_shard x cp.
+  under causal attention), the rows are padded to what the cp plan cuts evenly, and each cp rank runs its tokens
+  through the decoder layers (attention over the whole sequence by the plan's method, hfdist.parallel.context). The
+  decoder's output is gathered back to the whole sequence on every cp rank; the gather's backward adds the cp ranks'
+  gradients of each token, because every rank computed the same loss from it and FSDP2 averages the gradients over dp_shard x cp.
   Under this rule the ranks of a cp group count as one batch's tensor-parallel ranks do (hfdist.api's trainers).
 
 The cost: lm_head and the loss run on the whole sequence on every rank of the group (the decoder layers, where the
@@ -50,21 +50,22 @@ def _plain(x: torch.Tensor) -> torch.Tensor:
 
 
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along dim 1 over a group; the backward sums every rank's gradient and keeps this rank's chunk."""
+    """All-gather along dim 1 over a group, each rank's part put back at its positions `order` (every rank's token
+    index, concatenated in rank order); the backward sums every rank's gradient and keeps this rank's positions."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
-        ctx.group, ctx.chunk = group, x.shape[1]
+    def forward(ctx, x: torch.Tensor, group, order: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        ctx.group, ctx.mine = group, mine
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
+        gathered = torch.cat(parts, dim=1)
+        return torch.empty_like(gathered).index_copy_(1, order, gathered)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous()
         dist.all_reduce(grad, group=ctx.group)
-        rank = dist.get_rank(ctx.group)
-        return grad.narrow(1, rank * ctx.chunk, ctx.chunk).contiguous(), None
+        return grad.index_select(1, ctx.mine), None, None, None
 
 
 def _right_padded(mask: torch.Tensor) -> bool:
@@ -75,13 +76,13 @@ def _right_padded(mask: torch.Tensor) -> bool:
 
 class _SequenceCut:
     """The context-parallel half of `whole_outputs`: a pre-hook that cuts the decoder's whole rows into this rank's
-    chunk (with attention inputs for the whole rows), a post-hook that gathers its output back."""
+    tokens (with attention inputs for the whole rows), a post-hook that gathers its output back."""
 
-    def __init__(self, spec: tuple, config) -> None:
-        self.group, self.cp, self.attention = spec  # apply_cp's (group, degree, the attention under the exchange)
+    def __init__(self, spec, config) -> None:
+        self.group, self.plan, self.attention = spec.group, spec.plan, spec.base  # apply_cp's CpSpec
         self.rank = dist.get_rank(self.group)
         self.config = config
-        self.pending: list[int] = []  # the unpadded length of each call in flight
+        self.pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # per call in flight: length, order, mine
 
     def _attention_inputs(self, position_ids: torch.Tensor) -> dict[str, Any]:
         from hfdist.data.collation import attention_inputs, sliding_window_for
@@ -91,6 +92,8 @@ class _SequenceCut:
         return attention_inputs(position_ids, self.attention, window)
 
     def cut(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+        from hfdist.parallel.context import token_index
+
         if args:  # the decoder's first positional argument is input_ids
             kwargs, args = {"input_ids": args[0], **kwargs}, ()
         key = "input_ids" if kwargs.get("input_ids") is not None else "inputs_embeds"
@@ -106,24 +109,24 @@ class _SequenceCut:
                 f"attention from the position ids, so a batch may carry a right-padding 2-D attention mask at most; "
                 f"this one is {mask.dim()}-D{' with left padding or holes' if mask.dim() == 2 else ''}. Pad on the "
                 "right (tokenizer.padding_side = 'right'), or mark packed documents with restarting position_ids.")
-        pad = (-seq) % self.cp
+        pad = (-seq) % self.plan.seq_multiple
         if pad:  # a document of its own at the end of each row, cut away again after the gather
             rows = nn.functional.pad(rows, (0, 0, 0, pad) if rows.dim() == 3 else (0, pad))
             tail = torch.arange(pad, device=positions.device).expand(batch, pad)
             positions = torch.cat([positions, tail], dim=1)
         for stale in _BOUNDARY_KEYS:
             kwargs.pop(stale, None)
-        chunk = rows.shape[1] // self.cp
         kwargs.update(self._attention_inputs(positions))
-        kwargs[key] = rows.narrow(1, self.rank * chunk, chunk)
-        kwargs["position_ids"] = positions.narrow(1, self.rank * chunk, chunk)
+        ranks = [token_index(rows.shape[1], self.plan, r, rows.device) for r in range(self.plan.cp)]
+        kwargs[key] = rows.index_select(1, ranks[self.rank])
+        kwargs["position_ids"] = positions.index_select(1, ranks[self.rank])
         kwargs["use_cache"] = False
-        self.pending.append(seq)
+        self.pending.append((seq, torch.cat(ranks), ranks[self.rank]))
         return args, kwargs
 
     def join(self, hidden: torch.Tensor) -> torch.Tensor:
-        whole = _GatherSequence.apply(hidden, self.group)
-        return whole[:, :self.pending.pop()]
+        seq, order, mine = self.pending.pop()
+        return _GatherSequence.apply(hidden, self.group, order, mine)[:, :seq]
 
 
 def _replicated_input(mesh, module: nn.Module, args: tuple) -> tuple:
@@ -164,8 +167,10 @@ def whole_outputs(model: nn.Module) -> list[RemovableHandle]:
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     decoder = causal_lm.get_decoder()
     handles: list[RemovableHandle] = []
+    from hfdist.parallel.context import cp_spec_of
+
     cut = None
-    spec = next((m.hfdist_cp for m in causal_lm.modules() if getattr(m, "hfdist_cp", None) is not None), None)
+    spec = cp_spec_of(causal_lm)
     if spec is not None:
         cut = _SequenceCut(spec, causal_lm.config)
         handles.append(decoder.register_forward_pre_hook(cut.cut, with_kwargs=True))

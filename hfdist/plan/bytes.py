@@ -35,12 +35,14 @@ Activations: hfdist.models.shape's per-layer formula (for DDP and the single pro
 runs them in bf16 as autocast over fp32 weights, so the residual stream stays fp32; the mesh rungs, a pipeline with
 one data-parallel rank included, compute in bf16 through FSDP2's policy); data parallelism does not split them; a
 1F1B pipeline stage s holds pp - s micro-batches in flight (at least pp micro-batches assumed), so the first stage
-holds a whole model's worth of layer activations for one micro-batch. Attention as the default (`auto`: flash varlen,
-flex or hfdist's document attention) holds nothing S x S; the explicit sdpa / eager choices add their dense mask and
-its per-layer copies (hfdist.models.attention.dense_mask_bytes), on every tp and cp rank whole.
+holds a whole model's worth of layer activations for one micro-batch. A cp rank holds 1/cp of every sequence, and its
+method's own bytes on top (hfdist.plan.context_bytes: repeated kv heads, exchange buffers or the ring's key/value
+blocks in flight). Attention as the default (`auto`: flash varlen, flex or hfdist's document attention) holds nothing
+S x S; the explicit sdpa / eager choices add their dense mask and its per-layer copies
+(hfdist.models.attention.dense_mask_bytes), on every tp and cp rank whole.
 
 Buffers: 1 GiB of CUDA context + cuBLAS/NCCL workspace on every rung; DDP's gradient buckets (a second copy
-of the trainable grads: gradient_as_bucket_view is off by default); DeepSpeed's reduce buckets
+of the trainable grads: gradient_as_bucket_view is off by default; two while DDP rebuilds them in the second step); DeepSpeed's reduce buckets
 (reduce_bucket_size from the rung's JSON, "auto" = hidden^2 as the HF Trainer fills it; doubled by
 overlap_comm in ZeRO-1/2); gathered parameters of sharded-weight rungs: FSDP2 as hfdist applies it keeps the
 root unit (embedding, final norm, lm_head) unsharded for the whole step plus two decoder layers (current and
@@ -71,6 +73,7 @@ from hfdist.models.attention import AUTO, CHOICES, dense_mask_bytes, is_hub_kern
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import gathers_in_float8
+from hfdist.plan.expert_bytes import gathered_layer_params
 
 __all__ = [
     "PlanError",
@@ -116,6 +119,10 @@ class Workload:
     # Preference training (DPO): a frozen reference copy of the model beside the policy, sharded like it; none under
     # LoRA, where the base with its adapters turned off is the reference.
     reference_model: bool = False
+    cp_method: str = "auto"  # --cp-method: how cp ranks split attention (hfdist.plan.context_bytes: its costs)
+    # What every rank holds besides the training state: a GPU's CUDA context and library workspaces (the 1 GiB
+    # default); what hfdist tune measures a step to need beyond its tensors on this machine.
+    workspace: int = WORKSPACE_BYTES
 
     def __post_init__(self) -> None:
         if self.attention not in CHOICES and not is_hub_kernel(self.attention):
@@ -315,6 +322,9 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     kept = shape.checkpointed_layer_bytes(tokens, residual_elem, tp) if w.activation_checkpointing else full_layer
     activations = (pp - stage) * layers * kept + (full_layer if w.activation_checkpointing else 0)
     activations += _dense_mask_bytes(shape, dims, w, stage, layers, elem)
+    if dims.cp > 1:  # the cp method's own: repeated kv heads saved, exchange buffers / key-value blocks in flight
+        activations += _context_bytes(shape, dims, w, tokens, elem, 1 if w.activation_checkpointing else
+                                      (pp - stage) * layers)
     if last:
         # hfdist's loss holds one chunk of every sequence's fp32 logits at a time (hfdist.models.chunked_loss).
         rows = w.seq // dims.cp
@@ -324,16 +334,33 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp
                     if w.qlora else None)
-    buffers = WORKSPACE_BYTES + _gathered_bytes(shape, rung, dims, w, pb, layers, layer, root,
-                                                trainable / max(params, 1), float8_params, layer_stored)
+    # An MoE layer's experts are gathered E / ep at a time (hfdist.plan.expert_bytes).
+    gathered = gathered_layer_params(shape.layer_linear_params, shape.moe, shape.hidden, shape.layers, tp, dims.ep)
+    buffers = w.workspace + _gathered_bytes(shape, rung, dims, w, pb, layers, gathered, root,
+                                            trainable / max(params, 1), float8_params, layer_stored)
     if w.qlora:  # one projection dequantised at a time, in bf16 (and cast to fp32 when that is what it meets)
         buffers += shape.largest_projection / tp * (2 if elem == 2 and not autocast else 6)
     if rung.kind is StrategyKind.DDP and dims.dp_replicate > 1:
-        buffers += trainable * pb.grad  # the reducer's flat buckets: a second copy of the grads
+        # The reducer's flat buckets, a second copy of the grads; in the second step torch's DDP rebuilds them in
+        # the order the gradients arrived, the new ones allocated while the old still are: two copies at that peak
+        # (measured: llama-small on 2 gloo ranks, the second step's live tensors peak 13.9 MB above the third's,
+        # the buckets' size).
+        buffers += 2 * trainable * pb.grad
     if rung.uses_deepspeed:
         buffers += _ds_reduce_bucket_bytes(rung, shape, pb.grad)
     return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded,
                                         offloaded_weights)))
+
+
+def _context_bytes(shape: ModelShape, dims: ParallelDims, w: Workload, tokens: int, elem: int, full_layers: int) -> int:
+    """A cp rank's attention beyond a plain layer's (hfdist.plan.context_bytes, for the plan --cp-method makes on
+    this model and sequence): what `full_layers` layers save more, and one layer's buffers in flight."""
+    from hfdist.parallel.context_check import plan_cp
+    from hfdist.plan.context_bytes import cp_layer_costs
+
+    plan = plan_cp(shape.heads, shape.kv_heads, dims.tp, dims.cp, w.seq, w.cp_method)
+    costs = cp_layer_costs(shape, tokens, elem, dims.tp, plan)
+    return full_layers * costs.saved + costs.in_flight
 
 
 def _dense_mask_bytes(shape: ModelShape, dims: ParallelDims, w: Workload, stage: int, layers: int, elem: int) -> int:
@@ -361,7 +388,7 @@ def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Worklo
     layer on this rank) are gathered at 1 byte per element; `layer_stored`: one gathered decoder layer's bytes
     where they are not its `layer` parameters in the compute dtype (QLoRA's 4-bit projections)."""
     unit_grad = pb.grad * trainable_share
-    if rung.owns_sharding and dims.pp > 1 and dims.dp == 1 and w.dtype == "fp32":
+    if rung.owns_sharding and dims.pp > 1 and dims.dp * dims.cp == 1 and w.dtype == "fp32":
         return 0.0  # a pipeline with one data-parallel rank gets FSDP2 only for bf16 (hfdist.parallel.parallelize)
     if rung.owns_sharding:
         float8 = float8_params if gathers_in_float8(w.fp8, dims.dp_shard * dims.cp) else 0.0

@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from hfdist.config.dims import ParallelDims
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.models.shape import ModelShape
-from hfdist.plan.bytes import Workload
+from hfdist.plan.bytes import WORKSPACE_BYTES, Workload
+from hfdist.plan.expert_bytes import moe_step_terms
 
 __all__ = ["Hardware", "Collective", "StepCost", "NOMINAL_HARDWARE", "step_collectives", "step_cost",
            "group_crosses_nodes", "ADAM_BYTES_PER_PARAM"]
@@ -62,6 +63,8 @@ class Hardware:
         latency: seconds every collective call costs whatever its size.
         host_bandwidth: bytes/s between a device and host memory (PCIe): what offloading moves.
         host_memory_bandwidth: bytes/s of host memory per device: an offloaded optimizer's step runs there.
+        workspace_bytes: what a rank holds for training besides the model's tensors (a GPU's context and library
+            workspaces; a CPU process's kernels and scratch that a first training step touches).
         source: where the figures come from (a datasheet assumption, or `hfdist tune`'s probe of this machine).
     """
 
@@ -73,6 +76,7 @@ class Hardware:
     latency: float
     host_bandwidth: float
     host_memory_bandwidth: float
+    workspace_bytes: int
     source: str
 
     def matmul_rate(self, rows: float) -> float:
@@ -86,7 +90,8 @@ class Hardware:
 # matmuls at half rate below ~256 rows; PCIe 5.0 x16 at ~50 GB/s each way and ~40 GB/s of a host's DDR5 per GPU.
 NOMINAL_HARDWARE = Hardware(matmul_flops=0.6 * 989e12, half_rate_rows=256.0, memory_bandwidth=3.35e12,
                             intra_node_bandwidth=360e9, inter_node_bandwidth=40e9, latency=20e-6,
-                            host_bandwidth=50e9, host_memory_bandwidth=40e9, source="nominal H100 SXM node: 60% of the bf16 datasheet peak, NVLink ~360 GB/s and "
+                            host_bandwidth=50e9, host_memory_bandwidth=40e9, workspace_bytes=WORKSPACE_BYTES,
+                            source="nominal H100 SXM node: 60% of the bf16 datasheet peak, NVLink ~360 GB/s and "
                                    "InfiniBand ~40 GB/s of bus bandwidth (not measured: `hfdist tune` measures)")
 
 
@@ -97,7 +102,8 @@ class Collective:
 
     kind: str  # all_gather | reduce_scatter | all_reduce | all_to_all | send_recv
     axis: str  # the mesh group (group_crosses_nodes): dp_shard_cp (FSDP2), dp_shard (ZeRO), dp_replicate (DDP,
-    # HSDP's replicas), tp, cp, pp
+    # HSDP's replicas), tp, cp_ulysses (the Ulysses all-to-alls) / cp (the ring's messages), pp, ep (an MoE
+    # model's experts)
     group: int  # ranks in the group
     buffer_bytes: float
     calls: float
@@ -140,12 +146,15 @@ class StepCost:
         return self.tokens_per_second / self.world
 
 
-def group_crosses_nodes(dims: ParallelDims, axis: str, gpus_per_node: int) -> bool:
+def group_crosses_nodes(dims: ParallelDims, axis: str, gpus_per_node: int, group: int | None = None) -> bool:
     """Whether the ranks of one `axis` group span nodes. The mesh lays out dp_replicate x dp_shard x cp x pp x tp
     (tp innermost, hfdist.config.dims), so a group's ranks lie `stride` apart (the product of the axes inside it)
     and one group covers stride x size consecutive ranks. "dp_shard_cp" is FSDP2's flattened group (cp and dp_shard
-    are neighbouring axes)."""
+    are neighbouring axes); "cp_ulysses" the `group` innermost ranks of the cp axis (hfdist.parallel.context: a
+    hybrid's all-to-alls); a ring over the cp axis is "cp" (a message crosses nodes where the cp group does)."""
     stride, size = {"tp": (1, dims.tp), "pp": (dims.tp, dims.pp), "cp": (dims.tp * dims.pp, dims.cp),
+                    "ep": (dims.tp * dims.pp * dims.cp, dims.ep),
+                    "cp_ulysses": (dims.tp * dims.pp, group or dims.cp),
                     "dp_shard": (dims.tp * dims.pp * dims.cp, dims.dp_shard),
                     "dp_shard_cp": (dims.tp * dims.pp, dims.cp * dims.dp_shard),
                     "dp_replicate": (dims.tp * dims.pp * dims.cp * dims.dp_shard, dims.dp_replicate)}[axis]
@@ -175,9 +184,14 @@ def step_collectives(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workl
     docstring), `accumulation` forward/backward passes of `w.micro_batch` sequences each."""
     elem = 2 if w.dtype == "bf16" else 4
     params, root, layers = _stage_params(shape, dims)
+    recompute = 2 if w.activation_checkpointing else 1  # forward collectives run again in backward
+    # An MoE model: its experts gathered E / ep at a time, its MoE layers without tp's pair, ep's all-to-alls.
+    expert_delta, tp_free_layers, a2a_bytes, a2a_calls = moe_step_terms(
+        shape.moe, shape.hidden, shape.layers, layers, dims, w.micro_batch * w.seq // dims.cp, elem,
+        accumulation * recompute, accumulation)
+    params += expert_delta
     trainable = params * _trainable_fraction(shape, w)
     out: list[Collective] = []
-    recompute = 2 if w.activation_checkpointing else 1  # forward collectives run again in backward
     if rung.owns_sharding:
         n = dims.dp_shard * dims.cp
         if n > 1:
@@ -213,17 +227,27 @@ def step_collectives(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workl
     if dims.tp > 1:
         # Megatron TP with sequence parallelism: per layer two all-gathers of the rank's whole-sequence activations
         # (into attention and the MLP) and two reduce-scatters (out of them) in forward, their mirror in backward
-        calls = 2 * layers * passes
+        calls = (2 * layers - tp_free_layers) * passes
         act = tokens * shape.hidden * elem
         out.append(Collective("all_gather", "tp", dims.tp, act * calls, calls, False))
         out.append(Collective("reduce_scatter", "tp", dims.tp, act * calls, calls, False))
-    if dims.cp > 1:
-        # Ulysses: q, k, v and the attention output exchanged per layer, in forward and in backward
-        q = shape.heads * shape.head_dim / dims.tp
-        kv = max(shape.kv_heads, dims.cp) * shape.head_dim / dims.tp
-        calls = layers * passes
-        out.append(Collective("all_to_all", "cp", dims.cp, tokens * (2 * q + 2 * kv) * elem * calls, 4 * calls,
-                              False))
+    if dims.cp > 1:  # the cp method's exchanges per layer (hfdist.plan.context_bytes)
+        from hfdist.parallel.context_check import plan_cp
+        from hfdist.plan.context_bytes import cp_layer_costs
+
+        plan = plan_cp(shape.heads, shape.kv_heads, dims.tp, dims.cp, w.seq, w.cp_method)
+        costs = cp_layer_costs(shape, tokens, elem, dims.tp, plan)
+        if plan.ulysses > 1:  # q, k, v and the attention output exchanged, in forward (again) and in backward
+            calls = layers * passes
+            out.append(Collective("all_to_all", "cp_ulysses", plan.ulysses, costs.exchanged * calls, 4 * calls,
+                                  False))
+        if plan.ring > 1:  # keys and values to the next member every ring step, their gradients too in backward
+            forwards, backwards = accumulation * recompute, accumulation
+            sent = layers * (forwards * costs.ring_forward + backwards * costs.ring_backward)
+            steps = layers * (forwards * 2 * (plan.ring - 1) + backwards * (2 * (plan.ring - 1) + 2 * plan.ring))
+            out.append(Collective("send_recv", "cp", plan.ring, sent, steps, False))
+    if a2a_calls:
+        out.append(Collective("all_to_all", "ep", dims.ep, a2a_bytes, a2a_calls, False))
     if dims.pp > 1:
         # each micro-batch's activations forward and their gradients back across every stage boundary a rank has
         n_micro = rung.pipeline.n_microbatches if rung.pipeline is not None else 1
@@ -275,7 +299,7 @@ def step_cost(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload, *,
     collectives = step_collectives(shape, rung, dims, w, accumulation)
     hidden = critical = 0.0
     for c in collectives:
-        bandwidth = (hardware.inter_node_bandwidth if group_crosses_nodes(dims, c.axis, gpus_per_node)
+        bandwidth = (hardware.inter_node_bandwidth if group_crosses_nodes(dims, c.axis, gpus_per_node, c.group)
                      else hardware.intra_node_bandwidth)
         seconds = c.calls * hardware.latency + c.moved_bytes / bandwidth
         if c.overlapped:

@@ -7,25 +7,28 @@ rungs none); the data-parallel axes absorb the rest of the world, as the job doe
 
     tp   divisors of the GPUs of a node (tensor parallelism stays inside a node), that split the heads, kv heads
          and projections (hfdist.parallel.tensor_check.validate_tp)
-    cp   divisors of the GPUs of a node left by tp, that the attention heads per tp rank divide (Ulysses,
-         hfdist.parallel.context_check.check_cp) and the sequence too
+    cp   divisors of the ranks left by tp that cut the sequence, each with every method that can split the model
+         there (hfdist.parallel.context_check.plan_cp: Ulysses where the heads per tp rank allow, ring, hybrid):
+         Ulysses' all-to-alls want a node, the ring's point-to-point messages may cross nodes; the cost model
+         prices each (hfdist.plan.cost)
     pp   divisors of the ranks left by tp x cp, at most one decoder layer per stage
     micro-batch  sequences per rank per forward: divisors of the rank's share of the global batch (under a pipeline
          multiples of its micro-batches), the accumulation making up the rest
     recompute    activation checkpointing off and on
 
-`--tp / --pp / --cp / --micro-batch / --activation-checkpointing` pin one; a rung without the pinned axis is left
-out with the reason.
+`--tp / --pp / --cp / --cp-method / --micro-batch / --activation-checkpointing` pin one; a rung without the pinned
+axis is left out with the reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from hfdist.config.dims import ParallelDims
-from hfdist.config.ladder import LadderError, Rung, StrategyKind
+from hfdist.config.ladder import ContextSettings, LadderError, Rung, StrategyKind
 from hfdist.errors import HfdistError
+from hfdist.plan.expert_bytes import ep_rungs
 
 __all__ = ["Cluster", "Layout", "Pins", "rung_axes", "rung_layouts", "divisors"]
 
@@ -54,6 +57,8 @@ class Pins:
     cp: int | None = None
     micro_batch: int | None = None
     activation_checkpointing: bool | None = None
+    no_accumulation: bool = False  # the micro-batch is a rank's whole share of the global batch (the job's default)
+    cp_method: str | None = None  # None or "auto": every method that can run
 
     def degree(self, axis: str) -> int | None:
         """The pinned degree of `axis` ("tp", "pp" or "cp"), or None."""
@@ -89,8 +94,9 @@ class Layout:
         return self.micro_batch // self.rung.pipeline.n_microbatches
 
     def describe(self) -> str:
-        """e.g. "tp=8 x dp_shard=4, micro-batch 2, recompute"."""
-        parts = [self.dims.layout(), f"micro-batch {self.micro_batch}"]
+        """e.g. "tp=8 x dp_shard=4, micro-batch 2, recompute" ("dp_shard=4 x tp=8 x cp=4 by ring, ..." under cp)."""
+        method = f" by {self.rung.context.method}" if self.dims.cp > 1 else ""
+        parts = [self.dims.layout() + method, f"micro-batch {self.micro_batch}"]
         if self.activation_checkpointing:
             parts.append("recompute")
         return ", ".join(parts)
@@ -104,6 +110,10 @@ class Layout:
         for axis in _AXES:
             if getattr(d, axis) > 1:
                 out[axis] = getattr(d, axis)
+        if d.cp > 1:
+            out["cp_method"] = own.context.method
+        if d.ep > 1:
+            out["ep"] = d.ep
         if own.fsdp is not None and own.fsdp.hybrid and own.kind is StrategyKind.MESH:
             out["dp_replicate"] = d.dp_replicate
         return out
@@ -140,8 +150,7 @@ def _degree_options(rung: Rung, axis: str, config: Any, cluster: Cluster, pins: 
     if axis == "tp":
         candidates = [d for d in divisors(cluster.gpus_per_node) if d > 1]
     elif axis == "cp":
-        candidates = [d for d in divisors(cluster.gpus_per_node // tp) if d > 1] if cluster.gpus_per_node % tp == 0 \
-            else []
+        candidates = [d for d in divisors(cluster.world // tp) if d > 1] if cluster.world % tp == 0 else []
     else:
         rest = cluster.world // (tp * taken.get("cp", 1))
         candidates = [d for d in divisors(rest) if 1 < d <= int(config.num_hidden_layers)]
@@ -172,6 +181,24 @@ def _degrees(rung: Rung, config: Any, cluster: Cluster, pins: Pins, seq: int) ->
     return combos
 
 
+def _with_methods(rung: Rung, config: Any, seq: int, pins: Pins) -> list[Rung]:
+    """`rung` once per cp method that can split the model and cut the sequence at its degrees, each planned
+    (hfdist.parallel.context_check.check_cp); itself without cp. A pinned --cp-method is the only one tried."""
+    if rung.dims.cp == 1:
+        return [rung]
+    from hfdist.parallel.context_check import check_cp
+
+    methods = ("ulysses", "ring", "hybrid") if pins.cp_method in (None, "auto") else (pins.cp_method,)
+    out = []
+    for method in methods:
+        try:
+            plan = check_cp(config, rung.dims.cp, seq, tp=rung.dims.tp, method=method)
+        except (HfdistError, ValueError):
+            continue
+        out.append(replace(rung, context=ContextSettings(plan.method, plan.ulysses, plan.reason)))
+    return out
+
+
 def _micro_batches(rung: Rung, per_rank: int, pins: Pins) -> list[int]:
     """Micro-batches that split the rank's share of the global batch (a pipeline's: into whole pipeline
     micro-batches); a pinned one is a stage's micro-batch (Pins.micro_batch)."""
@@ -179,6 +206,8 @@ def _micro_batches(rung: Rung, per_rank: int, pins: Pins) -> list[int]:
     options = [m for m in divisors(per_rank) if m % step == 0]
     if pins.micro_batch is not None:
         options = [m for m in options if m // step == pins.micro_batch]
+    if pins.no_accumulation:
+        options = [m for m in options if m == per_rank]
     return options
 
 
@@ -221,7 +250,14 @@ def rung_layouts(rung: Rung, config: Any, cluster: Cluster, *, global_batch: int
         if not micro:
             reason = reason or f"no micro-batch splits {global_batch // laid.dims.dp} sequences per rank at " \
                                f"{laid.dims.layout()}" + (" into its pipeline micro-batches" if laid.pipeline else "")
-        layouts += [Layout(laid, m, ac, batch) for m in micro for ac in ac_options]
+        planned = _with_methods(laid, config, seq, pins)
+        if not planned:
+            reason = reason or f"--cp-method {pins.cp_method} cannot split the model at {laid.dims.layout()}"
+        # an MoE model's ep degrees on the rungs that take --ep (hfdist.plan.expert_bytes)
+        planned = [r for method in planned for r in ep_rungs(method, config, cluster.gpus_per_node)]
+        if not planned and not reason:
+            reason = "splits an MoE model's experts (expert parallelism), and this model has none"
+        layouts += [Layout(method, m, ac, batch) for method in planned for m in micro for ac in ac_options]
     if not layouts and not reason:
         reason = "no degree of its axes splits this model on this cluster" if rung_axes(rung) else \
             "does not fit this cluster"

@@ -16,7 +16,7 @@ it (so the advice is true of the planner).
 from __future__ import annotations
 
 import shlex
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 from hfdist.config.finetune import DEFAULT_LOSS_CHUNK_SIZE
@@ -25,11 +25,14 @@ from hfdist.models.attention import AUTO, uses_dense_mask
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import check_fp8, float8_params_per_layer
+from hfdist.plan import render
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, offload_device, rung_rank_bytes
 from hfdist.plan.cost import NOMINAL_HARDWARE, Hardware, StepCost, step_cost
+from hfdist.plan.expert_bytes import moe_note
 from hfdist.plan.layouts import Cluster, Layout, Pins, rung_layouts
 
-__all__ = ["Plan", "RungPlan", "plan_rungs", "plan_layout", "plan_order", "Cluster", "Pins", "SPEED_TIE"]
+__all__ = ["Plan", "RungPlan", "Assessment", "plan_rungs", "plan_layout", "assess_layouts", "plan_order", "Cluster",
+           "Pins", "SPEED_TIE"]
 
 # Predicted speeds this close are a tie (the cost model leaves out overheads of this order), which the simpler rung
 # wins.
@@ -91,148 +94,20 @@ class Plan:
 
     def assumptions(self) -> list[str]:
         """The accounting behind the numbers, one line each (shown under the table and in the JSON)."""
-        w = self.workload
-        if w.dtype == "fp32":
-            states = "fp32: 4 weight + 4 grad + 8 Adam B/param (DeepSpeed adds a 4 B fp32 partition copy)"
-        elif w.bytes_per_param_adam == 16:
-            states = "bf16 mixed precision, Adam 16 B/param: 2 weight + 2 grad + 4 fp32 master + 8 Adam"
-        else:
-            states = ("bf16 mixed precision, Adam 20 B/param (DeepSpeed's accounting): 2 weight + 2 grad + 4 fp32 "
-                      "grad + 4 fp32 master + 8 Adam")
-        frozen = "4 B (fp32; DeepSpeed: 2 B)" if w.dtype == "bf16" else "4 B"
-        targets = ",".join(t.removesuffix("_proj") for t in w.lora_targets)
-        if w.qlora:
-            train = (f"QLoRA r={w.lora_r} on {targets}: decoder projections in 4-bit NF4 (0.5 B/param, sharded "
-                     "like weights) + their double-quantised states (~1/64 B/param, whole on every rank), the rest "
-                     f"of the frozen base at {frozen}/param; adapters ({self.trainable_params:,} params) carry grads "
-                     "+ optimizer; one projection dequantised at a time (bf16) under buffers; rungs that do not take "
-                     "--qlora are n/a")
-        elif w.lora:
-            train = (f"LoRA r={w.lora_r} on {targets}: frozen base weights only, at {frozen}/param as hfdist holds "
-                     f"them; adapters ({self.trainable_params:,} params) carry grads + optimizer")
-        else:
-            train = f"full fine-tune ({self.trainable_params:,} trainable params)"
-        if w.reference_model:
-            train += ("; DPO: a frozen reference copy of the weights beside the policy, sharded like it, at the frozen "
-                      "rate" if not w.lora else "; DPO: the reference is the base with the adapters off (no copy)")
-        logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
-                  if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
-        attention = {"sdpa": "sdpa with a dense S x S document mask (the mask + its bias saved per layer counted)",
-                     "eager": "eager with a dense S x S document mask (the mask + every head's S x S weights saved "
-                              "per layer counted)"}.get(
-            w.attention, f"{w.attention} attention (document boundaries or a BlockMask: nothing S x S)")
-        return [
-            states,
-            train,
-            f"activations: seq {w.seq} x each layout's micro-batch, {attention}, with or without recompute as the "
-            f"layout says, fp32 logits of {logits}; PP: 1F1B with pp micro-batches in flight",
-            "buffers: 1 GiB CUDA context/workspace + DDP/DeepSpeed gradient buckets + FSDP/ZeRO-3 gathered layers"
-            + (f"; --fp8 {w.fp8}: decoder projections in float8, gathered at 1 B/param where FSDP2 shards them "
-               "(tensorwise); model states and activations as without" if w.fp8 else ""),
-            "offload rungs count GPU bytes only; 1 GB = 1e9 bytes; allocator fragmentation not modelled",
-            f"speed (hfdist.plan.cost): FLOPs over the matmul rate, collectives' bytes over the bandwidth, the "
-            f"optimizer's traffic and the pipeline bubble, on {self.hardware.source}",
-        ]
+        return render.assumptions(self)
 
     def table(self) -> str:
         """The human-readable plan: one row per rung (its best layout), the recommendation and its command."""
-        s = self.shape
-        n = s.total_params
-        size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-        head = (f"hfdist plan: {self.model} ({size} params, {s.layers} layers, hidden "
-                f"{s.hidden}) on {self.nodes} node(s) x {self.gpus_per_node} GPUs = {self.world} ranks, "
-                f"{self.gpu_mem_bytes / GB:g} GB each")
-        cols = ("rung", "best layout", "weights", "grads", "master", "optim", "activ", "buffers", "total", "fits",
-                "tok/s/GPU")
-        rows = []
-        for r in self.rungs:
-            layout = r.layout.describe() if r.layout else "-"
-            if r.bytes is None:
-                rows.append((r.name, layout, *["-"] * 7, "n/a", "-"))
-                continue
-            b = r.bytes
-            nums = (b.weights, b.grads, b.master, b.optimizer, b.activations, b.buffers, b.total)
-            fits = f"yes ({r.fitting}/{r.layouts})" if r.fits else f"no (0/{r.layouts})"
-            if r.offload != "none":
-                fits += f" +{b.offloaded / GB:.1f} on {r.offload}"
-            rows.append((r.name, layout, *[f"{n / GB:.1f}" for n in nums], fits,
-                         f"{r.cost.tokens_per_second_per_device:,.0f}"))
-        widths = [max(len(str(x)) for x in col) for col in zip(cols, *rows)]
-        fmt = "  ".join([f"{{:<{widths[0]}}}", f"{{:<{widths[1]}}}"]
-                        + [f"{{:>{wd}}}" for wd in widths[2:-2]] + [f"{{:<{widths[-2]}}}", f"{{:>{widths[-1]}}}"])
-        lines = [head, "", fmt.format(*cols).rstrip(), *(fmt.format(*row).rstrip() for row in rows),
-                 "", "per-rank GB on the GPU (worst pipeline stage) of each rung's best layout: its fastest predicted "
-                 "that fits (fits: layouts that fit / considered), else its leanest. Assumptions:"]
-        lines += [f"  - {a}" for a in self.assumptions()]
-        lines.append("")
-        rec = self.recommended
-        if rec is None:
-            lines.append(self.failure_message())
-        else:
-            lines.append(f"Recommended: {rec.name}, {rec.layout.describe()} ({rec.bytes.total / GB:.1f} of "
-                         f"{self.gpu_mem_bytes / GB:g} GB per GPU; predicted fastest, "
-                         f"{rec.cost.tokens_per_second_per_device:,.0f} tokens/s per GPU)")
-            lines.append(f"  {rec.command}")
-            if rec.note:
-                lines.append(f"  note: {rec.note}")
-            lines.append("  `hfdist tune` measures the candidates on your own machine.")
-        if self.hint and rec is not None:  # without a recommendation the failure message carries the fix
-            lines.append(f"Hint: {self.hint}")
-        return "\n".join(lines)
+        return render.table(self)
 
     def to_json(self) -> dict[str, Any]:
         """{"rungs": [{"name", "fits", "layout", "per_rank_bytes", "predicted", ...}, ...], "recommended": {"name",
         "command"} | None} plus the inputs, the assumptions and any hint."""
-        rec = self.recommended
-        out: dict[str, Any] = {
-            "model": {"spec": self.model, "params": self.shape.total_params, "trainable_params": self.trainable_params,
-                      "layers": self.shape.layers, "hidden": self.shape.hidden},
-            "cluster": {"gpus_per_node": self.gpus_per_node, "nodes": self.nodes, "world": self.world,
-                        "gpu_mem_bytes": self.gpu_mem_bytes},
-            "workload": asdict(self.workload),
-            "hardware": asdict(self.hardware),
-            "assumptions": self.assumptions(),
-            "rungs": [_rung_json(r) for r in self.rungs],
-            "recommended": {"name": rec.name, "command": rec.command} if rec else None,
-        }
-        if rec is None:
-            out["error"] = self.failure_message()
-        if self.hint:
-            out["hint"] = self.hint
-        return out
+        return render.to_json(self)
 
     def failure_message(self) -> str:
         """One paragraph for when no rung fits: what is too big, and the fix."""
-        sized = [r for r in self.rungs if r.bytes is not None]
-        if not sized:
-            return ("Nothing fits: no rung can run on this cluster (see the notes per rung). Fix: change "
-                    "--gpus-per-node / --nodes so the rungs' tensor/pipeline degrees divide them.")
-        best = min(sized, key=lambda r: r.bytes.total)
-        b = best.bytes
-        parts = {"activations": b.activations, "model states": b.model_states, "buffers": b.buffers}
-        big = max(parts, key=parts.get)
-        fix = self.hint or "use GPUs with more memory, or a shorter --seq."
-        return (f"Nothing fits: even the leanest layout, {best.name} at {best.layout.describe()}, needs "
-                f"{b.total / GB:.1f} GB per GPU ({big} {parts[big] / GB:.1f} GB of it) but each GPU has "
-                f"{self.gpu_mem_bytes / GB:g} GB. Fix: {fix}")
-
-
-def _rung_json(r: RungPlan) -> dict[str, Any]:
-    out: dict[str, Any] = {"name": r.name, "fits": r.fits, "per_rank_bytes": r.bytes.to_json() if r.bytes else None,
-                           "dims": r.dims.to_dict() if r.dims else None, "offload": r.offload, "command": r.command,
-                           "layouts": r.layouts, "fitting": r.fitting}
-    if r.layout is not None:
-        out["layout"] = {"micro_batch": r.layout.micro_batch, "global_batch": r.layout.global_batch,
-                         "activation_checkpointing": r.layout.activation_checkpointing,
-                         "options": r.layout.job_options()}
-    if r.cost is not None:
-        out["predicted"] = {"step_seconds": r.cost.seconds, "tokens_per_second": r.cost.tokens_per_second,
-                            "tokens_per_second_per_device": r.cost.tokens_per_second_per_device,
-                            "compute_seconds": r.cost.compute, "bubble_seconds": r.cost.bubble,
-                            "optimizer_seconds": r.cost.optimizer, "exposed_comm_seconds": r.cost.exposed_comm}
-    if r.note:
-        out["note"] = r.note
-    return out
+        return render.failure_message(self)
 
 
 def plan_order(rungs: Iterable[Rung]) -> list[Rung]:
@@ -273,10 +148,24 @@ def _check_takes_qlora(rung: Rung) -> None:
         raise PlanError("does not take --qlora (docs/qlora.md)") from exc
 
 
+def _check_holds_moe(config, rung: Rung, w: Workload) -> None:
+    """Raise PlanError (one line) for an MoE model on a rung that does not train MoE models, or under --qlora
+    (hfdist.parallel.expert_check)."""
+    from hfdist.parallel.expert_check import moe_facts, moe_refusal
+
+    if moe_facts(config) is None:
+        return
+    if (why := moe_refusal(rung)) is not None:
+        raise PlanError(f"does not hold MoE models: {why}")
+    if w.qlora:
+        raise PlanError("--qlora: an MoE model's stacked experts have no 4-bit form here (docs/moe.md)")
+
+
 def _refusal(config, layout: Layout, w: Workload) -> str:
     """Why this layout cannot run the workload ("" when it can): the checks the job makes before launch."""
     rung, dims = layout.rung, layout.dims
     try:
+        _check_holds_moe(config, rung, w)
         if w.qlora:
             _check_takes_qlora(rung)
         if w.fp8:
@@ -305,7 +194,8 @@ class _Context:
 
 def _evaluate(ctx: _Context, layout: Layout) -> tuple[RankBytes, StepCost]:
     w = replace(ctx.workload, micro_batch=layout.pipeline_micro_batch,
-                activation_checkpointing=layout.activation_checkpointing)
+                activation_checkpointing=layout.activation_checkpointing,
+                cp_method=layout.rung.context.method if layout.dims.cp > 1 else "auto")
     fp8 = float8_params_per_layer(ctx.config, layout.dims.tp) if w.fp8 else 0.0
     b = rung_rank_bytes(ctx.shape, layout.rung, layout.dims, w, fp8)
     cost = step_cost(ctx.shape, layout.rung, layout.dims, w, global_batch=layout.global_batch,
@@ -346,15 +236,17 @@ def _rung_plan(ctx: _Context, rung: Rung, layouts: list[Layout], reason: str) ->
                                                    * s[0].dims.cp, -s[2].tokens_per_second))
     else:
         layout, b, cost = min(scored, key=lambda s: s[1].total)
-    return RungPlan(rung.name, layout, b, bool(fitting), _command(layout, ctx.model, ctx.workload), offload,
-                    _note(rung, layout, ctx.cluster.nodes), cost, len(scored), len(fitting))
+    note = "; ".join(x for x in (_note(rung, layout, ctx.cluster.nodes), moe_note(
+        ctx.shape.moe, ctx.shape.hidden, layout.dims, ctx.workload.seq * layout.pipeline_micro_batch,
+        2 if ctx.workload.dtype == "bf16" else 4, ctx.workload.bytes_per_param_adam)) if x)
+    return RungPlan(rung.name, layout, b, bool(fitting), _command(layout, ctx.model, ctx.workload), offload, note,
+                    cost, len(scored), len(fitting))
 
 
 def _context(config, model: str, cluster: Cluster, gpu_mem_bytes: int, w: Workload, hardware: Hardware) -> _Context:
-    from hfdist.metrics.flops import flops_per_token
-
     shape = ModelShape.from_config(config)
-    fpt = flops_per_token(config, w.seq, lora=w.lora, lora_r=w.lora_r, lora_targets=w.lora_targets)
+    lora = shape.layers * shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora else 0
+    fpt = shape.training_flops_per_token(w.seq, lora_params=lora, trainable_fraction=0.0 if w.lora else 1.0)
     return _Context(config, shape, model, cluster, gpu_mem_bytes, w, hardware, fpt)
 
 
@@ -363,7 +255,8 @@ def _plan(ctx: _Context, rungs: list[Rung], pins: Pins, global_batch: int | None
     trainable = (ctx.shape.layers * ctx.shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora
                  else ctx.shape.total_params)
     plans = []
-    for rung in plan_order(rungs):
+    # An expert-parallel rung (fsdp_ep) is for MoE models only: left out of a dense model's plan.
+    for rung in (r for r in plan_order(rungs) if ctx.shape.moe is not None or r.dims.ep == 1):
         layouts, reason = rung_layouts(rung, ctx.config, ctx.cluster, global_batch=global_batch, seq=w.seq,
                                        pins=pins)
         plans.append(_rung_plan(ctx, rung, layouts, reason))
@@ -434,6 +327,7 @@ def plan_rungs(
     tp: int | None = None,
     pp: int | None = None,
     cp: int | None = None,
+    cp_method: str | None = None,
     lora: bool = False,
     lora_r: int = 16,
     lora_targets: tuple[str, ...] = LORA_TARGETS,
@@ -455,8 +349,9 @@ def plan_rungs(
         rungs: Rung objects or names; default every shipped rung (hfdist.config.ladder.known_rung_names()).
         global_batch: sequences per optimizer step over all ranks, the same for every layout; None: each layout runs
             `micro_batch` per rank with no accumulation (its global batch follows its data-parallel degree).
-        micro_batch, activation_checkpointing, tp, pp, cp: pinned settings; None searches them (hfdist.plan.layouts;
-            micro_batch is a pipeline stage's micro-batch, what one forward holds).
+        micro_batch, activation_checkpointing, tp, pp, cp, cp_method: pinned settings; None searches them
+            (hfdist.plan.layouts; micro_batch is a pipeline stage's micro-batch, what one forward holds; every cp
+            method that can split the model at a cp degree is a layout of its own).
         model: the --model value, used in the launch commands.
         hardware: the rates the cost model predicts step times with (default: nominal H100 figures).
         Others: see Workload and the module docstring.
@@ -473,7 +368,8 @@ def plan_rungs(
     _check_cluster(gpus_per_node, nodes, gpu_mem_bytes)
     w = _workload(seq, micro_batch, lora, lora_r, qlora, lora_targets, activation_checkpointing, dtype,
                   bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model)
-    pins = Pins(tp, pp, cp, micro_batch, activation_checkpointing)
+    pins = Pins(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
+                cp_method=cp_method)
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):
         raise PlanError(f"global_batch must be a positive integer, got {global_batch!r}.")
     loaded = [r if isinstance(r, Rung) else load_rung(r) for r in (rungs if rungs is not None else known_rung_names())]
@@ -483,6 +379,28 @@ def plan_rungs(
     if rec is None or rec.offload != "none":
         plan = replace(plan, hint=_find_fix(ctx, loaded, pins, global_batch, avoid_offload=rec is not None))
     return plan
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """One layout for one workload: why it cannot run (empty when it can), else its bytes and predicted step."""
+
+    layout: Layout
+    refusal: str
+    bytes: RankBytes | None
+    cost: StepCost | None
+
+
+def assess_layouts(config, layouts: Iterable[Layout], cluster: Cluster, *, workload: Workload,
+                   hardware: Hardware = NOMINAL_HARDWARE) -> list[Assessment]:
+    """Each layout's refusal (the checks the job makes before launch), or its per-rank bytes and predicted step time
+    (hfdist tune's candidates)."""
+    ctx = _context(config, "model", cluster, 1, workload, hardware)
+    out = []
+    for layout in layouts:
+        why = _refusal(config, layout, workload)
+        out.append(Assessment(layout, why, *((None, None) if why else _evaluate(ctx, layout))))
+    return out
 
 
 def plan_layout(config, layout: Layout, cluster: Cluster, *, gpu_mem_bytes: int, workload: Workload,

@@ -11,18 +11,14 @@ torch's `fake` process group (collectives are no-ops, ranks and meshes exist):
     AdamW(params).step()                  on the sharded meta parameters, gradients shaped as FSDP2 leaves them
                                           (the parameter's local shard): Adam's state as torch allocates it
 
-and reads the rank's bytes from the local shards: parameters, gradients, Adam's moments (its step counters, a
-few bytes per tensor, left out as the planner leaves them out). Next to them, hfdist.plan.predict_state_bytes
-for the same stage: what `hfdist plan` and the run summaries compare against.
+and reads the rank's bytes from the local shards (parameters, gradients, Adam's moments; its step counters left
+out, as the planner leaves them out), next to hfdist.plan.predict_state_bytes for the same stage.
 
-The representative rank of pipeline stage s is the one at mesh coordinates (dp 0, stage s, tp 0) = s x tp; other
-ranks of a stage differ by at most one row per tensor where FSDP2's dim-0 split is uneven. Middle stages with the
-same number of layers hold the same shapes: one of them stands for all (`RoleBytes.stages`).
+Stage s is represented by the rank at (dp 0, stage s, tp 0) = s x tp (others differ by at most one row per tensor
+where FSDP2's dim-0 split is uneven); middle stages with as many layers hold the same shapes (`RoleBytes.stages`).
 
-Only hfdist's own rungs can be simulated. DeepSpeed rungs are refused: DeepSpeed's engine (and zero.Init) places
-its flat partitions in real memory and runs real collectives while it builds, neither of which the meta device
-and a fake group provide; DDP and the single process hold the whole model on every rank (`hfdist plan` counts
-them exactly).
+Only hfdist's own rungs can be simulated: DeepSpeed's engine places its flat partitions in real memory and runs
+real collectives while it builds; DDP and the single process hold the whole model (`hfdist plan` counts them).
 """
 
 from __future__ import annotations
@@ -32,6 +28,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
+from unittest import mock
 
 from hfdist.config.ladder import LadderError, Rung, StrategyKind, load_rung
 from hfdist.errors import HfdistError
@@ -109,14 +106,17 @@ class Simulation:
         return {"model": self.model, "config": self.rung.name, "num_processes": self.rung.num_processes,
                 "dims": self.rung.dims.to_dict(), "mixed_precision": self.mixed_precision,
                 "attn_implementation": self.attention, "verified": self.verified, "seconds": round(self.seconds, 2),
+                **({"cp_method": self.rung.context.method} if self.rung.dims.cp > 1 else {}),
                 "ranks": [r.to_json() for r in self.roles], **({"failure": self.failure} if self.failure else {})}
 
     def table(self) -> str:
         """Per-role bytes against the prediction, as `hfdist simulate` prints them."""
         # GB for real models, MB for the tiny ones (whose shards would all read 0.000 GB).
         gb, unit = (1e9, "GB") if max(r.param_bytes for r in self.roles) >= 1e8 else (1e6, "MB")
+        c, n = self.rung.context, self.rung.dims.cp
+        cp = f", cp by {c.method} (Ulysses over {c.ulysses}, a ring of {n // c.ulysses})" if n > 1 and c.ulysses else ""
         lines = [f"hfdist simulate: {self.model} on {self.rung.name}, {self.rung.num_processes} ranks "
-                 f"({self.rung.dims.layout()}), {self.mixed_precision}: verify "
+                 f"({self.rung.dims.layout()}{cp}), {self.mixed_precision}: verify "
                  f"{'passed' if self.verified else 'FAILED'} ({self.seconds:.1f} s)",
                  f"{'rank':>6} {'stages':>6} {'params ' + unit:>10} {'grads ' + unit:>9} {'optim ' + unit:>9}  "
                  f"{'predicted p / g / o ' + unit:>24} {'error':>7}"]
@@ -141,11 +141,12 @@ class Simulation:
 
 
 def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = None, pp: int | None = None,
-                    cp: int | None = None, dp_replicate: int | None = None, pp_schedule: str | None = None,
-                    pp_microbatches: int | None = None, gpus_per_node: int = 8, model_config=None) -> Rung:
+                    cp: int | None = None, dp_replicate: int | None = None, ep: int | None = None,
+                    pp_schedule: str | None = None, pp_microbatches: int | None = None, gpus_per_node: int = 8,
+                    model_config=None, cp_method: str = "auto") -> Rung:
     """The rung `config_name` fitted to `num_processes` ranks on nodes of `gpus_per_node` GPUs, as a GPU launch
-    would fit it (hfdist.job.world), with the pipeline schedule / micro-batches given, checked against the model's
-    heads and layers when `model_config` is given (as the launcher's preflight checks them).
+    would fit it (hfdist.job.world), with the pipeline schedule / micro-batches and cp method given, checked against
+    the model's heads and layers when `model_config` is given, its cp planned then (as the launcher's preflight).
 
     Raises:
         SimulateError / LadderError / TPError: a rung simulate cannot run, degrees that do not divide the world
@@ -166,8 +167,8 @@ def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = No
     if gpus_per_node < 1:
         raise SimulateError(f"--gpus-per-node must be a positive integer, got {gpus_per_node!r}.")
     try:
-        rung = rung.with_num_processes(num_processes, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate,
-                                       node_size=min(gpus_per_node, num_processes))
+        rung = rung.with_num_processes(num_processes, tp=tp, pp=pp, cp=cp, dp_replicate=dp_replicate, ep=ep,
+                                       node_size=min(gpus_per_node, num_processes)).with_context(cp_method)
     except LadderError as exc:
         raise SimulateError(str(exc)) from exc
     if pp_schedule is not None or pp_microbatches is not None:
@@ -181,12 +182,14 @@ def simulation_rung(config_name: str, num_processes: int, *, tp: int | None = No
                             "predicts one stage per rank, so simulate has nothing to compare with. Simulate with "
                             "--pp-schedule 1F1B (the same parameters, split once per rank).")
     if model_config is not None:
+        from hfdist.parallel.fit import plan_context
         from hfdist.parallel.pipeline.plan import check_pipeline
         from hfdist.parallel.tensor_check import validate_tp
 
         if rung.dims.tp > 1:
             validate_tp(model_config, rung.dims.tp)
         check_pipeline(rung, rung.pipeline.n_microbatches if rung.pipeline else 1, model_config.num_hidden_layers)
+        rung = plan_context(model_config, rung)
     return rung
 
 
@@ -198,17 +201,12 @@ def _fake_rank(rank: int, world_size: int, local_world_size: int):
     if dist.is_initialized():
         raise SimulateError("hfdist simulate needs a process without a process group; this one already has one. "
                             "Run it as its own command (hfdist simulate ...).")
-    saved = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = str(local_world_size)
-    dist.init_process_group("fake", rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        if saved is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = saved
+    with mock.patch.dict(os.environ, {"LOCAL_WORLD_SIZE": str(local_world_size)}):
+        dist.init_process_group("fake", rank=rank, world_size=world_size)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
 
 
 def _local(t):
@@ -219,8 +217,7 @@ def _local(t):
 
 
 def _local_bytes(t) -> int:
-    local = _local(t)
-    return local.numel() * local.element_size()
+    return _local(t).numel() * _local(t).element_size()
 
 
 def _state_bytes(params: list, optimizer, extra: list = ()) -> tuple[int, int, int]:
@@ -261,13 +258,14 @@ def _meta_state_bytes(model) -> tuple[int, int, int]:
     return _state_bytes(params, optimizer, quant_state_tensors(model))
 
 
-def step_attention(attention: str) -> str:
+def step_attention(attention: str, cp: int = 1) -> str:
     """The implementation a simulated step runs for `attention`: sdpa / eager as asked, with their dense mask (what
     the step is to show); every mask-free choice as sdpa without a mask: the step's rows are one document each, so
-    causal attention is their document attention, and sdpa's causal kernel holds what flash varlen holds."""
-    from hfdist.models.attention import uses_dense_mask
+    causal attention is their document attention, and sdpa's causal kernel holds what flash varlen holds. Under cp
+    (no step) hfdist's document attention, as the job builds it: its boundaries are what every cp method reads."""
+    from hfdist.models.attention import DOCUMENT_ATTENTION, uses_dense_mask
 
-    return attention if uses_dense_mask(attention) else "sdpa"
+    return attention if uses_dense_mask(attention) else DOCUMENT_ATTENTION if cp > 1 else "sdpa"
 
 
 def _dense_mask(attention: str, seq: int, micro_batch: int) -> dict:
@@ -389,8 +387,7 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     from that step's real gradients and optimizer state. `attention`: the --attn-implementation the step stands
     for (`step_attention`: sdpa / eager hold their dense mask in the step and in the planner's figure).
 
-    A role that fails verification (a bug in the recipe, not bad input) is reported in `failure`; its bytes are
-    still read.
+    A role that fails verification (a bug in the recipe, not bad input) is reported in `failure` (bytes still read).
 
     `qlora`: the model QLoRA trains (4-bit projections, hfdist.models.quantize.quantize_meta, then LoRA r=`lora_r`),
     on the rungs that take --qlora, without pipeline stages or a simulated step; each rank also holds its 4-bit
@@ -402,19 +399,21 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
     import torch
 
     from hfdist.models.build import meta_model
+    from hfdist.parallel.expert_check import check_moe
     from hfdist.parallel.parallelize import parallelize
     from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy
 
-    if step_seq is not None and rung.uses_pipeline:
-        raise SimulateError(f"A simulated step drives one model's forward and backward; {rung.name} runs a pipeline "
-                            "schedule across stages, which it does not drive. Leave out --step for pipeline rungs "
-                            "(their state bytes are simulated all the same), or simulate fsdp_full_shard / "
-                            "fsdp_hybrid / fsdp_tp.")
+    if step_seq is not None and (rung.uses_pipeline or rung.dims.cp > 1):
+        kind, why = ("pipeline", "runs a schedule across stages") if rung.uses_pipeline else \
+            ("context-parallel", f"cuts each row over cp={rung.dims.cp} ranks before the model sees it")
+        raise SimulateError(f"A simulated step drives one model's forward and backward on whole rows; {rung.name} "
+                            f"{why}. Leave out --step for {kind} rungs (their state bytes are simulated all the same).")
     if qlora:
         _check_qlora_simulation(rung, step_seq)
     start = time.perf_counter()
     dims = rung.dims
-    template = meta_model(model_spec, attn_implementation=step_attention(attention))
+    template = meta_model(model_spec, attn_implementation=step_attention(attention, dims.cp))
+    check_moe(template.config, rung, simulated_step=step_seq is not None)  # an MoE model against the rung
 
     def fresh_model():
         """The role's own copy of the model (bitsandbytes' meta parameters cannot be deep-copied: built anew)."""
@@ -423,8 +422,8 @@ def simulate(model_spec: str, rung: Rung, *, mixed_precision: str = "bf16", acti
         from hfdist.models.build import inject_lora
         from hfdist.models.quantize import quantize_meta
 
-        return inject_lora(quantize_meta(meta_model(model_spec, attn_implementation=step_attention(attention))),
-                           lora_r, lora_alpha)
+        built = meta_model(model_spec, attn_implementation=step_attention(attention, dims.cp))
+        return inject_lora(quantize_meta(built), lora_r, lora_alpha)
     roles, failure = [], ""
     for stage, stages in _distinct_stages(template.config.num_hidden_layers, dims.pp):
         rank = stage * dims.tp  # mesh coordinates (dp_replicate 0, dp_shard 0, pp stage, tp 0)

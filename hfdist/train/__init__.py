@@ -6,4 +6,6 @@
     context_trainer.py   ContextParallelMixin: batches cut along the sequence (cp)
     precision.py         mixed precision checked before step 1 and observed while training
     watchdog.py          collective timeout, heartbeats, the hang report
+    preemption.py        a signal on any rank -> a checkpoint at the step's end and a stop (the exit code, the
+                         signals, the environment's grace: hfdist.config.preemption, torch-free)
 """

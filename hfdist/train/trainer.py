@@ -26,10 +26,12 @@ from hfdist.checkpoint.trainer_hooks import CheckpointingMixin
 from hfdist.config.ladder import Rung
 from hfdist.metrics.memory import cuda_peaks_kept_through_resets
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE, causal_lm_loss
+from hfdist.models.router_stats import router_recorder
 from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
 from hfdist.train.evaluation import EvaluationMixin
 from hfdist.train.precision import PrecisionProbe, check_precision
+from hfdist.train.preemption import PreemptionMixin
 
 __all__ = ["StrategyMixin", "CausalLMLossMixin", "HfdistTrainer", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
 
@@ -51,9 +53,10 @@ PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save
                  "_load_best_model")
 
 
-class StrategyMixin(CheckpointingMixin):
+class StrategyMixin(PreemptionMixin, CheckpointingMixin):
     """Mixed in before a transformers.Trainer (subclass): trains a model hfdist prepared for `rung`, verified before
-    the first step; atomic, layout-free checkpoints (hfdist.checkpoint.trainer_hooks); streamed fp32 saves.
+    the first step; atomic, layout-free checkpoints (hfdist.checkpoint.trainer_hooks); a checkpoint and a stop on a
+    preemption signal (hfdist.train.preemption: `preempt_signals=`, `preempted`); streamed fp32 saves.
 
     Args:
         rung: the strategy asked for.
@@ -209,11 +212,17 @@ class CausalLMLossMixin:
             out = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
             self.precision.note_loss(out[0] if return_outputs else out)
             return out
-        loss = self.causal_lm_loss(model, inputs, num_items_in_batch)
+        # An MoE model's router aux loss over the global batch (hfdist.models.router_stats), in training forwards.
+        recorder = router_recorder(self.model) if self.model.training else None
+        with recorder.recording() if recorder is not None else contextlib.nullcontext():
+            loss = self.causal_lm_loss(model, inputs, num_items_in_batch)
         self.precision.note_loss(loss)
+        scale = 1
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # As the Trainer does: the gradient averaging over data-parallel ranks must not divide a global sum.
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+            scale = self.accelerator.num_processes // self.get_tp_size()
+        aux = recorder.aux_term(self.args.gradient_accumulation_steps, scale) if recorder is not None else None
+        loss = (loss if aux is None else loss + aux) * scale
         return (loss, None) if return_outputs else loss
 
     @torch.no_grad()

@@ -1,9 +1,11 @@
-"""End-to-end: the fsdp_cp rung (dp_shard=2 x cp=2, 4 processes) through scripts/finetune.py on packed blocks of
-512 tokens (several documents each), against the single-process run; and bad cp settings refused before any
-process starts.
+"""End-to-end: the context-parallel rungs through scripts/finetune.py on packed blocks of 512 tokens (several
+documents each), against the single-process run: fsdp_cp (dp_shard=2 x cp=2, 4 processes; auto plans Ulysses),
+fsdp_tp_cp (cp=2 x tp=2, 4 processes, by ring attention: --cp-method ring) and cp on pipeline stages (the pp rung
+with --cp 2 --cp-method ring, 4 processes); and bad cp settings refused before any process starts.
 
 What must hold: losses, the post-training batch loss and the eval loss on held-out data equal one process's (fp32,
-rel 1e-5), full fine-tune and LoRA, and the eval loss a one-process evaluation of the saved model's; the summary records cp; each token is counted once across the cp group (tokens summed over ranks = the
+rel 1e-5), full fine-tune and LoRA, and the eval loss a one-process evaluation of the saved model's; the summary
+records cp, the method and why; each token is counted once across the cp group (tokens summed over ranks = the
 single run's); the saved model reloads.
 """
 
@@ -22,13 +24,19 @@ HFDIST = [sys.executable, "-m", "hfdist.cli"]
 RUNGS = table_rungs("context_parallel")  # the rung table's context-parallel rungs (fsdp_cp)
 LORA = table_rungs("context_parallel", "lora")
 NAMES = RUNGS + [f"lora_{n}" for n in LORA]
+# The default model's 4 heads per tp rank allow Ulysses on fsdp_tp_cp (auto's choice): ask for the ring there, the
+# method tp x cp needs past the heads (tests/integration/test_context_parallel.py trains it on a 6-head model).
+METHOD = {"fsdp_tp_cp": ("--cp-method", "ring")}
 
 
 @pytest.fixture(scope="module")
 def cp_runs(tmp_path_factory, shared_runs):
     root = tmp_path_factory.mktemp("cp_job")
     jobs = {"single": (), "lora_single": ("--lora",),
-            **{n: ("--config", n) for n in RUNGS}, **{f"lora_{n}": ("--config", n, "--lora") for n in LORA}}
+            **{n: ("--config", n, *METHOD.get(n, ())) for n in RUNGS},
+            **{f"lora_{n}": ("--config", n, "--lora", *METHOD.get(n, ())) for n in LORA},
+            # cp on pipeline stages (the Trainer's batch cut before stage 0, the schedule's loss and scoring)
+            "pp_cp": ("--config", "pp", "--num-processes", "4", "--cp", "2", "--cp-method", "ring")}
     held_out = eval_args(shared_runs.root)  # the other rungs' held-out conversations, evaluated at step 2 and 3
     runs = finetune_all({name: (root / name, (*CP_ARGS, *extra, *held_out), {"via": "python"})
                          for name, extra in jobs.items()})
@@ -38,7 +46,7 @@ def cp_runs(tmp_path_factory, shared_runs):
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, "pp_cp"])
 def test_cp_losses_match_single_process(cp_runs, name):
     ref = cp_runs["lora_single" if name.startswith("lora") else "single"]
     got = cp_runs[name]
@@ -56,11 +64,15 @@ def test_cp_eval_loss_equals_a_one_process_evaluation_of_the_saved_model(cp_runs
 
 
 @pytest.mark.multiproc
-def test_cp_recorded_and_tokens_counted_once(cp_runs):
-    s = cp_runs["fsdp_cp"]["strategy"]
-    assert (s["dp_shard"], s["cp"], s["world_size"]) == (2, 2, 4)
-    ranks = cp_runs["fsdp_cp"]["ranks"]
-    assert sum(r["tokens"] for r in ranks) == cp_runs["single"]["ranks"][0]["tokens"]
+@pytest.mark.parametrize("name, degrees, method", [("fsdp_cp", (2, 2, 1, 1), "ulysses"),
+                                                   ("fsdp_tp_cp", (1, 2, 2, 1), "ring"), ("pp_cp", (1, 2, 1, 2), "ring")])
+def test_cp_recorded_with_its_method_and_tokens_counted_once(cp_runs, name, degrees, method):
+    """The summary records the degrees, the method and why (auto's reasoning, or that it was asked for)."""
+    s = cp_runs[name]["strategy"]
+    assert (s["dp_shard"], s["cp"], s["tp"], s["pp"], s["world_size"]) == (*degrees, 4)
+    assert s["cp_method"] == method and s["cp_method_reason"].startswith("auto:" if name == "fsdp_cp" else "asked")
+    ranks = cp_runs[name]["ranks"]
+    assert sum(r["tokens"] for r in ranks) == cp_runs["single"]["ranks"][0]["tokens"] * s["tp"] * s["pp"]
 
 
 @pytest.mark.multiproc
@@ -83,17 +95,19 @@ def _yaml(tmp_path, cp: int, processes: int, **extra) -> str:
 
 
 @pytest.mark.parametrize("case, said", [
-    ("seq", "--seq-len 511 does not divide by 2"),
-    ("heads", "4 attention heads do not divide by cp=3"),
-    ("pp", "supports no pipeline schedule with cp"),
+    ("seq", "--seq-len must be a multiple of 2, and 511 is not"),
+    ("heads", "4 attention heads do not divide by cp=3. Use --cp-method ring"),
+    ("mask", "--attn-implementation sdpa does not give the batch"),
 ])
 def test_bad_cp_is_refused_before_any_process(tmp_path, case, said):
+    """A sequence the method cannot cut, a method that cannot split the model (llama-tiny's 4 heads, Ulysses over
+    3 ranks), a ring without the batch's document boundaries: one paragraph naming what would work, exit 2."""
     if case == "seq":
         args = ["--config", "fsdp_cp", "--seq-len", "511"]
-    elif case == "heads":  # llama-tiny has 4 heads
-        args = ["--config", _yaml(tmp_path, 3, 3)]
+    elif case == "heads":
+        args = ["--config", _yaml(tmp_path, 3, 3), "--cp-method", "ulysses"]
     else:
-        args = ["--config", _yaml(tmp_path, 2, 4, parallelism_config_pp_size=2)]
+        args = ["--config", "fsdp_tp_cp", "--cp-method", "ring", "--attn-implementation", "sdpa"]
     proc = run_cmd([*HFDIST, "finetune", "--model", "llama-tiny", "--seq-len", "64", *args,
                     "--output-dir", str(tmp_path / "o")], timeout=300)
     assert proc.returncode == 2 and said in proc.stderr, proc.stderr

@@ -1,4 +1,5 @@
-"""examples/sft_trl.py and examples/dpo_trl.py, run as a user runs them (torchrun), against their one-process runs.
+"""examples/sft_trl.py and examples/dpo_trl.py, run as a user runs them (torchrun), against their one-process runs;
+examples/ray_train.py (the same SFT in a Ray Train loop, on a local Ray cluster it starts) too.
 
 TRL's SFTTrainer on every mesh rung (fsdp_tp, pp, 3d, fsdp_cp) gives the one-process losses (fp32: rel 1e-5) with
 the strategy verified before step 1 and every rank's figures in log_history; TRL's DPOTrainer on fsdp_full_shard,
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,7 @@ STEPS = 3
 # (example, config) -> processes; config "single" runs without a launcher.
 LAUNCHES = {("sft", "single"): 1, ("sft", "fsdp_tp"): 4, ("sft", "pp"): 4, ("sft", "3d"): 8, ("sft", "fsdp_cp"): 4,
             ("dpo", "single"): 1, ("dpo", "fsdp_full_shard"): 2, ("dpo", "fsdp_tp"): 4, ("dpo", "fsdp_cp"): 4,
-            ("dpo", "pp"): 2}
+            ("dpo", "pp"): 2, ("ray", "fsdp_full_shard"): 2}
 SFT_RUNGS = ("fsdp_tp", "pp", "3d", "fsdp_cp")
 DPO_RUNGS = ("fsdp_full_shard", "fsdp_tp", "fsdp_cp")
 DPO_FIGURES = ("loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
@@ -48,17 +51,24 @@ def _datasets(root: Path) -> dict[str, Path]:
 
 
 def _launch(example: str, config: str, procs: int, data: Path, out: Path) -> tuple[int, dict | None, str, Path]:
-    script = REPO / "examples" / f"{example}_trl.py"
     args = ["--config", config, "--model", "llama-tiny", "--dataset", str(data), "--max-steps", str(STEPS),
-            "--seed", "0", "--output-dir", str(out), "--global-batch-size", "8"]
+            "--output-dir", str(out), "--global-batch-size", "8"]
     launcher = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                     "--nproc-per-node", str(procs)]
+    env = None
+    if example == "ray":  # Ray Train starts the workers; Ray's own files in a short folder (socket path limits)
+        script, launcher, args = REPO / "examples" / "ray_train.py", [sys.executable], [*args, "--num-workers", str(procs)]
+        env = {"RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
+    else:
+        script, args = REPO / "examples" / f"{example}_trl.py", [*args, "--seed", "0"]
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"  # run_cmd copies the environment; 8 ranks on a few cores
     try:
-        proc: subprocess.CompletedProcess = run_cmd([*launcher, str(script), *args])
+        proc: subprocess.CompletedProcess = run_cmd([*launcher, str(script), *args], env=env)
     finally:
         os.environ.pop("OMP_NUM_THREADS") if old is None else os.environ.update(OMP_NUM_THREADS=old)
+        if env is not None:
+            shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
     state = out / "trainer_state.json"
     return proc.returncode, json.loads(state.read_text()) if state.is_file() else None, proc.stdout + proc.stderr, out
 
@@ -68,7 +78,8 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], tuple[int, dict | None, str,
     """{(example, config): (exit code, trainer_state.json or None, console, output folder)}."""
     root = tmp_path_factory.mktemp("examples")
     data = _datasets(root)
-    return side_by_side({key: (lambda key=key, n=n: _launch(*key, n, data[key[0]], root / "-".join(key)))
+    return side_by_side({key: (lambda key=key, n=n: _launch(*key, n, data["dpo" if key[0] == "dpo" else "sft"],
+                                                            root / "-".join(key)))
                          for key, n in LAUNCHES.items()})
 
 
@@ -119,6 +130,16 @@ def test_dpo_gives_the_single_process_losses_rewards_and_accuracies(runs, rung):
     for figure in DPO_FIGURES:
         assert [h[figure] for h in mine] == pytest.approx([h[figure] for h in single], rel=1e-4, abs=1e-6), figure
     assert any(h["rewards/chosen"] != 0 for h in mine)  # the policy moved away from the reference
+
+
+def test_sft_in_a_ray_train_loop_gives_the_single_process_losses(runs):
+    """examples/ray_train.py: Ray's TorchTrainer made the 2 workers and their process group; resolve_strategy,
+    prepare_model and strategy_trainer built fsdp_full_shard on it (verified before step 1)."""
+    single, mine = _steps(_trained(runs, ("sft", "single"))), _steps(_trained(runs, ("ray", "fsdp_full_shard")))
+    assert [h["step"] for h in mine] == list(range(1, STEPS + 1))
+    assert [h["loss"] for h in mine] == pytest.approx([h["loss"] for h in single], rel=1e-5)  # as the other rungs
+    assert "hfdist: fsdp_full_shard in effect (dp_shard=2" in runs["ray", "fsdp_full_shard"][2]
+    assert all(h["rank1/tokens_per_second"] > 0 for h in mine)
 
 
 def test_sft_on_tp_saves_a_model_that_scores_as_the_single_process_one(runs):

@@ -14,6 +14,7 @@ WORKERS = {
     "chunked_loss": ("chunked_loss_worker.py", 4, 300, "test_chunked_loss_parallel.py"),
     "cp": ("cp_worker.py", 4, 600, "test_context_parallel.py"),
     "fp8": ("fp8_worker.py", 2, 600, "test_fp8_parallel.py"),
+    "moe": ("moe_worker.py", 4, 900, "test_moe_parallel.py"),
     "pp": ("pp_worker.py", 2, 300, "test_pipeline.py"),
 }
 

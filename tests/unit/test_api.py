@@ -11,9 +11,11 @@ from transformers import Trainer
 
 from hfdist.api import Strategy, StrategyRefused, prepare_model, resolve_strategy, strategy_trainer
 from hfdist.api.trainer import StrategyAwareMixin, WholeOutputsMixin
+from hfdist.checkpoint.trainer_hooks import CheckpointingMixin
 from hfdist.config.ladder import CONFIG_ROOT, load_rung
 from hfdist.train.context_trainer import ContextParallelMixin
 from hfdist.train.pipeline_trainer import PipelineMixin
+from hfdist.train.preemption import PreemptionMixin
 from hfdist.train.trainer import CausalLMLossMixin, StrategyMixin
 
 from helpers import fake_world
@@ -94,7 +96,8 @@ def test_strategy_trainer_puts_the_mixins_the_strategy_needs_before_the_trainer(
     sft = {name: _mixins(strategy_trainer(SFTTrainer, s)) for name, s in rungs.items()}
     assert all(CausalLMLossMixin not in m for m in sft.values())  # TRL's compute_loss stays
     assert sft["fsdp_tp"][0] is sft["fsdp_cp"][0] is WholeOutputsMixin and WholeOutputsMixin not in sft["single"]
-    assert sft["pp"][:2] == [PipelineMixin, StrategyAwareMixin] and sft["pp"][-2] is StrategyMixin
+    assert sft["pp"][:2] == [PipelineMixin, StrategyAwareMixin] and sft["pp"][-3] is StrategyMixin
+    assert sft["pp"][-2:] == [PreemptionMixin, CheckpointingMixin]  # under StrategyMixin: its checkpoints, preemption
     made = strategy_trainer(SFTTrainer, rungs["fsdp_tp"])
     assert issubclass(made, SFTTrainer) and made.__name__ == "SFTTrainerOnFsdpTp"
 

@@ -85,8 +85,9 @@ def test_planner_counts_the_dense_mask_on_every_rank():
     assert (_activations(config, "fsdp_full_shard", "sdpa", **ckpt)
             - _activations(config, "fsdp_full_shard", "auto", **ckpt)) == seq * seq * 3
     seq = 131072  # the context fsdp_cp is for: 16 GiB of bools + 32 GiB of one bf16 bias per rank
-    assert (_activations(config, "fsdp_cp", "sdpa", seq=seq, activation_checkpointing=True)
-            - _activations(config, "fsdp_cp", "auto", seq=seq, activation_checkpointing=True)) == seq * seq * 3
+    ckpt = dict(seq=seq, activation_checkpointing=True, cp=2, cp_method="ulysses")  # the rung's shipped degree
+    assert (_activations(config, "fsdp_cp", "sdpa", **ckpt) - _activations(config, "fsdp_cp", "auto", **ckpt)) == \
+        seq * seq * 3
 
 
 def test_plan_recommends_auto_over_a_dense_mask_that_cannot_fit():

@@ -381,6 +381,82 @@ def test_readme_test_command_is_what_ci_runs():
     assert ci_cmd in readme, f"README.md has no block with CI's command {ci_cmd!r}"
 
 
+# ------------------------------------------------------------------------------------------------------ yaml blocks
+def _yaml_blocks() -> list:
+    return [pytest.param(body, id=f"{page.relative_to(REPO)}:{start}") for page in PAGES
+            for lang, start, body in _blocks(page) if lang in ("yaml", "yml")]
+
+
+def _flag(argv: list[str], flag: str) -> str | None:
+    """The value of `flag` in `argv` (None when absent)."""
+    return argv[argv.index(flag) + 1] if flag in argv and argv.index(flag) + 1 < len(argv) else None
+
+
+def _on_a_volume(argv: list[str], mounts: set[str], where: str) -> None:
+    """A launch's --output-dir must lie on a mounted volume (checkpoints outlive the pod; every node reads them)."""
+    out = _flag(argv, "--output-dir")
+    assert out and any(Path(out).is_relative_to(m) for m in mounts), \
+        f"{where}: --output-dir {out} is not on a mounted volume ({sorted(mounts)})"
+
+
+def _check_pod(spec: dict, where: str, job: dict | None) -> None:
+    """A pod's containers launch commands the docs check accepts, onto a mounted volume, within the pod's grace; a
+    Job whose first process is `hfdist finetune` does not count its preemptions (exit 75) as failures."""
+    from hfdist.config.preemption import PREEMPTED_EXIT_CODE
+
+    grace = spec.get("terminationGracePeriodSeconds", 30)
+    for container in spec["containers"]:
+        argv = [str(a) for a in container.get("command", []) + container.get("args", [])]
+        _check_static(argv)
+        _on_a_volume(argv, {m["mountPath"] for m in container.get("volumeMounts", [])}, where)
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        if "HFDIST_PREEMPT_GRACE" in env:
+            assert float(env["HFDIST_PREEMPT_GRACE"]) <= grace, f"{where}: HFDIST_PREEMPT_GRACE beyond the pod's grace"
+        shutdown = _flag(argv, "--shutdown-timeout")
+        assert shutdown is None or int(shutdown) < grace, f"{where}: torchrun waits longer than the pod's grace"
+        if job is not None and argv[:2] == ["hfdist", "finetune"]:
+            rules = job.get("podFailurePolicy", {}).get("rules", [])
+            assert any(PREEMPTED_EXIT_CODE in r.get("onExitCodes", {}).get("values", []) for r in rules), \
+                f"{where}: no podFailurePolicy rule for hfdist's preempted exit code {PREEMPTED_EXIT_CODE}"
+    if job is not None and job.get("podFailurePolicy"):
+        assert spec.get("restartPolicy") == "Never", f"{where}: podFailurePolicy needs restartPolicy: Never"
+
+
+def _check_rayjob(doc: dict, where: str) -> None:
+    """A KubeRay RayJob: its entrypoint is `hfdist finetune --launcher ray ...` as the docs check accepts it, writing
+    onto a volume every node of the cluster (head and workers) mounts."""
+    argv = shlex.split(doc["spec"]["entrypoint"])
+    _check_static(argv)
+    assert _flag(argv, "--launcher") == "ray", f"{where}: the entrypoint does not launch through Ray"
+    cluster = doc["spec"]["rayClusterSpec"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        mounts = {m["mountPath"] for c in group["template"]["spec"]["containers"] for m in c.get("volumeMounts", [])}
+        _on_a_volume(argv, mounts, f"{where} ({group.get('groupName', 'head')})")
+
+
+@pytest.mark.parametrize("body", _yaml_blocks())
+def test_yaml_block(body, tmp_path):
+    """Every yaml block parses; a Kubernetes Job or Pod and a KubeRay RayJob hold launches the job accepts
+    (_check_pod, _check_rayjob); a job file (`# job.yaml`) is one the job reads."""
+    import yaml
+
+    docs = [d for d in yaml.safe_load_all(body) if d is not None]
+    assert docs, "an empty yaml block"
+    for doc in docs:
+        kind, where = doc.get("kind"), f"{doc.get('kind')} {doc.get('metadata', {}).get('name')}"
+        if kind == "Job":
+            _check_pod(doc["spec"]["template"]["spec"], where, doc["spec"])
+        elif kind == "Pod":
+            _check_pod(doc["spec"], where, None)
+        elif kind == "RayJob":
+            _check_rayjob(doc, where)
+        elif body.startswith("# job.yaml"):
+            from hfdist.config.finetune import parse_args
+
+            (tmp_path / "job.yaml").write_text(body)
+            parse_args([str(tmp_path / "job.yaml")])  # the job's own reader: every key a setting, every value valid
+
+
 # ------------------------------------------------------------------------------------------- links, paths and names
 def _slug(heading: str) -> str:
     """GitHub's anchor for a heading."""

@@ -45,9 +45,11 @@ def _rung(plan, name):
 
 
 @pytest.mark.parametrize("spec", ["llama-tiny", "llama-3.2-1b", "llama-3.1-8b", "custom", "mistral-tiny",
-                                  "qwen2-tiny", "qwen3-tiny", "qwen3-tied", "smollm3-tiny"])
+                                  "qwen2-tiny", "qwen3-tiny", "qwen3-tied", "smollm3-tiny", "qwen3-moe-tiny",
+                                  "mixtral-tiny", "llama4-tiny", "qwen3-30b-a3b", "llama-4-scout"])
 def test_param_count_matches_meta_model(spec):
-    """Every registered architecture: Qwen2's q/k/v biases, Qwen3's per-head norms and separate head_dim."""
+    """Every registered architecture: Qwen2's q/k/v biases, Qwen3's per-head norms and separate head_dim, the MoE
+    models' stacked experts, routers, shared expert and dense layers among the MoE ones."""
     from transformers import AutoModelForCausalLM
 
     if spec == "custom":
@@ -245,8 +247,10 @@ def test_sharding_per_rung():
     config = load_config("llama-3.1-8b")
     p = ModelShape.from_config(config).total_params
     plan = plan_rungs(config, gpus_per_node=4, nodes=2, gpu_mem_bytes=H100)
-    # Every shipped rung, in the rung table's plan_order (ddp, zero1, zero2, fsdp_full_shard, zero3, ..., offload last).
-    assert [r.name for r in plan.rungs] == sorted(known_rung_names(), key=lambda n: RUNG_INFO[n].plan_order)
+    # Every shipped rung, in the rung table's plan_order (ddp, zero1, zero2, fsdp_full_shard, zero3, ..., offload last),
+    # but the expert-parallel one (fsdp_ep: for MoE models only).
+    assert [r.name for r in plan.rungs] == sorted((n for n in known_rung_names() if load_rung(n).dims.ep == 1),
+                                                  key=lambda n: RUNG_INFO[n].plan_order)
     b = {r.name: r.bytes for r in plan.rungs}
     assert (b["ddp"].weights, b["ddp"].grads, b["ddp"].master, b["ddp"].optimizer) == (2 * p, 2 * p, 4 * p, 8 * p)
     assert b["zero1"].grads == 2 * p and b["zero1"].optimizer == 8 * p // 8
@@ -496,8 +500,8 @@ def test_cli_json_on_local_checkpoint(tmp_path, capsys):
     assert data["recommended"]["name"] == "ddp" and str(tmp_path) in data["recommended"]["command"]
     for rung in data["rungs"]:
         assert {"name", "fits", "per_rank_bytes"} <= set(rung)
-        if rung["name"] in ("3d", "pp"):  # 3d's tp x pp cannot fit on 2 GPUs, pp's 4 micro-batches of 2 do not
-            # split a rank's 4 sequences: said, not planned
+        if rung["name"] in ("3d", "pp", "fsdp_tp_cp"):  # 3d's tp x pp and fsdp_tp_cp's tp x cp cannot fit on 2 GPUs,
+            # pp's 4 micro-batches of 2 do not split a rank's 4 sequences: said, not planned
             assert rung["per_rank_bytes"] is None and not rung["fits"] and "cannot run here" in rung["note"]
             continue
         assert {"weights", "grads", "master", "optimizer", "activations", "total"} <= set(rung["per_rank_bytes"])

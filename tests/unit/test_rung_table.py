@@ -56,9 +56,10 @@ def test_rung_lists_of_the_tests_come_from_the_table():
     assert table_rungs("ladder") == [n for n in known_rung_names() if RUNG_INFO[n].e2e == "ladder"]
     assert set(table_rungs("pipeline")) == {n for n in known_rung_names() if load_rung(n).uses_pipeline}
     assert set(table_rungs("context_parallel")) == {n for n in known_rung_names() if load_rung(n).dims.cp > 1}
+    assert table_rungs("moe") == [n for n in known_rung_names() if load_rung(n).dims.ep > 1]
     # Every shipped rung is trained end to end by exactly one module.
-    assert sorted(table_rungs("ladder") + table_rungs("pipeline") + table_rungs("context_parallel")) == \
-        sorted(known_rung_names())
+    assert sorted(table_rungs("ladder") + table_rungs("pipeline") + table_rungs("context_parallel")
+                  + table_rungs("moe")) == sorted(known_rung_names())
 
 
 # ------------------------------------------------------------------------------------------ the refusals
@@ -99,7 +100,7 @@ def test_a_users_yaml_answers_as_the_shipped_rung_of_its_shape(tmp_path):
 
 
 def test_a_layout_no_rung_has_is_refused():
-    rung = load_rung("fsdp_cp").with_num_processes(8, tp=2)  # cp x tp: no shipped rung
+    rung = load_rung("fsdp_cp").with_num_processes(8, pp=2)  # cp x pp without tp: no shipped rung
     assert speaking_entry(rung) is None
     with pytest.raises(ConfigError, match="no rung of hfdist's table has its layout"):
         check_compile(rung)

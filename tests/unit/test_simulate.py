@@ -27,9 +27,13 @@ def _model_params(spec: str) -> int:
     ("fsdp_tp", 4, {"tp": 2}),
     ("pp", 2, {"pp": 2}),
     ("3d", 8, {"tp": 2, "pp": 2}),
+    ("fsdp_cp", 4, {"cp": 4, "cp_method": "ring"}),  # FSDP2 over the 4 cp ranks, the ring's attention verified
+    ("fsdp_tp_cp", 4, {}),  # cp 2 x tp 2
 ])
 def test_simulate_tiny_matches_the_model_and_the_planner(config, world, degrees):
-    rung = simulation_rung(config, world, gpus_per_node=4, **degrees)
+    from hfdist.models.presets import load_config
+
+    rung = simulation_rung(config, world, gpus_per_node=4, model_config=load_config("llama-tiny"), **degrees)
     sim = simulate("llama-tiny", rung, gpus_per_node=4)
     assert sim.verified, sim.failure
     assert [r.stages for r in sim.roles] == [(s,) for s in range(rung.dims.pp)]  # first and last: distinct
@@ -39,7 +43,7 @@ def test_simulate_tiny_matches_the_model_and_the_planner(config, world, degrees)
         # fp32 master weights in FSDP2's shards, fp32 grads shaped like them, Adam's two fp32 moments.
         assert role.grad_bytes == role.param_bytes and role.optimizer_bytes == 2 * role.param_bytes
     # Independent of the planner: the roles' shards add up to the model (each held once per model replica).
-    replica_share = sum(r.param_bytes for r in sim.roles) * rung.dims.dp_shard * rung.dims.tp
+    replica_share = sum(r.param_bytes for r in sim.roles) * rung.dims.dp_shard * rung.dims.cp * rung.dims.tp
     if rung.dims.tp == 1 and config != "fsdp_hybrid":
         assert replica_share == 4 * _model_params("llama-tiny")
     if config == "fsdp_hybrid":
@@ -60,10 +64,34 @@ def test_simulate_405b_3d_at_512_ranks():
     assert abs(total / (4 * _model_params("llama-3.1-405b")) - 1) < 0.001
 
 
+def test_simulate_70b_tp_cp_at_512_ranks():
+    """Llama-3.1-70B on fsdp_tp_cp at 512 ranks: tp 8 x cp 16 x dp_shard 4. cp 16 exceeds the 8 heads per tp rank,
+    so auto plans hybrid (Ulysses over 8, a ring of 2), which the recipe applies and verify checks (groups of 8 and
+    2 ranks); the states within 2% of the planner's, sharded over dp_shard x cp = 64."""
+    from hfdist.models.presets import load_config
+
+    rung = simulation_rung("fsdp_tp_cp", 512, tp=8, cp=16, model_config=load_config("llama-3.1-70b"))
+    assert (rung.dims.dp_shard, rung.dims.cp, rung.dims.tp) == (4, 16, 8)
+    assert (rung.context.method, rung.context.ulysses) == ("hybrid", 8)
+    sim = simulate("llama-3.1-70b", rung)
+    assert sim.verified, sim.failure
+    assert all(r.relative_error() < 0.02 for r in sim.roles), sim.table()
+    assert "cp by hybrid (Ulysses over 8, a ring of 2)" in sim.table()
+    assert abs(sim.roles[0].param_bytes * 64 * 8 / (4 * _model_params("llama-3.1-70b")) - 1) < 0.01
+
+
+def test_simulate_refuses_a_step_under_cp():
+    from hfdist.plan.simulate import SimulateError
+
+    with pytest.raises(SimulateError, match="cuts each row over cp=2 ranks"):
+        simulate("llama-tiny", simulation_rung("fsdp_cp", 4), step_seq=256)
+
+
 def test_simulate_json_shape(capsys):
     assert main(["simulate", "--model", "llama-tiny", "--config", "3d", "--num-processes", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["verified"] is True and out["dims"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "pp": 2, "tp": 2}
+    assert out["verified"] is True and out["dims"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "pp": 2, "tp": 2,
+                                                   "ep": 1}
     assert [r["rank"] for r in out["ranks"]] == [0, 2]
     for r in out["ranks"]:
         assert set(r) >= {"rank", "param_bytes", "grad_bytes", "optimizer_bytes", "predicted"}
@@ -125,3 +153,24 @@ def test_stage_prediction_counts_embedding_and_head_where_they_live():
     stages = [predict_state_bytes(config, rung, stage=s).param_bytes for s in range(4)]
     assert abs(sum(stages) / (4 * average) - 1) < 1e-6
     assert 1.12 < stages[0] / average < 1.14 and 0.97 < stages[2] / average < 0.99
+
+
+def test_the_planners_70b_128k_recommendation_simulates_at_32_ranks_within_2_percent():
+    """Issue 35's case: `hfdist plan` of Llama-3.1-70B at 131,072 tokens on 4 x 8 x 80 GB recommends a layout that
+    fits; the recipe simulated at that layout on 32 ranks holds the planner's state bytes within 2%."""
+    from hfdist.models.presets import load_config
+    from hfdist.plan import GB, plan_rungs
+
+    config = load_config("llama-3.1-70b")
+    plan = plan_rungs(config, gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB, seq=131072, global_batch=32,
+                      activation_checkpointing=True, micro_batch=None)
+    rec = plan.recommended
+    assert rec is not None and rec.fits
+    d = rec.dims
+    rung = simulation_rung(rec.name, 32, tp=d.tp if d.tp > 1 else None, pp=d.pp if d.pp > 1 else None,
+                           cp=d.cp if d.cp > 1 else None, cp_method=rec.layout.rung.context.method if d.cp > 1
+                           else "auto", model_config=config)
+    assert rung.dims == d
+    sim = simulate("llama-3.1-70b", rung)
+    assert sim.verified, sim.failure
+    assert all(r.relative_error() < 0.02 for r in sim.roles), sim.table()

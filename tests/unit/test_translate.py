@@ -128,7 +128,8 @@ def test_unimplemented_keys_are_refused_by_name(tmp_path, extra, named):
 
 def test_accelerate_cp_example_runs_as_hfdist_context_parallelism(tmp_path):
     """accelerate's examples/torch_native_parallelism/configs/cp.yaml, as shipped: read as cp=8 on hfdist's mesh,
-    then checked against the model before any process (llama-tiny's 4 heads cannot be split 8 ways)."""
+    then planned against the model before any process (llama-tiny's 4 heads cannot be split 8 ways by Ulysses alone:
+    auto plans hybrid, and --cp-method ulysses is refused)."""
     from hfdist.models.presets import load_config
     from hfdist.parallel.fit import check_context_parallel
 
@@ -146,8 +147,10 @@ def test_accelerate_cp_example_runs_as_hfdist_context_parallelism(tmp_path):
     rung = load_rung(_yaml(tmp_path, cp, "cp.yaml"))
     assert (rung.dims.cp, rung.dims.dp_shard, rung.num_processes) == (8, 1, 8)
     with pytest.raises(HfdistError, match="4 attention heads do not divide by cp=8"):
-        check_context_parallel(load_config("llama-tiny"), rung, 512)
-    check_context_parallel(load_config("llama-medium"), rung, 512)  # 16 heads
+        check_context_parallel(load_config("llama-tiny"), rung.with_context("ulysses"), 512)
+    plan = check_context_parallel(load_config("llama-tiny"), rung, 512)  # auto: Ulysses over 4 x a ring of 2
+    assert (plan.method, plan.ulysses) == ("hybrid", 4)
+    assert check_context_parallel(load_config("llama-medium"), rung, 512).method == "ulysses"  # 16 heads
 
 
 

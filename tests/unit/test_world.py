@@ -103,9 +103,19 @@ def test_several_nodes_shard_hybrid_inside_each():
     assert resolve_rung(FinetuneConfig(config="fsdp_full_shard"), two_nodes).dims == ParallelDims(dp_shard=16)
 
 
+class _Finished:
+    """A launch that has ended with exit code 0 (subprocess.Popen's wait and send_signal)."""
+
+    def wait(self) -> int:
+        return 0
+
+    def send_signal(self, signum: int) -> None:
+        raise AssertionError("nothing forwards a signal here")
+
+
 def _captured_launch(monkeypatch) -> list:
     calls = []
-    monkeypatch.setattr(launch.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, env: calls.append((cmd, env)) or _Finished())
     return calls
 
 

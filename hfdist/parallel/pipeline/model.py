@@ -60,19 +60,24 @@ class PipelineModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, num_items_in_batch: int | torch.Tensor | None = None,
+                shift_labels: torch.Tensor | None = None, row_position_ids: torch.Tensor | None = None,
                 **_: object) -> torch.Tensor:
         """One schedule step on this batch: forward AND backward of every micro-batch; gradients accumulate.
 
         Args:
             num_items_in_batch: real label tokens of the global batch (all data-parallel ranks and accumulation
                 steps); default: this batch's.
+            shift_labels, row_position_ids: a cp rank's part of the batch (hfdist.parallel.context.shard_batch):
+                the labels shifted on the whole rows before the cut, and the whole rows' position ids.
 
         Returns:
             On the rank of the last stage, this batch's loss share times `loss_scale` (a global-batch mean once
             averaged over data-parallel ranks, like the HF Trainer's losses); 0 on the other ranks.
         """
         num_tokens = None if num_items_in_batch is None else float(num_items_in_batch) / self.loss_scale
-        loss = self.runner.step(input_ids, labels, attention_mask, position_ids, num_tokens=num_tokens)
+        loss = self.runner.step(input_ids, labels if shift_labels is None else shift_labels, attention_mask,
+                                position_ids, num_tokens=num_tokens, shifted=shift_labels is not None,
+                                row_position_ids=row_position_ids)
         if loss is None:
             return torch.zeros((), device=self.runner.device)
         return loss
@@ -98,8 +103,10 @@ class PipelineModel(nn.Module):
         loss is broadcast over the pipeline group. Collective over the pipeline group; gradients and weights are
         left as they were."""
         runner = self.runner
-        box = [runner.evaluate(batch["input_ids"], batch["labels"], batch.get("attention_mask"),
-                               batch.get("position_ids"), num_tokens=num_items_in_batch)]
+        shifted = batch.get("shift_labels")
+        box = [runner.evaluate(batch["input_ids"], batch["labels"] if shifted is None else shifted,
+                               batch.get("attention_mask"), batch.get("position_ids"), num_tokens=num_items_in_batch,
+                               shifted=shifted is not None, row_position_ids=batch.get("row_position_ids"))]
         dist.broadcast_object_list(box, group=runner.pp_group, group_src=runner.last_stage_rank)
         return float(box[0])
 

@@ -219,6 +219,8 @@ class PipelineRunner:
         position_ids: torch.Tensor | None = None,
         *,
         num_tokens: float | None = None,
+        shifted: bool = False,
+        row_position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Forward and backward of one batch through the pipeline; gradients accumulate into the parameters.
 
@@ -234,11 +236,15 @@ class PipelineRunner:
             num_tokens: real label tokens to normalise by; default: those of this batch. Pass the count over all
                 data-parallel ranks and accumulation steps to get their exact token mean (and sum, not average,
                 gradients over dp).
+            shifted: the labels are shifted already (a cp rank's part of rows shifted whole before the cut).
+            row_position_ids: under context parallelism, the whole rows' position ids (B, S): every stage rebuilds
+                its micro-batch's document boundaries from them (the rank's own position ids are a part of each row).
 
         Returns:
             The batch loss (0-dim, detached) on the rank holding the last stage, None on the others.
         """
-        args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, position_ids, num_tokens)
+        args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, position_ids, num_tokens, shifted,
+                                             row_position_ids)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         # The tie exchange must add only this step's gradient: set earlier (accumulated) ones aside.
         earlier = self._tied_param.grad if self._tied_param is not None else None
@@ -249,7 +255,8 @@ class PipelineRunner:
         return torch.stack(losses).sum().detach() if losses is not None else None
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                 position_ids: torch.Tensor | None = None, *, num_tokens: float | None = None) -> float | None:
+                 position_ids: torch.Tensor | None = None, *, num_tokens: float | None = None, shifted: bool = False,
+                 row_position_ids: torch.Tensor | None = None) -> float | None:
         """The batch's mean token loss with the current weights (its token-loss sum over `num_tokens` when given);
         same rules and ranks as `step`. Gradients and weights are left as they were.
 
@@ -263,18 +270,21 @@ class PipelineRunner:
             for p, _ in saved:
                 p.grad = None
             with torch.enable_grad():
-                loss = self.step(input_ids, labels, attention_mask, position_ids, num_tokens=num_tokens)
+                loss = self.step(input_ids, labels, attention_mask, position_ids, num_tokens=num_tokens,
+                                 shifted=shifted, row_position_ids=row_position_ids)
             for p, grad in saved:
                 p.grad = grad
             return None if loss is None else float(loss)
-        args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, position_ids, num_tokens)
+        args, kwargs = self._schedule_inputs(input_ids, labels, attention_mask, position_ids, num_tokens, shifted,
+                                             row_position_ids)
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         with torch.no_grad():
             # return_outputs=False: the last stage's outputs are its micro-batches' 0-dim loss sums, not logits.
             self._schedule.eval(*args, losses=losses, return_outputs=False, **kwargs)
         return float(torch.stack(losses).sum()) if losses is not None else None
 
-    def _schedule_inputs(self, input_ids, labels, attention_mask, position_ids, num_tokens):
+    def _schedule_inputs(self, input_ids, labels, attention_mask, position_ids, num_tokens, shifted=False,
+                         row_position_ids=None):
         """Validate a batch and turn it into the schedule's (args, kwargs); (re)build the schedule for its shape."""
         batch, seq = input_ids.shape
         if labels.shape != input_ids.shape:
@@ -284,7 +294,7 @@ class PipelineRunner:
                 f"Batch size {batch} is not a multiple of n_microbatches={self.n_microbatches}: every micro-batch "
                 f"must have the same shape. Use a batch size that n_microbatches divides."
             )
-        target = shift_labels(labels)
+        target = labels if shifted else shift_labels(labels)
         if num_tokens is None:
             num_tokens = int((target != IGNORE_INDEX).sum())
         if self._schedule_shape != (batch, seq):
@@ -300,6 +310,8 @@ class PipelineRunner:
             kwargs["attention_mask"] = attention_mask.to(self.device)
         if position_ids is not None:
             kwargs["position_ids"] = position_ids.to(self.device)
+        if row_position_ids is not None:
+            kwargs["row_position_ids"] = row_position_ids.to(self.device)
         args = (input_ids.to(self.device),) if self.has_first_stage else ()
         return args, kwargs
 

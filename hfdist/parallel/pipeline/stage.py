@@ -62,7 +62,8 @@ class CausalLMStage(nn.Module):
     embeddings from the position ids (arange(S) by default, as the HF model does), so only the hidden states cross
     stage boundaries. Under an implementation that takes document boundaries (hfdist_documents, flash varlen) the
     packed documents' varlen arguments are rebuilt from the micro-batch's position ids (the batch's own describe all
-    micro-batches and cannot be split with them); under flex_attention the BlockMask is built from them too.
+    micro-batches and cannot be split with them; under context parallelism from the whole rows' position ids the
+    runner passes beside the rank's part of them); under flex_attention the BlockMask is built from them too.
 
     Attributes:
         layers: ModuleDict of this stage's decoder layers keyed by their global index (as strings).
@@ -116,8 +117,10 @@ class CausalLMStage(nn.Module):
         raise PipelineModelError(f"Stage entry '{local_name}' has no counterpart in the original model.")
 
     def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, loss_target: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage on one micro-batch (see the class docstring for shapes)."""
+                position_ids: torch.Tensor | None = None, loss_target: torch.Tensor | None = None,
+                row_position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage on one micro-batch (see the class docstring for shapes; `row_position_ids`: under context
+        parallelism, the whole rows' position ids, whose document boundaries the attention reads)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         hidden = self.embed_tokens(x) if self.embed_tokens is not None else x
@@ -129,7 +132,8 @@ class CausalLMStage(nn.Module):
         builders = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
         masks = {kind: builders[kind](**kwargs) for kind in {self.mask_kinds[i] for i in self.layer_range}}
         position_embeddings = self.rotary_emb(hidden, position_ids=position_ids)
-        documents = self._varlen_documents(attention_mask, position_ids, hidden.shape[0])
+        documents = self._varlen_documents(attention_mask, position_ids if row_position_ids is None else
+                                           row_position_ids, hidden.shape[0])
         for index, layer in self.layers.items():
             hidden = layer(hidden, attention_mask=masks[self.mask_kinds[int(index)]],
                            position_embeddings=position_embeddings, position_ids=position_ids, **documents)
@@ -144,11 +148,14 @@ class CausalLMStage(nn.Module):
 
     def _varlen_documents(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor, batch: int) -> dict:
         """The varlen arguments from the position ids (each row's documents; a row without packing is one document),
-        or {} for mask-based attention."""
+        or {} for mask-based attention (under cp: the attention the cp exchange computes with, or the ring)."""
         from hfdist.data.collation import varlen_kwargs
         from hfdist.models.attention import takes_boundaries
+        from hfdist.parallel.context import CP_ATTENTIONS
 
-        if attention_mask is not None or not takes_boundaries(getattr(self.config, "_attn_implementation", None) or ""):
+        implementation = getattr(self.config, "_attn_implementation", None) or ""
+        if attention_mask is not None or not (takes_boundaries(implementation) or
+                                              implementation in CP_ATTENTIONS.values()):
             return {}
         return varlen_kwargs(position_ids.expand(batch, -1))
 

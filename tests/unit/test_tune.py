@@ -1,0 +1,171 @@
+"""`hfdist tune`'s logic in one process: candidates from the planner, the loss agreement, the order and stopping of
+probes (with a stand-in for the probe launch), resuming from the log, the report and the winner's job file, and the
+refusals before any process. tests/e2e/test_tune_job.py runs it for real."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+import hfdist.tune.session as session_module
+from hfdist.cli import main
+from hfdist.config.finetune import FinetuneConfig, parse_args
+from hfdist.models.presets import load_config
+from hfdist.plan.cost import NOMINAL_HARDWARE
+from hfdist.plan.layouts import Cluster
+from hfdist.tune.agreement import AGREES, DISAGREES, UNCHECKED, judge_agreement
+from hfdist.tune.candidates import tune_candidates
+from hfdist.tune.options import TuneOptions
+from hfdist.tune.probe import OK, OOM, ProbeResult
+from hfdist.tune.report import winner_job, write_report
+from hfdist.tune.session import LOG_NAME, run_session
+
+CPU_HARDWARE = replace(NOMINAL_HARDWARE, workspace_bytes=0)
+JOB = FinetuneConfig(model="llama-tiny", global_batch_size=8, seq_len=64, num_processes=4)
+
+
+def _candidates(job=JOB, **opts):
+    return tune_candidates(job, TuneOptions(**opts), load_config("llama-tiny"), Cluster(4), memory_bytes=4 * 10**9,
+                           hardware=CPU_HARDWARE, on_gpu=False)
+
+
+def test_candidates_are_the_planners_layouts_that_fit_fastest_first():
+    found, skipped = _candidates(configs=("ddp", "fsdp_full_shard", "fsdp_tp"))
+    rungs = {c.layout.rung.name for c in found}
+    assert rungs == {"ddp", "fsdp_full_shard", "fsdp_tp"}
+    speeds = [c.predicted.tokens_per_second for c in found]
+    assert speeds == sorted(speeds, reverse=True)
+    # The job's global batch is every candidate's: micro-batch x data-parallel ranks x accumulation.
+    for c in found:
+        lay = c.layout
+        assert lay.global_batch == 8 and lay.micro_batch * lay.dims.dp * lay.accumulation == 8
+        assert lay.dims.world_size == 4
+    # micro-batch and recompute are searched by default; llama-tiny's 2 kv heads allow tp=2 only
+    assert {c.layout.activation_checkpointing for c in found} == {False, True}
+    assert {c.layout.dims.tp for c in found if c.layout.rung.name == "fsdp_tp"} == {2}
+    assert len({c.key for c in found}) == len(found)
+    # every candidate is a job `hfdist finetune` parses back to the same settings
+    for c in found:
+        assert parse_args(["--model", "llama-tiny"] + c.layout.flags()).micro_batch_size == c.layout.micro_batch
+
+
+def test_what_tune_does_not_consider_stays_the_jobs():
+    found, _ = _candidates(configs=("ddp", "fsdp_tp"), consider=())
+    assert {c.layout.activation_checkpointing for c in found} == {False}
+    assert all(c.layout.micro_batch == 8 // c.layout.dims.dp for c in found)  # no accumulation, as the job
+    pinned, skipped = _candidates(replace(JOB, tp=2), configs=("ddp", "fsdp_tp"))
+    assert {c.layout.rung.name for c in pinned} == {"fsdp_tp"}
+    assert any(s.what == "ddp" and "has no tp axis" in s.reason for s in skipped)
+
+
+def test_candidates_that_do_not_fit_with_the_margin_are_left_out_with_the_reason():
+    found, skipped = tune_candidates(JOB, TuneOptions(configs=("ddp",)), load_config("llama-tiny"), Cluster(4),
+                                     memory_bytes=10**6, hardware=CPU_HARDWARE, on_gpu=False)
+    assert not found and all("more than" in s.reason for s in skipped)
+
+
+def _probe(key, losses, tokens=100.0, config="ddp.yaml", status=OK, numerics="fp32"):
+    return ProbeResult(key, key, {"config": config}, status, losses=losses, tokens_per_second=tokens,
+                       numerics=numerics, peak_memory_bytes=10**8, planned_bytes=10**8, predicted_tokens_per_second=1.0)
+
+
+def test_a_probe_whose_losses_disagree_is_flagged_and_the_majority_is_the_reference():
+    probes = [_probe("a", [7.0, 6.5]), _probe("b", [7.0, 6.5 * (1 + 5e-6)]), _probe("c", [7.0, 6.6]),
+              _probe("d", [7.1, 6.0], numerics="bf16"), _probe("e", [7.1, 6.06], numerics="bf16"),
+              _probe("f", [5.0, 4.0], numerics="fp8-tensorwise")]
+    judge_agreement(probes)
+    assert [p.agreement for p in probes] == [AGREES, AGREES, DISAGREES, AGREES, AGREES, UNCHECKED]
+
+
+def test_two_probes_that_disagree_decide_nothing_and_a_tie_trusts_the_simpler_rung():
+    ddp, tp = _probe("ddp", [7.0, 6.5]), _probe("tp", [7.0, 6.7], config="fsdp_tp.yaml")
+    judge_agreement([tp, ddp])
+    assert (ddp.agreement, tp.agreement) == (UNCHECKED, UNCHECKED)
+    fsdp, pp = _probe("fsdp", [7.0, 6.5], config="fsdp_full_shard.yaml"), _probe("pp", [7.0, 6.7], config="pp.yaml")
+    judge_agreement([tp, ddp, pp, fsdp])  # 2 against 2: the pair holding the simplest rung (ddp) is the reference
+    assert [p.agreement for p in (ddp, fsdp, tp, pp)] == [AGREES, AGREES, DISAGREES, DISAGREES]
+
+
+def _fake_probes(monkeypatch, measured: dict[str, float], calls: list[str], oom: set[str] = frozenset(),
+                 bad: set[str] = frozenset()):
+    """run_probe replaced: each key's tokens/s from `measured`, its losses equal unless in `bad`."""
+    def fake(cfg, key, describe, options, folder, *, steps, group, timeout, on_gpu, numerics, predicted, planned):
+        calls.append(key)
+        if key in oom:
+            return ProbeResult(key, describe, options, OOM, "out of memory", 1.0, numerics=numerics,
+                               predicted_tokens_per_second=predicted, planned_bytes=planned)
+        return ProbeResult(key, describe, options, OK, "", 10.0, 1.0, measured[key], 10**8,
+                           [7.0, 6.9 if key in bad else 6.5], numerics, predicted, planned)
+    monkeypatch.setattr(session_module, "run_probe", fake)
+
+
+def test_probes_in_predicted_order_stop_when_the_rest_cannot_win_and_never_choose_a_wrong_probe(monkeypatch, tmp_path):
+    found, skipped = _candidates(configs=("ddp", "fsdp_full_shard"), consider=("micro-batch",))
+    keys = [c.key for c in found]
+    # measured = predicted x 0.5, but the fastest predicted computes other losses (a planted bug)
+    measured = {c.key: 0.5 * c.predicted.tokens_per_second for c in found}
+    calls: list[str] = []
+    _fake_probes(monkeypatch, measured, calls, bad={keys[0]})
+    result = run_session(JOB, TuneOptions(out=str(tmp_path)), found, skipped, CPU_HARDWARE, on_gpu=False,
+                         say=lambda line: None)
+    assert calls[0] == keys[0]
+    assert result.winner is not None and result.winner.key != keys[0]
+    assert next(p for p in result.probes if p.key == keys[0]).agreement == DISAGREES
+    # stopped early: the rest predicted (calibrated) below 85% of the best measured
+    slowest = min(c.predicted.tokens_per_second for c in found)
+    if slowest < 0.85 * max(measured[k] for k in calls if k != keys[0]) / 0.5:
+        assert len(calls) < len(found) and "below 85%" in result.stopped
+    # the log holds every probe; a rerun reads them back and probes nothing again
+    assert len((tmp_path / LOG_NAME).read_text().splitlines()) == len(calls)
+    again: list[str] = []
+    _fake_probes(monkeypatch, measured, again, bad={keys[0]})
+    rerun = run_session(JOB, TuneOptions(out=str(tmp_path)), found, skipped, CPU_HARDWARE, on_gpu=False,
+                        say=lambda line: None)
+    assert rerun.resumed == len(calls) and not set(again) & set(calls)
+    assert rerun.winner.key == result.winner.key
+
+
+def test_an_out_of_memory_probe_is_followed_by_the_next_smaller_micro_batch(monkeypatch, tmp_path):
+    job = replace(JOB, global_batch_size=16)  # 4 sequences per rank: micro-batches 1, 2 and 4
+    found, skipped = _candidates(job, configs=("ddp",), consider=("micro-batch",))
+    by_micro = {c.layout.micro_batch: c for c in found}
+    assert sorted(by_micro) == [1, 2, 4]
+    calls: list[str] = []
+    _fake_probes(monkeypatch, {c.key: c.predicted.tokens_per_second for c in found}, calls,
+                 oom={by_micro[4].key, by_micro[2].key})
+    run_session(job, TuneOptions(out=str(tmp_path), exhaustive=True), found, skipped, CPU_HARDWARE, on_gpu=False,
+                say=lambda line: None)
+    for big, small in ((4, 2), (2, 1)):
+        at = calls.index(by_micro[big].key)
+        assert by_micro[small].key in calls[:at] or calls[at + 1] == by_micro[small].key
+
+
+def test_the_report_and_the_winners_job_file(monkeypatch, tmp_path):
+    found, skipped = _candidates(configs=("ddp", "fsdp_tp"), consider=())
+    calls: list[str] = []
+    _fake_probes(monkeypatch, {c.key: c.predicted.tokens_per_second for c in found}, calls)
+    result = run_session(JOB, TuneOptions(out=str(tmp_path), exhaustive=True), found, skipped, CPU_HARDWARE,
+                         on_gpu=False, say=lambda line: None)
+    written = write_report(JOB, result, tmp_path, "hfdist tune ...")
+    job = parse_args([str(tmp_path / "tune.yaml")])
+    assert job == winner_job(JOB, result)
+    assert (job.model, job.global_batch_size, job.seq_len, job.learning_rate) == ("llama-tiny", 8, 64, 1e-3)
+    assert job.config == f"{result.winner.options['config']}" and job.micro_batch_size == result.winner.options[
+        "micro_batch_size"]
+    data = json.loads((tmp_path / "tune.json").read_text())
+    assert data["winner"] == result.winner.key and len(data["probes"]) == len(calls)
+    assert "predicted tok/s" in (tmp_path / "tune.md").read_text() and len(written) == 3
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--budget", "0.5"], "cannot hold one probe"),
+    (["--nodes", "2"], "probes on the node it runs on"),
+    (["--resume"], "--resume belongs to the run tune chooses"),
+    (["--configs", "ddp", "--gpu-mem-gb", "0.001"], "No layout of the rungs asked for fits"),
+])
+def test_refusals_before_any_process(argv, words, capsys, tmp_path):
+    code = main(["tune", "--model", "llama-tiny", "--num-processes", "2", "--out", str(tmp_path), *argv])
+    assert code == 2 and words in capsys.readouterr().err
+    assert not list(tmp_path.glob("hardware-*.json"))  # nothing was launched
