@@ -68,6 +68,16 @@ def test_tp_split_is_transformers_plan(model_type):
     assert {f"layers.*.{path}": style for style, paths in roles.items() for path in paths} == plan
 
 
+@pytest.mark.parametrize("preset", ["qwen3-moe-tiny", "mixtral-tiny", "llama4-tiny"])
+def test_moe_entries_name_their_real_decoder_layers(preset):
+    """The decoder-layer class (transformers' _no_split_modules) is the class of the model's layers, MoE ones too."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_config(preset))
+    assert {type(layer).__name__ for layer in model.model.layers} == {facts_for(model).decoder_layer}
+
+
 def test_llama_split_and_qwen3_head_norms():
     assert REGISTRY["llama"].colwise == ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                          "mlp.gate_proj", "mlp.up_proj")
