@@ -1,5 +1,5 @@
 """What checkpoints cost training: a 153 M-parameter Llama (llama-medium, seeded init) trained with a checkpoint every
-5 and every 2 steps, written in the background (--save-async, the default) or synchronously (--no-save-async),
+5 and every 2 steps, written in the background (--save-async) or synchronously (--no-save-async: a CPU run's default),
 against the same run without checkpoints, on single, fsdp_full_shard and fsdp_tp (2 processes: tp 2).
 
     python benchmarks/bench_checkpoint.py       # writes results/<hardware>/checkpoint_async.{json,md}
@@ -39,8 +39,8 @@ FINETUNE = REPO / "scripts" / "finetune.py"
 CONFIGS = REPO / "hfdist" / "configs" / "accelerate_configs"
 MODEL = "llama-medium"
 RUNGS = {"single": 1, "fsdp_full_shard": 2, "fsdp_tp": 2}  # rung -> processes
-VARIANTS = {"none": ("--save-steps", "0"), "async/5": ("--save-steps", "5"),
-            "sync/5": ("--save-steps", "5", "--no-save-async"), "async/2": ("--save-steps", "2"),
+VARIANTS = {"none": ("--save-steps", "0"), "async/5": ("--save-steps", "5", "--save-async"),
+            "sync/5": ("--save-steps", "5", "--no-save-async"), "async/2": ("--save-steps", "2", "--save-async"),
             "sync/2": ("--save-steps", "2", "--no-save-async")}
 
 
@@ -158,8 +158,8 @@ def _write(out: Path, result: dict) -> None:
         f"write slowing them shows here); \"held per save\": the time from a step's end to the next one's start "
         f"(where the Trainer saves) beyond the run without checkpoints', per checkpoint (for async: the staging "
         f"copy, and any wait for the previous write or, at the end, for the last one). Ratios are each run over "
-        f"the run without checkpoints of the same repeat, medians over repeats. async/N: --save-steps N (the "
-        f"default, written in the background); sync/N: --save-steps N --no-save-async. Checkpoints at steps "
+        f"the run without checkpoints of the same repeat, medians over repeats. async/N: --save-steps N "
+        f"--save-async (written in the background); sync/N: --save-steps N --no-save-async. Checkpoints at steps "
         f"{'; '.join(f'{v}: {_steps(steps)}' for v, steps in result['save_steps'].items())}.\n\n"
         f"{_table(result)}\n\n"
         f"Peak memory: hfdist's per-rank peak (resident memory on CPU); the background writer's staged copy of "

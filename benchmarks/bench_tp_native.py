@@ -8,7 +8,8 @@ batch per step, saved once. Four runs then load both, each in processes of its o
 within a process), with OMP_NUM_THREADS=--threads per rank, --repeats times in alternating rounds (each round runs
 every variant once, odd rounds in reverse order, so a load change on a shared machine hits all variants alike):
 - reference: one process, no parallelism;
-- hfdist TP with and without sequence parallel (`apply_tp`, loss parallel on): torchrun, --tp processes, gloo;
+- hfdist TP with and without sequence parallel (`apply_tp`, loss parallel on): torchrun, --tp processes, gloo; and
+  with sequence parallel and torch's public SequenceParallel style on the norms (what hfdist.torch_private weighs);
 - native TP (`from_pretrained(distributed_config=DistributedConfig(tp_size=--tp))`): the same launch.
 Every run takes one AdamW step per batch; the first step is a warm-up left out of the throughput. A run's rate is
 its median step; a variant's is the median of its runs' rates (one run per variant swung 0.36x-0.80x between
@@ -40,6 +41,7 @@ RUNS = {  # variant -> label in the table
     "reference": "single process (reference)",
     "hfdist_sp": "hfdist TP, sequence parallel",
     "hfdist_nosp": "hfdist TP, no sequence parallel",
+    "hfdist_sp_torch_norms": "hfdist TP, sequence parallel, torch's SequenceParallel norms",
     "native": "transformers native TP",
 }
 MB = 1e6

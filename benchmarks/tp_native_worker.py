@@ -7,6 +7,8 @@ Variants (every one loads the same save_pretrained folder and trains on the same
 - reference: one process, no parallelism, HF's own loss;
 - hfdist_sp / hfdist_nosp: `hfdist.parallel.tensor.apply_tp` with / without sequence parallel, loss parallel on,
   loss from `tp_causal_lm_loss` under `loss_parallel()`;
+- hfdist_sp_torch_norms: hfdist_sp with torch's public SequenceParallel style in place of hfdist's LocalNorm (the
+  norms computed through DTensor; hfdist.torch_private says why hfdist keeps its own);
 - native: transformers' `from_pretrained(..., distributed_config=DistributedConfig(tp_size=world))`, HF's own loss.
 
 Each variant runs in processes of its own because a process's peak RSS cannot be reset: a second model trained in
@@ -34,11 +36,12 @@ from torch.distributed.tensor.parallel import loss_parallel
 from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
+import hfdist.parallel.tensor as tensor_parallel
 from hfdist.config.dims import ParallelDims
 from hfdist.metrics.memory import held_tensor, peak_memory_bytes, rank_state_bytes, saved_tensor_bytes
 from hfdist.parallel.tensor import apply_tp, tp_causal_lm_loss
 
-VARIANTS = ("reference", "hfdist_sp", "hfdist_nosp", "native")
+VARIANTS = ("reference", "hfdist_sp", "hfdist_nosp", "hfdist_sp_torch_norms", "native")
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,20 +67,36 @@ def build(variant: str, model_dir: Path) -> torch.nn.Module:
     if variant == "reference":
         return model
     mesh = ParallelDims(tp=dist.get_world_size()).build_mesh("cpu")
-    return apply_tp(model, mesh["tp"], sequence_parallel=variant == "hfdist_sp", loss_parallel=True)
+    if variant == "hfdist_sp_torch_norms":
+        tensor_parallel.tp_plan = _with_torch_norms(tensor_parallel.tp_plan)
+    return apply_tp(model, mesh["tp"], sequence_parallel=variant != "hfdist_nosp", loss_parallel=True)
+
+
+def _with_torch_norms(tp_plan):
+    """`tp_plan` with torch's SequenceParallel style on the residual stream's norms: local outputs inside a layer
+    (what the layer's local compute takes), a DTensor out of the final norm (what lm_head's style takes)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    def plan(*args, **kwargs):
+        styles = tp_plan(*args, **kwargs)
+        for key in styles:
+            if key.endswith("layernorm"):
+                styles[key] = SequenceParallel(use_local_output=True)
+        styles["model.norm"] = SequenceParallel(use_local_output=False)
+        return styles
+
+    return plan
 
 
 def step_loss(variant: str, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
-    """Forward and backward of one global batch; returns the loss and the shape of the logits this rank holds."""
+    """Forward and backward of one global batch; returns the loss and the shape of the logits this rank computes
+    (hfdist's loss computes them chunk by chunk from its vocabulary shard of lm_head and never holds them whole)."""
     if variant.startswith("hfdist"):
-        shapes = []
-        hook = model.lm_head.register_forward_hook(lambda mod, args, out: shapes.append(list(held_tensor(out).shape)))
         # Forward and backward both under loss_parallel(): the vocab-sharded logits are never gathered.
         with loss_parallel():
             loss = tp_causal_lm_loss(model, batch)
             loss.backward()
-        hook.remove()
-        return loss.detach(), shapes[0]
+        return loss.detach(), [*batch["input_ids"].shape, held_tensor(model.lm_head.weight).shape[0]]
     out = model(**batch, use_cache=False)
     out.loss.backward()
     return out.loss.detach(), list(out.logits.shape)

@@ -13,8 +13,15 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libaio\.so '; then
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-.venv/bin/python -m pip install -q -e ".[dev]"
+# HFDIST_FLOORS=1 (CI: .ci/run): every dependency at exactly its floor (hfdist/requirements/*.txt), so the floors
+# are what the suite exercises; otherwise pip picks the newest releases the requirements allow.
+CONSTRAINTS=()
+if [ "${HFDIST_FLOORS:-0}" = 1 ]; then
+  bash scripts/floors.sh > .venv/floors.txt
+  CONSTRAINTS=(-c .venv/floors.txt)
+fi
+.venv/bin/python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}" ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"}
+.venv/bin/python -m pip install -q -e ".[dev]" ${CONSTRAINTS[@]+"${CONSTRAINTS[@]}"}
 # DeepSpeed JIT-compiles its ops on first use: minutes that would otherwise stall the first ZeRO run. Build the ones
 # this host's rungs use now (CPU and GPU hosts alike: cpu_adam for zero3_offload_cpu everywhere), into
 # ~/.cache/torch_extensions.

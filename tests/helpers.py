@@ -188,7 +188,9 @@ SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     **{f"bf16_{name}": ((*(("--config", name) if name != "single" else ()), *BF16_ARGS), None, "python")
        for name in ("single", "fsdp_full_shard", "fsdp_tp", "pp", "3d")},
 }
-SHARED_SAVE_STEPS = ("--save-steps", "2")
+# Background checkpoints asked for explicitly (a CPU run saves synchronously by default): test_resume.py and
+# test_resume_reshard.py resume from these, so resuming from background-written checkpoints stays tested.
+SHARED_SAVE_STEPS = ("--save-steps", "2", "--save-async")
 EVAL_ROWS = 96  # instruction/response pairs of the held-out conversations (eval_args): ~50 packed blocks of 64
 
 

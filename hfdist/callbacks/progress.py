@@ -70,8 +70,8 @@ class MetricsProgressCallback(ProgressCallback):
         elif "eval_loss" in logs:  # the bar carries it from now on: no dict above the bar
             self.eval_loss = logs["eval_loss"]
             self.training_bar.set_postfix({**self._last, "eval": f"{self.eval_loss:.4f}"})
-        elif "train_runtime" not in logs:
-            super().on_log(args, state, control, logs=logs, **kwargs)
+        elif "train_runtime" not in logs and not any(k.startswith("checkpoint/") for k in logs):
+            super().on_log(args, state, control, logs=logs, **kwargs)  # checkpoints' costs: trackers and summary
 
     def on_train_end(self, args, state, control, **kwargs):
         super().on_train_end(args, state, control, **kwargs)

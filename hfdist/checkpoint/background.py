@@ -1,6 +1,10 @@
-"""Checkpoints written in the background (`--save-async`, the default on every DCP rung): the step that saves only
-copies the model and optimizer state into host memory (pinned on GPU); a thread writes the copy with
-torch.distributed.checkpoint's `async_save` while the next steps train.
+"""Checkpoints written in the background (`--save-async`, the default on every DCP rung that trains on GPUs): the
+step that saves only copies the model and optimizer state into host memory (pinned on GPU); a thread writes the copy
+with torch.distributed.checkpoint's `async_save` while the next steps train.
+
+Where training runs on the CPU, the writing thread takes a core that training uses, so a background save costs about
+what a synchronous one does there and holds a second copy of the state (docs/checkpoints.md has the figures):
+`background_by_default` saves synchronously unless an accelerator trains.
 
 Rules (hfdist.checkpoint.trainer_hooks applies them):
 - one save in flight per rank: a save first waits for the previous one (its staged copy is reused, and checkpoints
@@ -16,6 +20,7 @@ Rules (hfdist.checkpoint.trainer_hooks applies them):
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -26,7 +31,13 @@ import torch
 
 from hfdist.checkpoint.format import SHARDED_DIR, raise_write_error
 
-__all__ = ["BackgroundSave", "world_timeout"]
+__all__ = ["BackgroundSave", "background_by_default", "world_timeout"]
+
+
+def background_by_default(device: torch.device | str) -> bool:
+    """Whether checkpoints are written in the background when the run does not say: where the model trains on an
+    accelerator (its cores stay free for the writing thread), not on the CPU (module docstring)."""
+    return torch.device(device).type != "cpu"
 
 
 def world_timeout() -> timedelta | None:
@@ -89,6 +100,7 @@ class BackgroundSave:
 
         self.wait()
         done: Future = Future()
+        started = time.perf_counter()
         upload = dcp.async_save(state, checkpoint_id=str(folder / SHARDED_DIR), process_group=self._process_group(),
                                 async_stager=self._staging())
 
@@ -100,22 +112,25 @@ class BackgroundSave:
             except BaseException as exc:  # noqa: BLE001 (DCP's CheckpointException is a BaseException; wait raises it)
                 done.set_exception(exc)
             else:
-                done.set_result(None)
+                done.set_result(time.perf_counter() - started)
 
         self._done = done
         upload.add_done_callback(landed)
 
-    def wait(self) -> None:
+    def wait(self) -> float | None:
         """Block until the save in flight (if any) has landed and finished.
+
+        Returns:
+            The seconds its write took on this rank, from the copy to the landing (None: no save was in flight).
 
         Raises:
             OSError: a shard could not be written (full disk, quota, permissions), as the writing rank saw it.
         """
         done, self._done = self._done, None
         if done is None:
-            return
+            return None
         try:
-            done.result()
+            return done.result()
         except BaseException as exc:  # noqa: BLE001 (DCP's CheckpointException gathers every rank's failure)
             raise_write_error(exc)
 

@@ -28,7 +28,7 @@ import json
 import struct
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ExportEntry", "SafetensorsStreamWriter", "checkpoint_entries", "save_hf_checkpoint",
+__all__ = ["ExportEntry", "SafetensorsStreamWriter", "checkpoint_entries", "export_plan", "save_hf_checkpoint",
            "stream_hf_checkpoint", "SAVED_DTYPE", "DEFAULT_MAX_SHARD_BYTES"]
 
 SAVED_DTYPE = torch.float32  # every rung saves its fp32 (master) weights
@@ -215,31 +215,82 @@ def _local_piece(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
     return tuple(offsets), tuple(tensor.shape), tensor
 
 
-def _gathered_whole(tensor: torch.Tensor) -> bool:
-    """A ZeRO parameter whose full values come from DeepSpeed's gather alone (not split by AutoTP as well)."""
-    return _is_zero(tensor) and _autotp_split(tensor) is None
+@dataclass(frozen=True)
+class _ZeroWhole:
+    """A ZeRO parameter that DeepSpeed's collective fp32 gather gives whole (every rank takes part)."""
+
+    def full(self, entry: ExportEntry, local: Mapping[str, torch.Tensor], rank: int) -> torch.Tensor | None:
+        return _zero_full(local.get(entry.name))
 
 
-def _senders(entries: list[ExportEntry], local: Mapping[str, torch.Tensor]) -> dict[str, list | None]:
-    """Key -> [(offsets, sizes, rank)] covering the tensor once (each distinct slice from the lowest rank holding
-    it: replicas, TP-replicated norms and DDP copies are sent once), or None for a ZeRO parameter DeepSpeed gathers
-    whole. Every rank computes the same answer from one all_gather_object of what each holds."""
-    mine = {e.key: None if _gathered_whole(local[e.name]) else _local_piece(local[e.name])[:2]
-            for e in entries if e.name in local}
+@dataclass(frozen=True)
+class _Slices:
+    """Slices held by the ranks, each distinct one sent to rank 0 from the lowest rank holding it: DTensor shards
+    (FSDP2, TP, both), whole plain tensors (DDP, a pipeline stage's), DeepSpeed AutoTP slices. `zero`: the slices
+    are ZeRO parameters under AutoTP, whose values are DeepSpeed's fp32 master (a collective gather on every rank
+    first, which gives each tp rank its slice)."""
+
+    pieces: tuple[tuple[tuple[int, ...], tuple[int, ...], int], ...]  # (offsets, sizes, sending rank)
+    zero: bool = False
+
+    def full(self, entry: ExportEntry, local: Mapping[str, torch.Tensor], rank: int) -> torch.Tensor | None:
+        values = _zero_full(local[entry.name]) if self.zero else None
+        return _assemble(entry, self.pieces, local, rank, values)
+
+
+def export_plan(entries: list[ExportEntry], local: Mapping[str, torch.Tensor]) -> dict[str, _ZeroWhole | _Slices]:
+    """Where each tensor of the checkpoint comes from: key -> its piece provider, the same on every rank (computed
+    from one all_gather_object of what each rank holds). A slice held by several ranks (replicas, TP-replicated
+    norms, DDP copies) is sent once, by the lowest of them."""
+    mine = {}
+    for e in entries:
+        if e.name in local:
+            tensor = local[e.name]
+            split = _autotp_split(tensor)
+            mine[e.key] = None if _is_zero(tensor) and split is None else \
+                (*_local_piece(tensor)[:2], _is_zero(tensor))
     everyone = [mine]
     if dist.is_initialized():
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)
-    senders: dict[str, list | None] = {}
-    for rank, pieces in enumerate(everyone):
-        for key, piece in pieces.items():
+    whole: set[str] = set()
+    pieces: dict[str, list] = {}
+    zero: set[str] = set()
+    for rank, held in enumerate(everyone):
+        for key, piece in held.items():
             if piece is None:
-                senders[key] = None
+                whole.add(key)
                 continue
-            known = senders.setdefault(key, [])
-            if all(n > 0 for n in piece[1]) and piece not in [(o, z) for o, z, _ in known]:
-                known.append((*piece, rank))
-    return senders
+            offsets, sizes, is_zero = piece
+            if is_zero:
+                zero.add(key)
+            known = pieces.setdefault(key, [])
+            if all(n > 0 for n in sizes) and (offsets, sizes) not in [(o, z) for o, z, _ in known]:
+                known.append((offsets, sizes, rank))
+    plan: dict[str, _ZeroWhole | _Slices] = {key: _ZeroWhole() for key in whole}
+    plan.update({key: _Slices(tuple(p), key in zero) for key, p in pieces.items() if key not in whole})
+    return plan
+
+
+class _OneTensorAtATime:
+    """Makes the full tensors one after another so that the last one is freed before the next exists.
+
+    On CPU, gloo's collectives return once the work is marked done, and gloo's worker thread drops its own
+    reference to the buffers only after that (ProcessGroupGloo's run loop): on busy cores the caller could allocate
+    the next tensor while the last still lives (tests/e2e/test_scale_memory.py caught two full tensors at once). So
+    each tensor made is watched (`_freed`) and the next waits for it, boundedly (a tensor someone else keeps costs
+    memory, never a hang)."""
+
+    def __init__(self) -> None:
+        self._last: threading.Event | None = None
+
+    def make(self, build: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
+        """`build()`, once the tensor the previous call made is gone."""
+        if self._last is not None:
+            self._last.wait(_RELEASE_WAIT_S)
+        full = build()
+        self._last = _freed(full) if full is not None else None
+        return full
 
 
 @torch.no_grad()
@@ -249,7 +300,7 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
 
     Collective: every rank calls it. Rank 0 assembles each full tensor from the slices the ranks hold (sent to it
     point to point; the other ranks hold nothing beyond their own state) and appends it to the file it writes.
-    ZeRO parameters come from DeepSpeed's collective fp32 gather instead, one at a time.
+    ZeRO parameters come from DeepSpeed's collective fp32 gather instead, one at a time (`export_plan`).
 
     Args:
         skeleton: the full model's structure (a meta-device copy is enough; a PeftModel for an adapter): its
@@ -258,24 +309,11 @@ def save_hf_checkpoint(folder: str | Path, skeleton: nn.Module, local: Mapping[s
         adapter_only: write the LoRA adapter (the skeleton is a PeftModel).
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    senders = _senders(checkpoint_entries(skeleton, adapter_only), local)
-    previous: list[threading.Event] = []
-
-    def full_tensor(entry: ExportEntry) -> torch.Tensor | None:
-        if previous:  # the last tensor (dropped by the caller) must be gone before the next one is made
-            previous.pop().wait(_RELEASE_WAIT_S)
-        tensor = local.get(entry.name)
-        if senders[entry.key] is None:  # ZeRO: every rank takes part in DeepSpeed's gather
-            full = _zero_full(tensor)
-        else:  # ZeRO under AutoTP: DeepSpeed's gather of each rank's fp32 slice (every rank), then the slices
-            values = _zero_full(tensor) if tensor is not None and _is_zero(tensor) else None
-            full = _assemble(entry, senders[entry.key], local, rank, values)
-        if full is not None:
-            previous.append(_freed(full))
-        return full
-
-    stream_hf_checkpoint(folder, skeleton, full_tensor, adapter_only=adapter_only, writes=rank == 0,
-                         max_shard_bytes=max_shard_bytes)
+    plan = export_plan(checkpoint_entries(skeleton, adapter_only), local)
+    tensors = _OneTensorAtATime()
+    stream_hf_checkpoint(folder, skeleton,
+                         lambda entry: tensors.make(lambda: plan[entry.key].full(entry, local, rank)),
+                         adapter_only=adapter_only, writes=rank == 0, max_shard_bytes=max_shard_bytes)
 
 
 @torch.no_grad()
@@ -314,7 +352,7 @@ def stream_hf_checkpoint(folder: str | Path, skeleton: nn.Module, full_tensor, *
         _write_configs(folder, skeleton, adapter_only, dtype)
 
 
-def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor], rank: int,
+def _assemble(entry: ExportEntry, pieces: tuple, local: Mapping[str, torch.Tensor], rank: int,
               values: torch.Tensor | None = None) -> torch.Tensor | None:
     """On rank 0 the full fp32 tensor of `entry`, filled from its own slice and the others' (received straight
     into place when the slice is contiguous); on the other ranks None, after sending their slice if asked.
@@ -346,15 +384,9 @@ def _assemble(entry: ExportEntry, pieces: list, local: Mapping[str, torch.Tensor
 
 
 def _freed(tensor: torch.Tensor) -> threading.Event:
-    """An event set once `tensor`'s memory is freed (its storage's last reference dropped, from any thread).
-
-    On CPU, gloo's collectives return once the work is marked done, and gloo's worker thread drops its own
-    reference to the buffers only after that (ProcessGroupGloo's run loop): on busy cores the caller can allocate
-    the next tensor while the last still lives (measured: 2 x the largest tensor on zero3's rank 1, a second staging
-    slice on fsdp_tp's rank 0; tests/e2e/test_scale_memory.py). Waiting for this event before making the next keeps
-    them one at a time; the wait is bounded (a tensor someone else keeps costs memory, never a hang). GPU tensors
-    are not waited for (set at once): NCCL hands its buffers back to CUDA's caching allocator on its own schedule.
-    """
+    """An event set once `tensor`'s memory is freed (its storage's last reference dropped, from any thread; see
+    _OneTensorAtATime). GPU tensors are not waited for (set at once): NCCL hands its buffers back to CUDA's caching
+    allocator on its own schedule."""
     event = threading.Event()
     if tensor.device.type == "cpu":
         weakref.finalize(tensor.untyped_storage(), event.set)

@@ -7,17 +7,22 @@ model's parameter names (pipeline stages renamed back), so any of them resumes f
 world (hfdist.checkpoint.format). All of it goes into a staging folder that becomes checkpoint-N by one rename, so an
 interrupted save never replaces or impersonates a complete checkpoint.
 
-With `save_async` (the default) those rungs write the model and optimizer state in the background
-(hfdist.checkpoint.background): the saving step copies it and training goes on; the small files (scheduler, RNG,
-trainer state) are written before the write starts, and the marker, rename and rotation follow once it has landed
-on every rank. A save waits for the previous one, and the end of training waits for the last one (before the
-Trainer's closing metrics, so train_runtime counts it).
+With `save_async` (by default where an accelerator trains: hfdist.checkpoint.background.background_by_default)
+those rungs write the model and optimizer state in the background (hfdist.checkpoint.background): the saving step
+copies it and training goes on; the small files (scheduler, RNG, trainer state) are written before the write starts,
+and the marker, rename and rotation follow once it has landed on every rank. A save waits for the previous one, and
+the end of training waits for the last one (before the Trainer's closing metrics, so train_runtime counts it).
+
+What each checkpoint cost is measured and logged once it has landed (`checkpoint_costs`, the Trainer's logs, so the
+trackers and hfdist_summary.json get it): the seconds the step loop waited for it (held) and the seconds its files
+took to write, the slowest rank's of each.
 """
 
 from __future__ import annotations
 
 import shutil
 import time
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -25,7 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hfdist.checkpoint.background import BackgroundSave
+from hfdist.checkpoint.background import BackgroundSave, background_by_default
 from hfdist.checkpoint.format import (
     CheckpointError,
     load_sharded,
@@ -36,9 +41,36 @@ from hfdist.checkpoint.format import (
     write_marker,
 )
 
-__all__ = ["CheckpointingMixin"]
+__all__ = ["CheckpointingMixin", "CheckpointCost"]
 
 SCHEDULER_FILE = "scheduler.pt"
+
+
+@dataclass
+class CheckpointCost:
+    """What one checkpoint cost training.
+
+    Attributes:
+        step: the checkpoint's step.
+        background: written in the background.
+        held_s: seconds the step loop waited for it: its save call (a background save's copy, or the whole
+            synchronous write) and any later wait for its background write to land (the next save's, the end's).
+        write_s: seconds its model and optimizer files took to write (background: from the copy to the landing).
+    """
+
+    step: int
+    background: bool
+    held_s: float = 0.0
+    write_s: float = 0.0
+
+    def slowest(self) -> CheckpointCost:
+        """The cost with the slowest rank's held and write seconds (collective: one all_gather_object)."""
+        costs = [self]
+        if dist.is_available() and dist.is_initialized():
+            costs = [None] * dist.get_world_size()
+            dist.all_gather_object(costs, self)
+        return CheckpointCost(self.step, self.background, max(c.held_s for c in costs),
+                              max(c.write_s for c in costs))
 
 
 class CheckpointingMixin:
@@ -46,19 +78,30 @@ class CheckpointingMixin:
 
     Args:
         save_async: write the model and optimizer state of DCP checkpoints in the background (DeepSpeed rungs
-            always save synchronously).
+            always save synchronously); None: where an accelerator trains (background_by_default).
+
+    Attributes:
+        checkpoint_costs: every landed checkpoint's CheckpointCost as a dict (the slowest rank's figures, the same
+            on every rank).
     """
 
     rung: Any
     checkpoint_identity: dict[str, Any]
     qlora: bool
 
-    def __init__(self, *args, save_async: bool = True, **kwargs) -> None:
+    def __init__(self, *args, save_async: bool | None = None, **kwargs) -> None:
         self.save_async = save_async
+        self.checkpoint_costs: list[dict[str, Any]] = []
         self._background = BackgroundSave()
         self._in_flight: str | None = None  # the checkpoint being written in the background
+        self._in_flight_cost: CheckpointCost | None = None
         self.last_save: tuple[int, float] | None = None  # rank 0: (step, seconds) of the last checkpoint that landed
         super().__init__(*args, **kwargs)
+
+    def _in_background(self) -> bool:
+        """Whether this run's DCP checkpoints are written in the background (`save_async`, or by the device)."""
+        wanted = self.save_async if self.save_async is not None else background_by_default(self.args.device)
+        return wanted and self._saves_dcp()
 
     def _saves_dcp(self) -> bool:
         """Every rung but DeepSpeed (whose ZeRO partitions only DeepSpeed reads) checkpoints through DCP."""
@@ -98,20 +141,31 @@ class CheckpointingMixin:
         if self.args.should_save and staging.exists():
             shutil.rmtree(staging)  # what a crashed save left behind
         self._barrier()
-        background = self.save_async and self._saves_dcp()
+        background = self._in_background()
+        cost = CheckpointCost(self.state.global_step, background)
         finish = (partial(self._finish_checkpoint, staging, final, self.state.global_step, background,
                           self.state.best_model_checkpoint, started) if self.args.should_save else None)
         try:
-            self._write_checkpoint(staging, background, finish)
+            cost.write_s = self._write_checkpoint(staging, background, finish)
         except OSError as exc:
             raise self._write_failed(final, exc) from exc
         if background:
-            self._in_flight = str(final)
+            self._in_flight, self._in_flight_cost = str(final), cost
+            cost.held_s = time.perf_counter() - started
             return
         self._barrier()
         if finish is not None:
             finish()
         self._barrier()
+        cost.held_s = time.perf_counter() - started
+        self._record_cost(cost)
+
+    def _record_cost(self, cost: CheckpointCost) -> None:
+        """Keep a landed checkpoint's cost (the slowest rank's) and log it, so the trackers and the summary get it.
+        Collective: every rank calls it for the same checkpoint."""
+        slowest = asdict(cost.slowest())
+        self.checkpoint_costs.append(slowest)
+        self.log({f"checkpoint/{key}": float(value) for key, value in slowest.items()})
 
     def _finish_checkpoint(self, staging: Path, final: Path, step: int, background: bool, best: str | None,
                            started: float) -> None:
@@ -129,23 +183,30 @@ class CheckpointingMixin:
         self.last_save = (step, seconds)
 
     def _wait_for_checkpoint(self) -> None:
-        """Block until the checkpoint being written in the background (if any) is complete; its write error as the
-        synchronous save reports it."""
+        """Block until the checkpoint being written in the background (if any) is complete, and record its cost
+        (the wait held the step loop too); its write error as the synchronous save reports it."""
         final, self._in_flight = self._in_flight, None
+        cost, self._in_flight_cost = self._in_flight_cost, None
+        started = time.perf_counter()
         try:
-            self._background.wait()
+            write_s = self._background.wait()
         except OSError as exc:
             raise self._write_failed(Path(final), exc) from exc
+        if cost is not None:
+            cost.held_s += time.perf_counter() - started
+            cost.write_s = write_s or 0.0
+            self._record_cost(cost)
 
     def _finalize_training(self, trial, num_train_samples, start_time):
         self._wait_for_checkpoint()  # the last checkpoint lands before the run's closing metrics and final save
         self._background.close()
         return super()._finalize_training(trial, num_train_samples, start_time)
 
-    def _write_checkpoint(self, folder: Path, background: bool = False, finish=None) -> None:
+    def _write_checkpoint(self, folder: Path, background: bool = False, finish=None) -> float:
         """Every rank's part of one checkpoint: scheduler, RNG, trainer state, then model + optimizer (background:
         written from a thread, which calls `finish` once it has landed on every rank; the small files come first,
-        so the folder is whole when `finish` renames it)."""
+        so the folder is whole when `finish` renames it). Returns the seconds the model and optimizer files took
+        (0 in the background: the write's own time comes when it lands)."""
         folder.mkdir(parents=True, exist_ok=True)
         if self._saves_dcp() and self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
@@ -154,14 +215,17 @@ class CheckpointingMixin:
             from transformers.trainer import TRAINER_STATE_NAME
 
             self.state.save_to_json(str(folder / TRAINER_STATE_NAME))
+        started = time.perf_counter()
         if not self._saves_dcp():
             self.save_model(str(folder), _internal_call=True)
             self._save_optimizer_and_scheduler(str(folder))
         elif background:
             state = sharded_state(self.model, self.optimizer, self._canonical_name(), self._adapters_only())
             self._background.start(state, folder, finish)
+            return 0.0
         else:
             save_sharded(self.model, self.optimizer, folder, self._canonical_name(), self._adapters_only())
+        return time.perf_counter() - started
 
     def load_best_checkpoint(self) -> int | None:
         """Put the weights of the checkpoint with the best eval loss (kept from rotation) back into the model, when

@@ -256,10 +256,12 @@ class FinetuneConfig:
         type=non_negative_int)
     save_total_limit: int = option(
         2, "Checkpoints kept, newest first (default {default}).", group=OUTPUT, type=positive_int)
-    save_async: bool = option(
-        True, "Write checkpoints in the background: the saving step copies the model and optimizer state to host "
-        "memory and training goes on while a thread writes it (default; DeepSpeed rungs always save "
-        "synchronously). --no-save-async: every rank waits until its checkpoint is written.", group=OUTPUT)
+    save_async: bool | None = option(
+        None, "Write checkpoints in the background: the saving step copies the model and optimizer state to host "
+        "memory and training goes on while a thread writes it. --no-save-async: every rank waits until its "
+        "checkpoint is written. Default: in the background where training runs on GPUs, synchronously on a "
+        "machine without any, whose cores all train (docs/checkpoints.md); DeepSpeed rungs always save "
+        "synchronously.", group=OUTPUT)
     resume: bool = option(
         False, "Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has none); "
         "use it under launchers that restart failed jobs.", group=OUTPUT)

@@ -94,13 +94,13 @@ def _refuse_key(path: str, key: str, keys: Collection[str]) -> JobFileError:
 def _value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
     """A job file's value, through its option's own type and choices."""
     flag = f"--{key.replace('_', '-')}"
+    if value is None:
+        return None
     if isinstance(action, _ON_OFF):
         if not isinstance(value, bool):
             raise JobFileError(f"The job file {path} sets {key} to {value!r}; it is an on/off setting ({flag}): "
                                "write true or false.")
         return value
-    if value is None:
-        return None
     if isinstance(action, argparse._AppendAction):  # every entry through the type, as each flag's value would be
         entries = value if isinstance(value, (list, tuple)) else [value]
         return [_value(path, key, argparse.Action([], action.dest, type=action.type, choices=action.choices), v)

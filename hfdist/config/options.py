@@ -10,7 +10,8 @@ row of the docs' option table are generated from that field.
 
 The field's name is the job file's key and (dashes for underscores) the flag; its default is the command line's and
 the job file's default; `{default}` in the help is replaced by it, so a default is written once. An on/off field
-(a bool) gets argparse's `--x / --no-x` pair, so a flag can switch off what a job file switched on. Fields sharing an
+(a bool, or `bool | None` whose None the program decides) gets argparse's `--x / --no-x` pair, so a flag can switch
+off what a job file switched on. Fields sharing an
 `exclusive` name exclude each other on the command line and in a job file; their parser default is None, and
 `dataclass_from_namespace` leaves a None to the field's own default.
 """
@@ -81,6 +82,11 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _on_off(f: dataclasses.Field) -> bool:
+    """An on/off field: a bool, or `bool | None` (None: the program decides, e.g. by the hardware)."""
+    return isinstance(f.default, bool) or f.type in (bool, "bool", "bool | None")
+
+
 def _help(f: dataclasses.Field, spec: Option) -> str:
     return spec.help.replace("{default}", _shown(f.default))
 
@@ -100,7 +106,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
                                                                           group.add_mutually_exclusive_group())
         kwargs: dict[str, Any] = {"dest": f.name, "help": _help(f, spec).replace("%", "%%"),
                                   "default": None if spec.exclusive is not None else f.default}
-        if isinstance(f.default, bool):
+        if _on_off(f):
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             kwargs.update(type=spec.type, choices=spec.choices, metavar=spec.metavar)
@@ -135,7 +141,7 @@ def options_markdown(cls: type) -> str:
         lines += ["| Option | Job-file key | Default | What it does |", "|---|---|---|---|"]
         for f, spec in rows:
             flags = [flag_of(f.name), *spec.aliases]
-            if isinstance(f.default, bool):
+            if _on_off(f):
                 flags = [f"{flag_of(f.name)} / --no-{f.name.replace('_', '-')}"]
             default = "" if f.default is None else _shown(f.default)
             text = _help(f, spec) + (f" Choices: {', '.join(map(str, spec.choices))}." if spec.choices else "")

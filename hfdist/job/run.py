@@ -142,7 +142,8 @@ class Run:
                          check_blocks=check_blocks(self.trainer.rung, len(self.dataset)),
                          flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
                          closing_table=self.metrics.closing_table, evaluations=self.losses.evaluations,
-                         best_step=self.losses.best_step, sources=self.sources)
+                         best_step=self.losses.best_step, sources=self.sources,
+                         checkpoints=self.trainer.checkpoint_costs)
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:

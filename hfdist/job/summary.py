@@ -40,6 +40,8 @@ class RunRecord:
     closing_table: Callable[[Mapping[str, str]], str]  # every rank's figures, then `outputs`
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval loss, perplexity, tokens
     best_step: int | None = None  # under --load-best: the checkpoint saved as the model
+    # Every checkpoint's cost (hfdist.checkpoint.trainer_hooks.CheckpointCost: step, background, held_s, write_s)
+    checkpoints: list[dict[str, Any]] = field(default_factory=list)
     sources: list[dict[str, Any]] = field(default_factory=list)  # each training source's name, rows, label tokens
 
 
@@ -135,12 +137,14 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "ranks": sorted(ranks, key=lambda r: r["rank"]),
         "eval": _evaluation(run),
         "data": {"sources": [{k: s[k] for k in ("name", "format", "rows", "label_tokens")} for s in run.sources]},
+        "checkpoints": run.checkpoints,
         "preempted": preempted,
     }
-    run.sink.set_summary({f"peak/{k}": max(r.get(k, 0) for r in ranks)
-                          for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes",
-                                    "load_peak_memory_bytes")
-                          if any(k in r for r in ranks)})
+    peaks = {f"peak/{k}": max(r.get(k, 0) for r in ranks)
+             for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "load_peak_memory_bytes")
+             if any(k in r for r in ranks)}
+    costs = {f"checkpoint/total_{k}": sum(c[k] for c in run.checkpoints) for k in ("held_s", "write_s")}
+    run.sink.set_summary({**peaks, **(costs if run.checkpoints else {})})
     if preempted is not None:
         run.sink.set_summary({"preempted_at_step": preempted["step"]})
     where = {sink.label: sink.location for sink in run.sink.sinks.values() if sink.location}

@@ -220,8 +220,7 @@ def freed_memory_returned_to_os(threshold: int = MMAP_THRESHOLD_BYTES) -> Iterat
     100-230 MB free but resident in the heap, more or less from run to run with the machine's load, so a rank's
     peak RSS said more about the allocator than about the tensors it held (tests/e2e/test_scale_memory.py).
     Only around loading and saving, not the training loop: there every tensor of 1 MiB or more would be mapped,
-    page-faulted and unmapped once per step (measured on llama-small, one CPU thread: 40x the page faults and
-    20-30% slower steps).
+    page-faulted and unmapped once per step (what that costs a CPU step: docs/finetune.md).
     """
     active = _set_mmap_threshold(threshold)
     try:

@@ -1,7 +1,7 @@
 """Model facts and model building.
 
-    registry.py  per architecture (Llama, Mistral, Qwen2, Qwen3): decoder layer class, projections and their
-                 shapes, LoRA targets, per-head norms, attention-mask kinds; `facts_for(config)` refuses others
+    registry.py  per architecture (Llama, Mistral, Qwen2, Qwen3, SmolLM3): what transformers does not ship (biases,
+                 attention-mask kinds), the TP split read from its base_model_tp_plan; `facts_for` refuses others
     shape.py     exact parameter counts and activation bytes from a config (planner, FLOPs)
     loss.py      the causal-LM loss conventions: ignore index, label shift, token-sum cross-entropy
     presets.py   preset configs (tiny models of every architecture, real Llama shapes) and config loading

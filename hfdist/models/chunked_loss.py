@@ -1,24 +1,25 @@
 """The causal-LM loss without the whole batch's logits: lm_head + cross-entropy one sequence chunk at a time.
 
 A batch's fp32 logits (B x S x V x 4 bytes: 2 GiB for Llama-3's 128K vocabulary at B=1, S=4096) are usually the
-largest activation of a fine-tune. `causal_lm_loss` runs the model with its lm_head swapped, for that one call, for
-a `_ChunkedLossHead`: HF's ForCausalLM forward hands it the final hidden states (B x S x H) and gets back the summed
-token loss where it expects logits. Swapping the head rather than calling the decoder and lm_head separately keeps
-every wrapper's contract: the call still enters through the outer model (DDP's forward, DeepSpeed's engine, FSDP2's
-root unshard, so lm_head's weight is the gathered one while the head runs). A pipeline's last stage, which is not a
-HF model, calls `chunked_token_sum_cross_entropy` on its hidden states directly.
+largest activation of a fine-tune. `causal_lm_loss` runs the model's own forward with its lm_head replaced, for that
+one call, by a `_LossHead`: HF's ForCausalLM forward hands it the final hidden states (B x S x H) and gets back the
+summed token loss where it expects logits (so `.logits` of that forward's output is the loss). Replacing the head
+rather than calling the decoder and lm_head separately keeps every wrapper's contract: the call still enters through
+the outer model (DDP's forward, DeepSpeed's engine, FSDP2's root unshard, so lm_head's weight is the gathered one
+while the loss runs). A pipeline's last stage, which is not a HF model, calls `chunked_token_sum_cross_entropy` on
+its hidden states directly.
 
-Two ways to compute a chunk, the same numbers (fp32: relative differences near 1e-7, the order of the sums):
-- fused (the default; hfdist.models.fused_loss): each chunk's logits -> loss and, in the same pass, the gradients
-  of the hidden states and of lm_head's weight (and bias); nothing of the logits is kept and backward only scales
-  those gradients. Under tensor parallelism it computes the vocab-parallel softmax itself on lm_head's vocab-sharded
-  weight (loss_parallel() is then not needed). It reads lm_head's weight directly, so it runs only where that is
-  the module's whole computation (`fused_loss_blocker`);
+Two ways to compute a chunk, the same numbers up to fp32 rounding of the same sums in another order:
+- fused (the default; hfdist.models.fused_loss, which says why it is not torch's `F.linear_cross_entropy`): each
+  chunk's logits -> loss and, in the same pass, the gradients of the hidden states and of lm_head's weight (and
+  bias); nothing of the logits is kept and backward only scales those gradients. Under tensor parallelism it computes
+  the vocab-parallel softmax itself on lm_head's vocab-sharded weight (loss_parallel() is then not needed). It reads
+  lm_head's weight directly, so it runs only where that is the module's whole computation (`fused_loss_blocker`);
 - recomputing (fused=False, and where the fused loss does not apply, with a warning): the real lm_head module is
   called per chunk under non-reentrant activation checkpointing, so its hooks run for each chunk (DeepSpeed ZeRO-3's
   parameter gather, an adapter on lm_head), and backward recomputes each chunk's logits. Under tensor parallelism
   each chunk's logits are vocab-sharded and their cross-entropy runs under `loss_parallel()`, which the caller
-  enters.
+  enters (for backward too).
 
 A chunk is `chunk_size` sequence positions of every row of the batch (B x chunk_size tokens' logits at a time);
 chunk_size=None (or >= S) is the whole sequence: fused, one pass; not fused, the plain unchunked loss.
@@ -27,8 +28,9 @@ chunk_size=None (or >= S) is the whole sequence: fused, one pass; not fused, the
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -39,24 +41,14 @@ from hfdist.errors import HfdistError
 from hfdist.models.fused_loss import fused_linear_cross_entropy, vocab_parallel_cross_entropy
 from hfdist.models.loss import IGNORE_INDEX, shift_labels, token_sum_cross_entropy
 from hfdist.models.registry import facts_for, is_supported
+from hfdist.torch_private import loss_parallel_active
 
 __all__ = ["DEFAULT_LOSS_CHUNK_SIZE", "VocabShardedLogitsError", "causal_lm_loss", "chunked_token_sum_cross_entropy",
-           "find_causal_lm_head", "fused_loss_blocker", "loss_parallel_active"]
+           "find_causal_lm_head", "fused_loss_blocker"]
 
 
 class VocabShardedLogitsError(HfdistError, RuntimeError):
     """lm_head returns vocab-sharded DTensor logits outside `loss_parallel()`."""
-
-
-def loss_parallel_active() -> bool:
-    """Whether `torch.distributed.tensor.parallel.loss_parallel()` is in effect.
-
-    torch keeps no public flag for it; while active it installs DTensor handlers for these ops.
-    """
-    from torch.distributed.tensor import DTensor
-
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    return torch.ops.aten._log_softmax.default in handlers
 
 
 def _replicated_sequence(hidden: torch.Tensor) -> torch.Tensor:
@@ -119,21 +111,20 @@ def _warn_unfused(reason: str) -> None:
                   "backward instead (the same numbers, one more lm_head matmul per chunk).", stacklevel=3)
 
 
-def _fused_token_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int | None,
-                     grad_scale: float | torch.Tensor) -> torch.Tensor:
+def _fused_token_sum(lm_head: nn.Linear, hidden: torch.Tensor, targets: torch.Tensor,
+                     chunk_size: int | None) -> torch.Tensor:
     """The fused loss on a head `fused_loss_blocker` accepts: vocab-parallel where its weight is a DTensor."""
     from torch.distributed.tensor import DTensor
 
     rows = None if chunk_size is None else chunk_size * hidden.shape[0]  # chunk_size positions of every row
     if isinstance(lm_head.weight, DTensor):
-        return vocab_parallel_cross_entropy(hidden, lm_head.weight, lm_head.bias, targets, rows, grad_scale)
-    return fused_linear_cross_entropy(hidden.flatten(0, -2), lm_head.weight, lm_head.bias, targets.flatten(), rows,
-                                      grad_scale=grad_scale)
+        return vocab_parallel_cross_entropy(hidden, lm_head.weight, lm_head.bias, targets, rows)
+    return fused_linear_cross_entropy(hidden.flatten(0, -2), lm_head.weight, lm_head.bias, targets.flatten(), rows)
 
 
 def chunked_token_sum_cross_entropy(lm_head: nn.Module, hidden: torch.Tensor, shifted_labels: torch.Tensor,
-                                    chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE, fused: bool = True,
-                                    grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+                                    chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE,
+                                    fused: bool = True) -> torch.Tensor:
     """Summed fp32 token cross-entropy of `lm_head(hidden)` against `shifted_labels`, `chunk_size` sequence
     positions at a time (None: all at once), never holding more than one chunk's logits.
 
@@ -144,8 +135,6 @@ def chunked_token_sum_cross_entropy(lm_head: nn.Module, hidden: torch.Tensor, sh
             where no loss is taken.
         fused: compute the gradients with the loss (hfdist.models.fused_loss) where `fused_loss_blocker` allows,
             else (or with False) call lm_head per chunk and recompute each chunk's logits in backward.
-        grad_scale: the gradient the sum will get in backward, where known (1 / the token count the caller
-            divides by): only the fused loss's rounding depends on it (hfdist.models.fused_loss).
 
     Returns:
         A plain 0-dim fp32 tensor: the sum over every scored position.
@@ -155,7 +144,7 @@ def chunked_token_sum_cross_entropy(lm_head: nn.Module, hidden: torch.Tensor, sh
     if fused:
         blocker = fused_loss_blocker(lm_head, hidden)
         if blocker is None:
-            return _fused_token_sum(lm_head, hidden, targets, chunk_size, grad_scale)
+            return _fused_token_sum(lm_head, hidden, targets, chunk_size)
         _warn_unfused(blocker)
     if chunk_size is None or chunk_size >= seq:
         return _chunk_token_sum(lm_head, hidden, targets)
@@ -168,22 +157,18 @@ def chunked_token_sum_cross_entropy(lm_head: nn.Module, hidden: torch.Tensor, sh
     return total
 
 
-class _ChunkedLossHead(nn.Module):
-    """Stands in for lm_head during one forward: takes the hidden states, returns the summed token loss."""
+class _LossHead(nn.Module):
+    """Stands in for lm_head during one forward: hidden states in, `loss_of` them out (the summed token loss).
 
-    def __init__(self, lm_head: nn.Module, shifted_labels: torch.Tensor, chunk_size: int | None, fused: bool,
-                 grad_scale: torch.Tensor):
+    It holds a function, not the real head module, so the real head's parameters keep their names while it is
+    out of the model (a submodule would rename them lm_head.lm_head.*)."""
+
+    def __init__(self, loss_of: Callable[[torch.Tensor], torch.Tensor]):
         super().__init__()
-        # Held outside _modules: the swap must not rename lm_head's parameters (lm_head.lm_head.weight).
-        object.__setattr__(self, "lm_head", lm_head)
-        self.shifted_labels = shifted_labels
-        self.chunk_size = chunk_size
-        self.fused = fused
-        self.grad_scale = grad_scale
+        self.loss_of = loss_of
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return chunked_token_sum_cross_entropy(self.lm_head, hidden, self.shifted_labels, self.chunk_size,
-                                               self.fused, self.grad_scale)
+        return self.loss_of(hidden)
 
 
 def find_causal_lm_head(model: nn.Module) -> tuple[nn.Module, str] | None:
@@ -202,9 +187,10 @@ def find_causal_lm_head(model: nn.Module) -> tuple[nn.Module, str] | None:
 
 
 @contextlib.contextmanager
-def _head_swapped(causal_lm: nn.Module, name: str, *head_args) -> Iterator[None]:
+def _head_replaced(causal_lm: nn.Module, name: str, stand_in: nn.Module) -> Iterator[None]:
+    """`causal_lm.<name>` is `stand_in` inside the block, the real head again after it (errors included)."""
     real = getattr(causal_lm, name)
-    setattr(causal_lm, name, _ChunkedLossHead(real, *head_args))
+    setattr(causal_lm, name, stand_in)
     try:
         yield
     finally:
@@ -236,11 +222,12 @@ def causal_lm_loss(model: nn.Module, batch: Mapping[str, torch.Tensor],
     found = find_causal_lm_head(model)
     if found is None:
         return model(**inputs, labels=labels, num_items_in_batch=num_items_in_batch).loss
+    causal_lm, name = found
     targets = batch["shift_labels"] if "shift_labels" in batch else shift_labels(labels)
     if num_items_in_batch is None:
         num_items_in_batch = (targets != IGNORE_INDEX).sum()
-    # The gradient the division below sends the summed loss (as autograd computes it: 1 / count in fp32).
-    grad_scale = torch.ones((), dtype=torch.float32) / num_items_in_batch
-    with _head_swapped(*found, targets, chunk_size, fused, grad_scale):  # the model's forward as HF's loss calls it
-        loss = model(**inputs).logits
-    return loss / num_items_in_batch
+    loss_of = functools.partial(chunked_token_sum_cross_entropy, getattr(causal_lm, name),
+                                shifted_labels=targets, chunk_size=chunk_size, fused=fused)
+    with _head_replaced(causal_lm, name, _LossHead(loss_of)):
+        summed = model(**inputs).logits  # what the head returned: the summed token loss
+    return summed / num_items_in_batch

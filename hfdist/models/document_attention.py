@@ -9,12 +9,11 @@ AttentionInterface under DOCUMENT_ATTENTION, attends each document on its own:
     -> per document: torch's scaled_dot_product_attention with is_causal (grouped-query attention inside the
     kernel) -> concatenated back: (B, S, H, D), what every transformers attention returns.
 
-Why this formulation: measured on this CPU (2 cores, torch 2.13, 8 heads, 4 kv heads, head dim 32, documents of
-100-600 tokens, forward + backward), per-document sdpa with is_causal took 70 ms at 8,192 tokens and 282 ms at
-32,768 (linear in the tokens), against 192 / 2,321 ms for the documents padded into one batch and 1,302 ms at 8,192
-for one sdpa call with the (S, S) block-diagonal mask; sdpa's own grouped-query path beat repeating the kv heads
-by ~15%. Splitting (not slicing) the rows keeps the backward O(tokens): split's backward concatenates the
-gradients, where each slice's backward would write a zero tensor of the whole sequence.
+Why this formulation: per-document sdpa with is_causal is linear in the tokens, faster than the documents padded
+into one batch and than one sdpa call with the (S, S) block-diagonal mask, and sdpa's own grouped-query path beats
+repeating the kv heads (the figures: docs/attention.md, "How it works"). Splitting (not slicing) the rows keeps the
+backward O(tokens): split's backward concatenates the gradients, where each slice's backward would write a zero
+tensor of the whole sequence.
 
 Exactness: every document sees exactly the keys it would see alone (causal, and within the model's sliding
 window when the window is shorter than the document: a band mask of that document only, O(doc_len^2)), with the
@@ -185,7 +184,7 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
     # Row by row, split along the sequence: views of q / k / v in whatever layout the model made them. Kept 4-D:
     # torch 2.13 sends 3-D grouped-query inputs to its math path, which materialises every head's n x n scores.
     # The rows are split too, not sliced: each slice's backward would write a zero tensor of the whole batch (B of
-    # them per layer, measured 8% of a 16 x 128 step), split's concatenates the rows' gradients once.
+    # them per layer), split's concatenates the rows' gradients once.
     by_row = [t.split(1) for t in (query, key, value)]
     for r, lengths in enumerate(_rows(_boundaries(query, kwargs), batch, seq)):
         runs = _runs(lengths)

@@ -1,17 +1,26 @@
-"""Fused lm_head + cross-entropy: the loss and its gradients in one pass over the logits, chunk by chunk.
+"""Fused lm_head + cross-entropy: the summed token loss and its gradients in one pass over the logits, chunk by chunk.
 
 `fused_linear_cross_entropy` is a custom autograd function. Its forward runs, for `chunk_rows` tokens at a time,
 logits = hidden @ W^T (+ b) -> fp32 log-sum-exp -> the summed token loss, and straight away the gradient of that sum
 with respect to the logits (softmax - one-hot) and through it the gradients of the hidden states, of the weight and
 of the bias. Only those gradients outlive the chunk (saved for backward: a hidden-states-sized and a weight-sized
 tensor, the latter handed to the weight as its .grad without a copy): no logits are kept and its backward
-recomputes nothing, it only scales the stored gradients. The caller announces the gradient its sum will get
-(`grad_scale`: 1 / the token count it divides by), which the forward applies to the logits' gradient before the
-matmuls, where the unfused loss's backward applies it, so fp32 results round alike; the backward then multiplies
-by (the gradient it gets / the announced one), exactly 1 as a rule. Against the plain loss (the whole batch's
-logits and log-softmax held until backward) it does the same three matmuls and less elementwise work; against the
-chunked loss with activation checkpointing (hfdist.models.chunked_loss's recomputing path) it saves one matmul and
-the log-softmax per chunk.
+recomputes nothing, it only scales the stored gradients by the gradient the sum gets, in place, once; a second
+backward with the same incoming gradient (the zero-bubble schedules' input pass, then weight pass) returns them
+again. Against the plain loss (the whole batch's logits and log-softmax held until backward) it does the same three
+matmuls and less elementwise work; against the chunked loss with activation checkpointing (hfdist.models.
+chunked_loss's recomputing path) it saves one matmul and the log-softmax per chunk.
+
+Why not torch 2.13's `F.linear_cross_entropy(..., options=LinearCrossEntropyOptions(batch_chunk_size=...))`, which
+also computes the gradients in its forward and is about as fast (measured: docs/loss.md, "torch's fused op";
+`tests/unit/test_fused_loss.py::test_torch_op_still_costs_what_hfdist_avoids` fails once torch changes this, the cue
+to switch):
+- its backward receives materialised zero gradients for the op's three extra outputs (its hidden-, weight- and
+  bias-gradient buffers), so it holds a second gradient-sized buffer when backward starts, while every activation
+  is still alive: the step's peak grows by lm_head's weight (and the hidden states) in the gradients' dtype;
+- with bf16 / fp16 inputs (autocast, FSDP2's mixed precision) it sums the loss in bf16 (HF's loss is fp32);
+- a second backward (zero-bubble schedules) needs allow_retain_graph=True: a gradient-sized copy per call;
+- it has no vocab-parallel path (tensor parallelism: `vocab_parallel_cross_entropy` below).
 
 Vocab-parallel (tensor parallelism): `vocab_parallel_cross_entropy` takes the lm_head weight as a DTensor sharded
 on the vocabulary (Shard(0), the TP plan's ColwiseParallel) and computes on the local shard: each rank's row max
@@ -21,18 +30,15 @@ a partial sum over the vocabulary shards; it leaves as a Partial DTensor gradien
 reduces it (reduce-scatter under sequence parallelism), the collectives the unfused loss runs too.
 
 Precision: the matmuls run in the dtype F.linear would use (the autocast dtype under autocast, else the weight's:
-bf16 under FSDP2's mixed precision), the softmax in fp32, and the gradients are accumulated in the dtype of the
-tensor they belong to, as autograd does for the chunked loss.
-
-On a GPU a kernel of the same contract (hidden rows N x H, weight V x H, optional bias, targets with IGNORE_INDEX,
-summed loss, gradients computed in the forward: Liger-Kernel's fused linear cross-entropy with reduction="sum" is
-one) could replace `_token_sum_and_grads` for the one-device case; none is used here, since none was measured.
+bf16 under FSDP2's mixed precision), the softmax and the loss in fp32, and the gradients are accumulated in the
+dtype of the tensor they belong to, as autograd does for the unfused loss.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from hfdist.errors import HfdistError
@@ -73,11 +79,10 @@ def _check_targets(targets: torch.Tensor, vocab: int) -> None:
 
 def _token_sum_and_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                          targets: torch.Tensor, chunk_rows: int, vocab_start: int, group: dist.ProcessGroup | None,
-                         needs: tuple[bool, bool, bool], dtype: torch.dtype,
-                         grad_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """(summed fp32 loss, grad_scale x d loss / d hidden, ... / d weight, ... / d bias), the gradients None where not
-    needed. `weight` (and `bias`) may be this rank's vocabulary rows [vocab_start, vocab_start + V_local) of a
-    `group` that holds the rest; `hidden` and `targets` are then the same on every rank of the group."""
+                         needs: tuple[bool, bool, bool], dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """(summed fp32 loss, d loss / d hidden, ... / d weight, ... / d bias), the gradients None where not needed.
+    `weight` (and `bias`) may be this rank's vocabulary rows [vocab_start, vocab_start + V_local) of a `group` that
+    holds the rest; `hidden` and `targets` are then the same on every rank of the group."""
     need_hidden, need_weight, need_bias = needs
     w = weight.to(dtype)
     b = bias.to(dtype) if bias is not None else None
@@ -89,16 +94,16 @@ def _token_sum_and_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch
         rows = slice(start, start + chunk_rows)
         # A call per chunk: its logits are freed on return, before the next chunk's exist.
         loss += _chunk(hidden[rows].to(dtype), w, b, targets[rows], vocab_start, group,
-                       grad_hidden[rows] if need_hidden else None, grad_weight, grad_bias, grad_scale)
+                       grad_hidden[rows] if need_hidden else None, grad_weight, grad_bias)
     return loss, grad_hidden, grad_weight, grad_bias
 
 
 def _chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, t: torch.Tensor, vocab_start: int,
            group: dist.ProcessGroup | None, grad_hidden: torch.Tensor | None, grad_weight: torch.Tensor | None,
-           grad_bias: torch.Tensor | None, grad_scale: torch.Tensor | None) -> torch.Tensor:
+           grad_bias: torch.Tensor | None) -> torch.Tensor:
     """One chunk's summed fp32 loss; writes its rows of `grad_hidden` and adds to `grad_weight` / `grad_bias`."""
     local_vocab = w.shape[0]
-    logits = torch.nn.functional.linear(h, w, b).float()  # fresh (a copy when the matmul ran in bf16)
+    logits = F.linear(h, w, b).float()  # fresh (a copy when the matmul ran in bf16)
     local = t - vocab_start
     owned = (local >= 0) & (local < local_vocab)  # IGNORE_INDEX is negative: never owned
     index = local.clamp(0, local_vocab - 1).unsqueeze(1)
@@ -115,10 +120,9 @@ def _chunk(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, t: torch.Te
     loss = (row_max + exp_sum.log() - target_logit).masked_fill_(~valid, 0.0).sum()
     if grad_hidden is None and grad_weight is None and grad_bias is None:
         return loss
-    # grad_scale x d loss / d logits = grad_scale x (softmax - one-hot) on scored rows, zero on the others (a zero
-    # row scale, not a mask pass): the scale applied before the matmuls, where the unfused loss's backward has it.
-    grad_logits = logits.mul_((valid * grad_scale / exp_sum).unsqueeze(1))
-    grad_logits.scatter_add_(1, index, (owned & valid).float().mul_(grad_scale).neg_().unsqueeze(1))
+    # d loss / d logits = softmax - one-hot on scored rows, zero on the others (a zero row scale, not a mask pass).
+    grad_logits = logits.mul_((valid / exp_sum).unsqueeze(1))
+    grad_logits.scatter_add_(1, index, (owned & valid).float().neg_().unsqueeze(1))
     g = grad_logits.to(w.dtype)
     # Each product in the matmul dtype, then taken into its gradient's dtype, as autograd's casts do.
     if grad_hidden is not None:
@@ -140,47 +144,43 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """The loss with gradients computed in the forward; the backward only scales them."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, chunk_rows, vocab_start, group, grad_scale):
+    def forward(ctx, hidden, weight, bias, targets, chunk_rows, vocab_start, group):
         needs = tuple(ctx.needs_input_grad[:3])
         dtype = _compute_dtype(hidden, weight)
         # The matmuls' dtype is chosen above and applied explicitly, so autocast must not re-cast them.
         with torch.autocast(hidden.device.type, enabled=False):
             loss, *grads = _token_sum_and_grads(hidden, weight, bias, targets, chunk_rows, vocab_start, group,
-                                                needs, dtype, grad_scale)
+                                                needs, dtype)
         # Saved for backward (not kept on ctx), so that autograd releases them as soon as backward has run, and the
         # weight's gradient can become its .grad without a copy.
         ctx.save_for_backward(*grads)
-        ctx.grad_scale, ctx.ratio = grad_scale, None
+        ctx.scaled_by = None
         return loss
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_loss):
         grads = ctx.saved_tensors
-        ratio = grad_loss / ctx.grad_scale  # exactly 1 when the gradient is the one expected
-        if ctx.ratio is None:
-            # Scaled in place, once (no second weight-sized tensor). A zero-bubble pipeline schedule runs this
-            # backward twice on a retained graph (input gradients, then weight gradients), with the same incoming
-            # gradient: the second run returns the same tensors. `.data`, so the saved tensors' version (checked
-            # when they are unpacked again) stays that of the forward.
-            if _holds_no_data(ratio) or not bool(ratio == 1):
-                for g in grads:
-                    if g is not None:
-                        g.data.mul_(ratio.to(g.dtype))
-            ctx.ratio = ratio
-        elif not _holds_no_data(ratio) and not torch.equal(ratio, ctx.ratio):
+        if ctx.scaled_by is None:
+            # Scaled in place, once (no second weight-sized tensor); `.data`, so the saved tensors' version (checked
+            # when a second backward unpacks them) stays that of the forward.
+            for g in grads:
+                if g is not None:
+                    g.data.mul_(grad_loss.to(g.dtype))
+            ctx.scaled_by = grad_loss
+        elif not _holds_no_data(grad_loss) and not torch.equal(grad_loss, ctx.scaled_by):
             raise RuntimeError("The fused loss's backward ran again with another incoming gradient: its gradients "
                                "were computed once, in the forward, and already scaled; compute the loss again "
                                "instead of retaining its graph.")
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                                targets: torch.Tensor, chunk_rows: int | None = None, vocab_start: int = 0,
-                               vocab_size: int | None = None, group: dist.ProcessGroup | None = None,
-                               grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
-    """Summed fp32 cross-entropy of `hidden @ weight.T + bias` against `targets`, `chunk_rows` tokens at a time,
-    the gradients computed in the forward (module docstring).
+                               vocab_size: int | None = None,
+                               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """The summed fp32 cross-entropy of `hidden @ weight.T + bias` against `targets`,
+    `chunk_rows` tokens at a time, the gradients computed in the forward (module docstring).
 
     Args:
         hidden: (N, H) plain tensor.
@@ -190,10 +190,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
         chunk_rows: tokens per chunk (None: all N at once).
         vocab_size: the whole vocabulary's size (default V_local), to check the targets against.
         group: the process group the vocabulary is sharded over (None: not sharded).
-        grad_scale: the gradient the returned sum will get in backward, where the caller knows it (1 / the token
-            count it divides the sum by). It changes no value, only rounding: the forward scales the logits'
-            gradient by it before the matmuls, as the unfused loss's backward does, and the backward multiplies
-            by (the gradient it gets / grad_scale), exactly 1 when it is the one expected.
 
     Returns:
         A 0-dim fp32 tensor: the sum over every scored token (the same on every rank of `group`).
@@ -202,21 +198,17 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias:
     rows = max(1, chunk_rows or hidden.shape[0])
     targets = targets.to(hidden.device)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
-        scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=hidden.device)
-        scale = torch.where(torch.isfinite(scale) & (scale != 0), scale, 1.0)  # 1 / 0 tokens: any scale will do
-        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, rows, vocab_start, group, scale)
+        return _FusedLinearCrossEntropy.apply(hidden, weight, bias, targets, rows, vocab_start, group)
     with torch.autocast(hidden.device.type, enabled=False):  # evaluation: the loss only
         return _token_sum_and_grads(hidden, weight, bias, targets, rows, vocab_start, group, (False,) * 3,
                                     _compute_dtype(hidden, weight))[0]
 
 
 def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                 targets: torch.Tensor, chunk_rows: int | None = None,
-                                 grad_scale: float | torch.Tensor = 1.0) -> torch.Tensor:
+                                 targets: torch.Tensor, chunk_rows: int | None = None) -> torch.Tensor:
     """`fused_linear_cross_entropy` with an lm_head weight that is a DTensor sharded on the vocabulary (Shard(0) on
     a 1-D mesh: tensor parallelism's ColwiseParallel) and hidden states (B, S, H) that are a DTensor on the same mesh
     (any placement: a sequence-sharded one is gathered once) or a plain tensor, the same on every rank.
-    `chunk_rows` and `grad_scale` as for `fused_linear_cross_entropy`.
 
     Returns:
         A plain 0-dim fp32 tensor, the same on every rank of the mesh.
@@ -234,4 +226,4 @@ def vocab_parallel_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, bia
     assert local_weight.shape[0] == rows, "DTensor's Shard(0) rows differ from its own local_shard_size_and_offset"
     local_bias = bias.to_local() if isinstance(bias, DTensor) else bias
     return fused_linear_cross_entropy(local_hidden.flatten(0, -2), local_weight, local_bias, targets.flatten(),
-                                      chunk_rows, vocab_start, vocab, mesh.get_group(), grad_scale)
+                                      chunk_rows, vocab_start, vocab, mesh.get_group())

@@ -171,9 +171,8 @@ class SafetensorsSliceReader(HuggingFaceStorageReader):
 
     The stock reader keeps each file memory-mapped while it reads all of that file's tensors, so the pages a rank
     touched (its slices of every tensor, in the checkpoint's dtype) stay resident until the file is done: for a
-    one-file checkpoint that is 1/N of the whole checkpoint on top of the rank's shards. Measured on a bf16
-    checkpoint loaded into 2 fp32 FSDP ranks: 0.86 x the fp32 model added per rank, against 0.51 x with one opening
-    per tensor (benchmarks/bench_load_memory.py).
+    one-file checkpoint that is 1/N of the whole checkpoint on top of the rank's shards (the two readers measured
+    against each other: benchmarks/bench_load_memory.py, docs/results.md).
     """
 
     def read_data(self, plan, planner) -> Future:

@@ -48,6 +48,9 @@ PRESETS: dict[str, Preset] = {
     "qwen2-tiny": Preset("qwen2", {**_TINY, "use_sliding_window": False}),
     # Qwen3 sets head_dim apart from hidden / heads; 32 here (hidden 64 / 4 heads would give 16).
     "qwen3-tiny": Preset("qwen3", {**_TINY, "head_dim": 32, "use_sliding_window": False}),
+    # SmolLM3 (no hfdist TP entry: transformers' base_model_tp_plan is read); its 4th layer has no rotary embedding.
+    # Its config's default token ids (128000-128004) lie outside the tiny vocabulary; the tokenizer sets pad.
+    "smollm3-tiny": Preset("smollm3", {**_TINY, "pad_token_id": None, "bos_token_id": None, "eos_token_id": None}),
     # Mixture-of-experts (hfdist.models.moe): 8 experts so ep in {1, 2, 4, 8} splits them whole. Qwen3-MoE with
     # one dense layer among its MoE layers (mlp_only_layers), Mixtral's top-2 of 8, Llama 4's top-1 with a shared
     # expert, dense and MoE layers interleaved and a NoPE layer (the fourth).

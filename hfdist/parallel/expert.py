@@ -145,7 +145,7 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh | None) -> list[MoeLayer]:
         experts = layer.experts
         if ep_mesh is not None:
             for name in STACKED:
-                p = experts._parameters[name]
+                p = experts.get_parameter(name)
                 experts.register_parameter(name, nn.Parameter(distribute_tensor(p.detach(), ep_mesh, [Shard(0)]),
                                                               p.requires_grad))
         experts.forward = _bind(_experts_forward, experts, facts, num_experts, group)

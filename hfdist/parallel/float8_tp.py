@@ -38,7 +38,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["local_float8_forward"]
+__all__ = ["local_float8_linear"]
 
 # The dimensions of the three matmuls (module docstring): which one each cast contracts, and which one a rank's
 # slice of an operand is cut along under a column split (0) or a row split (1).
@@ -111,15 +111,17 @@ class _LocalFloat8Matmul(torch.autograd.Function):
         return grad_x, grad_weight, None, None, None, None
 
 
-def local_float8_forward(module: nn.Module, mesh: DeviceMesh, split: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The forward of torchao's Float8Linear `module` as a column- (split 0) or row-split (1) linear on local
-    tensors over the tp `mesh`: it reads the module's weight and bias when called (LocalLinear swaps in their local
-    views for the call; a row-split linear's bias is hidden then and added after the reduction)."""
+def local_float8_linear(module: nn.Module, mesh: DeviceMesh,
+                        split: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]:
+    """`F.linear(x, weight, bias)` as torchao's Float8Linear `module` computes it (its config, its scaled matmul),
+    for a column- (split 0) or row-split (1) linear on local tensors over the tp `mesh`: called with the local
+    views of the module's weight and bias (LocalLinear's; a row-split linear's bias is None then, added after the
+    reduction)."""
     if split not in _SPLIT_DIM:
         raise ValueError(f"a float8 linear under tensor parallelism is column- (0) or row-split (1), got {split}")
 
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        out = _LocalFloat8Matmul.apply(x, module.weight, module.config, module.linear_mm_config, split, mesh)
-        return out if module.bias is None else out + module.bias.to(out.dtype)
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        out = _LocalFloat8Matmul.apply(x, weight, module.config, module.linear_mm_config, split, mesh)
+        return out if bias is None else out + bias.to(out.dtype)
 
-    return forward
+    return linear

@@ -1,9 +1,9 @@
 """Tensor parallelism (Megatron-style, through DTensor) for HF causal LMs of the registered architectures
-(hfdist.models.registry: Llama, Mistral, Qwen2, Qwen3), with or without LoRA.
+(hfdist.models.registry: Llama, Mistral, Qwen2, Qwen3, SmolLM3), with or without LoRA.
 
 The plan is data: `tp_plan` maps module globs of a causal LM to `torch.distributed.tensor.parallel` styles, built
-from the registry's facts (which projections are column- or row-split, which norms sit on the residual stream or
-per head); `apply_tp` validates the model, then hands the plan to `parallelize_module`. Nothing here re-implements a
+from the registry's facts (which projections are column- or row-split and which norms work per head, as
+transformers' `base_model_tp_plan` says; which norms sit on the residual stream); `apply_tp` validates the model, then hands the plan to `parallelize_module`. Nothing here re-implements a
 collective: every all-reduce, all-gather and reduce-scatter is a DTensor redistribution or, inside a layer under
 sequence parallelism, the torch functional collective that a redistribution runs (tensor_styles says why).
 

@@ -2,10 +2,12 @@
 
 Inside a decoder layer the layout of every activation is known, so the layer computes on local tensors, as in
 Megatron: the split linears, the residual stream, its adds and the RMSNorms never go through DTensor's per-op
-dispatch (on a small model that dispatch cost more than the matmuls; measured in results/cpu-2core/tp_vs_native.md).
+dispatch (on a small model that dispatch costs more than the matmuls: docs/tensor-parallel.md has the figures).
 DTensor stays where it earns its keep: every parameter is a DTensor on the tp mesh (a module computes with local
-views of them, each view's gradient declared in the placement it really has, so gradients arrive as DTensors for
-clipping, FSDP2 and checkpoints), and the residual stream stays a DTensor *between* layers, because HF's model
+views of them, `DTensor.to_local(grad_placements=...)`, each view's gradient declared in the placement it really
+has, so gradients arrive as DTensors for clipping, FSDP2 and checkpoints: what `local_map(..., in_grad_placements=)`
+does, without wrapping the output in a DTensor again), and the residual stream stays a DTensor *between* layers,
+because HF's model
 reads the global sequence length from `inputs_embeds.shape[1]` (positions, causal mask) and a DTensor reports the
 global shape while its local shard holds S/tp tokens under sequence parallelism. Pipeline stages pass the same
 DTensor on.
@@ -15,8 +17,7 @@ pair without) are torch's: under sequence parallelism with a sequence that tp di
 with autograd (`all_gather_single` / `reduce_scatter_single`: what DTensor's redistribution calls underneath),
 applied to the local tensors directly; otherwise (no sequence parallelism, or an uneven split, which DTensor pads)
 a DTensor redistribution. The direct call does the same collective without the from_local / redistribute / to_local
-round trip, whose Python cost on the small model of results/cpu-2core/tp_vs_native.md made sequence parallelism
-about 13% slower per CPU-second (measured with `benchmarks/tp_native_worker.py` both ways).
+round trip, whose Python cost slowed sequence parallelism on a small model (docs/tensor-parallel.md).
 
     layer input (DTensor, residual layout)  --LocalResidual: to_local, remember the global shape-->
         norm (LocalNorm)  --GatherSequence: all-gather (SP); backward: reduce-scatter / all-reduce-->
@@ -32,21 +33,28 @@ reduced once, in GatherSequence's backward (Megatron's "f"): one collective per 
 Replicated weights whose gradient on one rank is a partial sum (norms under sequence parallelism, per-head norms,
 LoRA's unsplit matrices, row-split biases under sequence parallelism) are summed over tp once per backward, together
 (PartialGradReducer).
+
+Two torch internals serve here, both in hfdist.torch_private with the reason no public API does: the norms run their
+own forward with local views of their weights (`call_with_parameters`), and the partial gradients are summed when
+the backward has finished (`queue_after_backward`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed._functional_collectives as funcol
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from hfdist.parallel.float8 import is_float8_linear
-from hfdist.parallel.float8_tp import local_float8_forward
+from hfdist.parallel.float8_tp import local_float8_linear
+from hfdist.torch_private import call_with_parameters, queue_after_backward
 
 __all__ = ["SequenceSpec", "LocalResidual", "GatherSequence", "PartialGradReducer", "LocalNorm", "LocalLinear",
            "ReduceOutput"]
@@ -168,7 +176,7 @@ class PartialGradReducer:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self._ready:
-            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+            queue_after_backward(self._reduce)
         self._ready.append(param)
 
     @torch.no_grad()
@@ -184,22 +192,10 @@ class PartialGradReducer:
             p.grad = DTensor.from_local(piece.view_as(p.grad.to_local()), mesh, (Replicate(),), run_check=False)
 
 
-def _call_with_local_params(
-    module: nn.Module, forward: Any, grads: dict[str, Placement | None], *args: Any
-) -> Any:
-    """`forward(*args)` with each named DTensor parameter of `module` replaced by a local view whose gradient comes
-    back as a DTensor of placement `grads[name]`; a name mapped to None is hidden (None) during the call.
-
-    The parameters are read at call time: FSDP2 swaps in its unsharded parameters just before a module's forward.
-    """
-    params = {name: module._parameters[name] for name in grads}
-    try:
-        for name, p in params.items():
-            grad = grads[name]
-            module._parameters[name] = None if grad is None else p.to_local(grad_placements=(grad,))
-        return forward(*args)
-    finally:
-        module._parameters.update(params)
+def _local(param: nn.Parameter | None, grad: Placement | None) -> torch.Tensor | None:
+    """A DTensor parameter's local view whose gradient comes back as a DTensor of placement `grad` (None: no view,
+    the parameter is left out of the computation)."""
+    return None if param is None or grad is None else param.to_local(grad_placements=(grad,))
 
 
 def _watch_partial(module: nn.Module, grads: dict[str, Placement | None], reducer: PartialGradReducer | None) -> None:
@@ -209,16 +205,17 @@ def _watch_partial(module: nn.Module, grads: dict[str, Placement | None], reduce
         raise ValueError(f"{type(module).__name__}: parameters {partial} get tp-partial gradients and need a "
                          "PartialGradReducer")
     for name in partial:
-        if module._parameters[name].requires_grad:  # a frozen weight (LoRA's base model) has no gradient to sum
-            reducer.watch(module._parameters[name])
+        param = module.get_parameter(name)
+        if param.requires_grad:  # a frozen weight (LoRA's base model) has no gradient to sum
+            reducer.watch(param)
 
 
 class LocalNorm(ParallelStyle):
     """A norm computed on local tensors with its weight replicated as a DTensor on the tp mesh.
 
     The module's own forward runs (whatever the architecture's norm computes), with a local view of each parameter
-    standing in for it during the call. A DTensor input (the final norm's) comes back as a DTensor of the same
-    layout; a local input (inside a layer) comes back local.
+    standing in for it during the call (hfdist.torch_private.call_with_parameters says why). A DTensor input (the
+    final norm's) comes back as a DTensor of the same layout; a local input (inside a layer) comes back local.
 
     Args:
         weight_grad: the placement of the weight's gradient on this rank: Partial() where the norm sees part of the
@@ -242,7 +239,9 @@ class LocalNorm(ParallelStyle):
         def local_forward(hidden_states: torch.Tensor) -> torch.Tensor:
             dtensor = hidden_states if isinstance(hidden_states, DTensor) else None
             x = dtensor.to_local() if dtensor is not None else hidden_states
-            out = _call_with_local_params(module, forward, grads, x)
+            # Read at call time: FSDP2 swaps in its unsharded parameters just before a module's forward.
+            views = {name: _local(module.get_parameter(name), grad) for name, grad in grads.items()}
+            out = call_with_parameters(module, forward, views, x)
             if dtensor is None:
                 return out
             return DTensor.from_local(out, dtensor.device_mesh, dtensor.placements, run_check=False,
@@ -276,6 +275,8 @@ def _bias_grad(layout: Placement) -> Placement:
 
 class LocalLinear(ParallelStyle):
     """A linear computed on local tensors: input, output and weight view all plain tensors; the weight a DTensor.
+    Its forward is `F.linear` (or the float8 matmul of hfdist.parallel.float8_tp under --fp8) of the input and the
+    parameters' local views, read when it is called (FSDP2 swaps in its unsharded parameters just before).
 
     Args:
         split: 0: column-split (output features; each rank computes its heads / its share of the MLP's width and
@@ -302,6 +303,14 @@ class LocalLinear(ParallelStyle):
             return Replicate(), Replicate()
         return Shard(self.split), Shard(0) if self.split == 0 else Replicate()
 
+    def _grads(self) -> dict[str, Placement | None]:
+        """The gradient placement of each parameter's local view; None: the bias of a row-split linear, which belongs
+        to the summed output and is added after the sum (here, or by the LoRA wrapper's ReduceOutput)."""
+        weight_layout, bias_layout = self._placements()
+        if self.split is None:
+            return {"weight": Partial(), "bias": Partial()}
+        return {"weight": weight_layout, "bias": bias_layout if self.split == 0 else None}
+
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         weight_layout, bias_layout = self._placements()
 
@@ -311,25 +320,21 @@ class LocalLinear(ParallelStyle):
                 mod.register_parameter(pname, nn.Parameter(distribute_tensor(p, mesh, [layout]), p.requires_grad))
 
         distribute_module(module, device_mesh, partition)
-        has_bias = module._parameters.get("bias") is not None
-        # A row-split linear's bias belongs to the summed output: hidden from the local matmul, added after the sum
-        # (here, or by the LoRA wrapper's ReduceOutput).
-        grads: dict[str, Placement | None] = {"weight": weight_layout if self.split is not None else Partial()}
-        if has_bias:
-            grads["bias"] = bias_layout if self.split == 0 else None
+        grads = self._grads()
+        has_bias = module.bias is not None
         reduce_to = self.reduce_to
-        _watch_partial(module, grads, self.reducer)
+        _watch_partial(module, grads if has_bias else {"weight": grads["weight"]}, self.reducer)
         if has_bias and reduce_to is not None:
             _watch_partial(module, {"bias": _bias_grad(reduce_to)}, self.reducer)
-        forward = module.forward
-        if is_float8_linear(module):  # --fp8: the float8 matmul with every scale taken over the whole tensor
-            forward = local_float8_forward(module, device_mesh, self.split)
+        # --fp8: the float8 matmul with every scale taken over the whole tensor
+        linear: Callable[..., torch.Tensor] = (local_float8_linear(module, device_mesh, self.split)
+                                               if is_float8_linear(module) else F.linear)
 
         def local_forward(x: torch.Tensor) -> torch.Tensor:
-            out = _call_with_local_params(module, forward, grads, x)
+            out = linear(x, _local(module.weight, grads["weight"]), _local(module.bias, grads["bias"]))
             if reduce_to is None:
                 return out
-            return _reduce_partial(out, device_mesh, reduce_to, module._parameters.get("bias"))
+            return _reduce_partial(out, device_mesh, reduce_to, module.bias)
 
         module.forward = local_forward
         return module
@@ -348,11 +353,11 @@ class ReduceOutput(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         base = module.base_layer
-        if base._parameters.get("bias") is not None:
+        if base.bias is not None:
             _watch_partial(base, {"bias": _bias_grad(self.reduce_to)}, self.reducer)
 
         def reduce(mod: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
-            return _reduce_partial(output, device_mesh, self.reduce_to, base._parameters.get("bias"))
+            return _reduce_partial(output, device_mesh, self.reduce_to, base.bias)
 
         module.register_forward_hook(reduce)
         return module

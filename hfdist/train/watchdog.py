@@ -24,12 +24,16 @@ Phases in which rank 0 works alone while the others wait in a collective (data p
 main_process_first, the streamed save of the model, W&B's start and the summary) run under `alone` / `solo_phase`: every group's timeout is widened to
 SOLO_PHASE_TIMEOUT_SECONDS (or the --collective-timeout, if longer) for the phase and restored after it.
 
-On the timeout each surviving rank compares the timed-out collective's sequence number with every rank's last
-enqueued one in that group: the ranks behind it never joined. The report goes to the screen and, written atomically,
-to OUTPUT_DIR/logs/hang-rank-<r>.txt. Silent ranks on the reporting rank's own host are killed (a stopped process
-ignores the launcher's SIGTERM until torch elastic's 30 s grace ends); the rank then leaves at once (exit code
-EXIT_CODE) without touching the process group, whose teardown would wait on the missing rank, and the launcher
-stops the others.
+On the timeout each surviving rank reports in three steps (`CollectiveWatch.report_and_exit`):
+- diagnose (hfdist.train.hang_report.diagnose, a pure function): the timed-out collective's sequence number against
+  every rank's last enqueued one in that group: the ranks behind it never joined; with the silent ones and those
+  that never published;
+- act: silent ranks on this rank's own host are killed (a stopped process ignores the launcher's SIGTERM until torch
+  elastic's 30 s grace ends), and a save they were part of, which can never finish, is removed;
+- render (hang_report.render): the report, to the screen and, written atomically, to
+  OUTPUT_DIR/logs/hang-rank-<r>.txt.
+The rank then leaves at once (exit code EXIT_CODE) without touching the process group, whose teardown would wait on
+the missing rank, and the launcher stops the others.
 """
 
 from __future__ import annotations
@@ -50,6 +54,9 @@ from typing import Any
 
 from transformers.trainer_callback import TrainerCallback
 
+from hfdist.train import hang_report
+from hfdist.train.hang_report import HEARTBEAT_SECONDS, HangDiagnosis
+
 __all__ = ["CollectiveWatch", "StepWatchCallback", "flight_recorder_env", "solo_phase", "HEARTBEAT_SECONDS",
            "EXIT_CODE", "MIN_TIMEOUT_SECONDS", "DEFAULT_TIMEOUT_SECONDS", "SOLO_PHASE_TIMEOUT_SECONDS", "STALL_FRACTION",
            "TEST_HOLD_ENV"]
@@ -62,7 +69,6 @@ STALL_FRACTION = 0.8  # under NCCL the heartbeat reports at this share of the ti
 # Tests only: HFDIST_TEST_HOLD_<KEY>=seconds holds rank 0 that long alone at the start of the solo phase KEY (DATA:
 # data preparation, SAVE: the streamed save, WANDB / SUMMARY: W&B's start, the summary), to show the others wait.
 TEST_HOLD_ENV = "HFDIST_TEST_HOLD_"
-HEARTBEAT_SECONDS = 2.0
 EXIT_CODE = 3
 _STACK_FRAMES = 12
 _FR_ENTRIES = "2000"
@@ -246,80 +252,42 @@ class CollectiveWatch:
             beats[self._rank]["stack"] = [ln.rstrip() for ln in traceback.format_tb(exc.__traceback__)[-_STACK_FRAMES:]]
         return beats
 
-    def report(self, exc: BaseException | None = None) -> str:
-        """The paragraph a surviving rank prints: the collective that timed out, the ranks that never joined it,
-        and where each rank was (its last heartbeat's Python stack).
+    def diagnose(self, exc: BaseException | None = None) -> HangDiagnosis:
+        """Gather this rank's flight-recorder record and every rank's last heartbeat, and diagnose the hang
+        (hfdist.train.hang_report.diagnose).
 
         Args:
             exc: the timeout the main thread raised (gloo); None when the heartbeat found the collective stalled
                 (NCCL, before torch's watchdog aborts the process).
         """
-        record = _flight_record(collectives=True, nccl=self._nccl)
-        self._record = record
-        entry = _timed_out_entry(record)
-        beats, now = self._beats(exc), time.time()
-        where = f"step {self.step}" if self.step is not None else self.phase
+        self._record = _flight_record(collectives=True, nccl=self._nccl)
         limit = f"--collective-timeout {self.timeout:g} s" if self._timeout_now == self.timeout else \
             f"the timeout {self._timeout_now:g} s of this phase (rank 0 works alone in it)"
-        waited = f"waited more than {limit}"
-        if entry is not None:
-            group_key, group_desc = (entry.get("process_group") or ["?", "?"])[:2]
-            seq = int(entry.get("collective_seq_id") or entry.get("p2p_seq_id") or 0)
-            what = f"{entry.get('profiling_name')} #{seq} of process group {group_key} ({group_desc or 'unnamed'})"
-            missing = sorted(r for r, b in beats.items() if group_key in b.get("last_enqueued", {})
-                             and int(b["last_enqueued"][group_key] or -1) < seq)
-            if exc is None:
-                waited = (f"has waited {now - int(entry.get('time_created_ns') or 0) / 1e9:.0f} s, over "
-                          f"{STALL_FRACTION:.0%} of {limit}: reported now, before NCCL's watchdog aborts the process")
-        else:  # torch 2.13's gloo records only some ops (not FSDP2's all-gather / reduce-scatter into tensors)
-            error = f"; flight recorder: {record['error'][:160]}" if "error" in record else ""
-            gloo = f"; gloo: {str(exc).splitlines()[0].split('] ')[-1][:120]}" if exc is not None else ""
-            what = (f"{_collective_from_stack(exc) if exc is not None else 'a collective'} (from this rank's stack: "
-                    f"the flight recorder holds no unfinished entry{error}{gloo})")
-            missing, group_key = [], None
-        silent = sorted(r for r, b in beats.items() if now - b["time"] > 3 * HEARTBEAT_SECONDS and r != self._rank)
-        unknown = sorted(set(range(self._world)) - set(beats))
-        culprits = sorted(set(missing) | set(silent) | set(unknown))
-        lines = [f"hfdist: collective timeout on rank {self._rank} at {where}: {what} {waited}.",
-                 f"hfdist: never joined: {_rank_list(culprits) if culprits else 'no rank is known to be missing'}"
-                 + "".join(f"\nhfdist:   rank {r}: {_state_of(beats.get(r), now, group_key)}" for r in culprits)]
-        lines.append("hfdist: where each rank was (Python stack of its main thread: its last heartbeat's, this "
-                     "rank's now):")
-        for rank in range(self._world):
-            beat = beats.get(rank)
-            lines.append(f"hfdist: -- rank {rank}: {_state_of(beat, now, group_key)}")
-            lines += [f"hfdist:    {ln}" for frame in (beat or {}).get("stack", []) for ln in frame.splitlines()]
-        ended = self._end_silent_neighbours(beats, silent)
+        raised = exc is not None
+        return hang_report.diagnose(self._record, self._beats(exc), rank=self._rank, world=self._world, now=time.time(),
+                        where=f"step {self.step}" if self.step is not None else self.phase, limit=limit,
+                        stall_fraction=None if raised else STALL_FRACTION,
+                        unrecorded=_collective_from_stack(exc) if raised else "a collective",
+                        timeout_message=str(exc).splitlines()[0].split("] ")[-1][:120] if raised else None)
+
+    def act(self, diagnosis: HangDiagnosis) -> tuple[list[int], list[str]]:
+        """End what the hang leaves behind: SIGKILL the silent ranks on this host (the job is ending; they cannot
+        take part in it) and remove the unfinished save they were part of. Returns (killed ranks, removed saves)."""
         from hfdist.checkpoint.format import remove_unfinished
 
-        unfinished = remove_unfinished(self.output_dir)  # a save the missing rank was part of can never finish
-        if unfinished:
-            lines.append(f"hfdist: removed the unfinished save {', '.join(unfinished)} (never resumed from).")
-        if ended:
-            lines.append(f"hfdist: {_rank_list(ended)} on this host, silent, killed (SIGKILL) so that the job ends now "
-                         "(a stopped process ignores the launcher's SIGTERM, which then waits 30 s before SIGKILL).")
-        lines.append(f"hfdist: the job stops (exit code {EXIT_CODE}); checkpoints already complete are intact (resume "
-                     "with --resume). A rank that never joins is stopped, dead, or stuck outside a collective: see "
-                     "its stack above and its log in logs/.")
-        return "\n".join(lines)
-
-    @staticmethod
-    def _end_silent_neighbours(beats: dict[int, dict[str, Any]], silent: list[int]) -> list[int]:
-        """SIGKILL the silent ranks that run on this host (the job is ending; they cannot take part in it)."""
-        host, ended = socket.gethostname(), []
-        for rank in silent:
-            beat = beats[rank]
-            if beat.get("host") == host and beat.get("pid"):
-                with contextlib.suppress(OSError):
-                    os.kill(int(beat["pid"]), signal.SIGKILL)
-                    ended.append(rank)
-        return ended
+        killed = []
+        for rank, pid in diagnosis.silent_on(socket.gethostname()):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(rank)
+        return killed, remove_unfinished(self.output_dir)
 
     def report_and_exit(self, exc: BaseException | None) -> None:
-        """Print the report (`report`), write it to logs/hang-rank-<r>.txt (atomically), and leave now. A second
-        caller (the other thread) waits for the first one's exit."""
+        """Diagnose, act, print the report and write it to logs/hang-rank-<r>.txt (atomically), and leave now. A
+        second caller (the other thread) waits for the first one's exit."""
         self._reporting.acquire()
-        text = self.report(exc)
+        diagnosis = self.diagnose(exc)
+        text = hang_report.render(diagnosis, *self.act(diagnosis), exit_code=EXIT_CODE)
         print(text, file=sys.stderr, flush=True)
         logs = self.output_dir / "logs"
         _write_atomically(logs / f"hang-rank-{self._rank}.txt", text + "\n")
@@ -352,22 +320,6 @@ def _write_atomically(path: Path, text: str) -> None:
         os.replace(partial, path)
 
 
-def _timed_out_entry(record: dict[str, Any]) -> dict[str, Any] | None:
-    """The flight-recorder entry of the collective this rank is stuck in: in a group whose last enqueued collective
-    is past its last completed one, the first not completed (the oldest such, over the groups); else the oldest
-    entry not retired. (gloo marks the timed-out work retired once its wait has raised.)"""
-    entries = record.get("entries", [])
-    stuck = set()
-    for group, status in record.get("pg_status", {}).items():
-        done = int(status.get("last_completed_collective") or -1)
-        if int(status.get("last_enqueued_collective") or -1) > done:
-            stuck.add((group, done + 1))
-    found = [e for e in entries if ((e.get("process_group") or ["?"])[0], e.get("collective_seq_id")) in stuck
-             and not e.get("is_p2p")]
-    found = found or [e for e in entries if not e.get("retired")]
-    return min(found, key=lambda e: e.get("time_created_ns", 0)) if found else None
-
-
 def _collective_from_stack(exc: BaseException) -> str:
     """The collective named by the stack the timeout raised through: the innermost torch.distributed call (c10d's
     function, e.g. all_gather_into_tensor, or the wait in FSDP's code), with the first caller outside torch."""
@@ -380,21 +332,6 @@ def _collective_from_stack(exc: BaseException) -> str:
     caller = next((f for f in reversed(frames) if "site-packages/torch/" not in f.filename), None)
     where = f", called from {Path(caller.filename).name}:{caller.lineno} {caller.name}" if caller else ""
     return f"torch.distributed {inner.name} ({Path(inner.filename).name}:{inner.lineno}{where})"
-
-
-def _rank_list(ranks: list[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
-def _state_of(beat: dict[str, Any] | None, now: float, group_key: str | None) -> str:
-    if beat is None:
-        return "never published a heartbeat (it did not reach training, or its store connection failed)"
-    where = f"step {beat['step']}" if beat.get("step") is not None else beat.get("phase", "?")
-    age = now - beat["time"]
-    alive = f"alive ({age:.0f} s ago)" if age <= 3 * HEARTBEAT_SECONDS else \
-        f"silent for {age:.0f} s (stopped, dead, or holding the GIL)"
-    last = (beat.get("last_enqueued") or {}).get(group_key) if group_key is not None else None
-    return f"{where}, heartbeat {alive}" + (f", its last collective in that group #{last}" if last is not None else "")
 
 
 def _is_timeout(exc: BaseException) -> bool:

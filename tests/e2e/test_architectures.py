@@ -6,6 +6,10 @@ of the packed documents, applied per document).
 fsdp_tp and pp read the same facts through the same functions (hfdist.parallel.parallelize applies one TP plan, one
 FSDP unit and one stage split to every mesh rung), so an architecture fact either gets wrong fails here; those rungs
 themselves are checked on llama-tiny (tests/e2e/test_finetune_ladder.py, test_finetune_pipeline.py, test_resume.py).
+SmolLM3 (every 4th layer without rotary embeddings) is the architecture whose registry entry holds only what
+transformers lacks (its TP split and decoder-layer class are read from transformers): it trains on fsdp_tp
+(dp_shard 2 x tp 2), the rung that shows the plan read from its config is the right one; its pipeline split is
+checked in one process (tests/unit/test_registry.py).
 
 Same workload and tolerance as tests/e2e/test_finetune_ladder.py (4 steps, global batch 8 x 64, fp32, rel 1e-5).
 """
@@ -15,12 +19,17 @@ from __future__ import annotations
 import pytest
 
 from helpers import finetune_all
+from tolerances import order_rtol
 
 pytestmark = pytest.mark.multiproc
 
-LOSS_RTOL = 1e-5
-PRESETS = ["mistral-tiny", "qwen2-tiny", "qwen3-tiny"]
-RUNGS = ["3d"]
+# Each layout sums a step's gradients over the 512 tokens of the global batch in another order (and the vocabulary's
+# softmax, 1024 terms, is split under tp): order_rtol(1024) = 7.6e-6 per reordered reduction (tests/tolerances.py),
+# carried by 3 AdamW updates into the next steps' losses (depth 2 covers it: 1.5e-5). Measured: at most 1.4e-7
+# relative on smollm3-tiny's fsdp_tp (100 x below); the 3d runs stayed within the 1e-5 bound this replaces.
+LOSS_RTOL = order_rtol(1024, depth=2)
+RUNGS = {"mistral-tiny": "3d", "qwen2-tiny": "3d", "qwen3-tiny": "3d", "smollm3-tiny": "fsdp_tp"}
+PRESETS = list(RUNGS)
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +37,14 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], dict]:
     """{(preset, rung or "single"): summary}."""
     root = tmp_path_factory.mktemp("architectures")
     jobs = {}
-    for preset in PRESETS:
+    for preset, rung in RUNGS.items():
         jobs[preset, "single"] = (root / f"{preset}-single", ("--model", preset), {"via": "python"})
-        for rung in RUNGS:
-            jobs[preset, rung] = (root / f"{preset}-{rung}", ("--model", preset, "--config", rung, "--no-wandb"),
-                                  {"via": "python"})
+        jobs[preset, rung] = (root / f"{preset}-{rung}", ("--model", preset, "--config", rung, "--no-wandb"),
+                              {"via": "python"})
     return finetune_all(jobs)
 
 
-@pytest.mark.parametrize("rung", RUNGS)
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset,rung", RUNGS.items())
 def test_losses_match_single_process(runs, preset, rung):
     ref, got = runs[preset, "single"]["losses"], runs[preset, rung]["losses"]
     assert len(got) == len(ref) == 4
@@ -46,8 +53,7 @@ def test_losses_match_single_process(runs, preset, rung):
     assert runs[preset, rung]["strategy"]["attn_implementation"] == "hfdist_documents"
 
 
-@pytest.mark.parametrize("rung", RUNGS)
-@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("preset,rung", RUNGS.items())
 def test_planner_counts_the_architecture(runs, preset, rung):
     """The planner's per-rank param and optimizer bytes (an average over ranks) against the measured mean (2%)."""
     from hfdist.config.ladder import load_rung
@@ -68,5 +74,5 @@ def test_flops_per_token_is_the_architectures(runs, preset):
     from hfdist.metrics.flops import flops_per_token
     from hfdist.models.presets import load_config
 
-    for rung in ["single", *RUNGS]:
+    for rung in ["single", RUNGS[preset]]:
         assert runs[preset, rung]["flops_per_token"] == pytest.approx(flops_per_token(load_config(preset), 64))

@@ -69,6 +69,7 @@ def test_the_wheel_holds_the_ladder_data_and_tokenizer(installed):
     assert yamls == sorted(known_rung_names()) and len([n for n in shipped if n.endswith(".json")]) >= 6
     assert sorted(set(shipped) - names) == []
     assert "hfdist/cli/__main__.py" in names
+    assert "hfdist/requirements/base.txt" in names  # the floors `import hfdist` checks
 
 
 def test_installed_hfdist_runs_from_any_directory(installed):

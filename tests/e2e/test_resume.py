@@ -6,8 +6,8 @@ that rung, helpers.SHARED_RUNS, whose losses and saved model tests/e2e/test_fine
 test_finetune_pipeline.py check). Its checkpoint-2 is copied into a fresh output folder and `--resume` continues from
 it: the resumed run's step-3/4 losses must equal the uninterrupted run's (same optimizer moments, LR schedule
 position, RNG and data position), and the final models must score the same. The shared runs write their DCP
-checkpoints in the background (--save-async, the default; their markers say so), so these are resumes from
-asynchronous checkpoints.
+checkpoints in the background (--save-async, asked for: a CPU run saves synchronously by default; their markers and
+their summaries' checkpoint costs say so), so these are resumes from asynchronous checkpoints.
 
 fsdp_full_shard resumes instead from a run of its own whose rank 1 was killed while writing checkpoint-4 in the
 background (held there, and only there, by a sitecustomize hook; rank 0 had written its shard): what the kill
@@ -141,6 +141,10 @@ def test_checkpoints_are_complete_and_describe_their_run(runs, name):
     assert marker["lora"] == name.startswith("lora_")
     assert marker["world_size"] == first["strategy"]["world_size"]
     assert marker["async_save"] is (name != "zero3")  # written in the background (DeepSpeed: its own, synchronous)
+    # What each checkpoint cost, in the summary: the step loop's wait and the write's own seconds.
+    costs = first["checkpoints"]
+    assert [c["step"] for c in costs] == [2, 4] and all(c["background"] is (name != "zero3") for c in costs)
+    assert all(c["held_s"] > 0 and c["write_s"] > 0 for c in costs)
     ckpt = full / "checkpoint-2"
     world = first["strategy"]["world_size"]
     assert sorted(p.name for p in ckpt.glob("rng_state_*.pth")) == [f"rng_state_{r}.pth" for r in range(world)]

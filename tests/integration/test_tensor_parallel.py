@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hfdist.models.registry import COLWISE, ROWWISE
+from hfdist.models.registry import REGISTRY
 
 from helpers import torchrun_json
 
@@ -98,7 +98,7 @@ def test_sharded_weights_are_exactly_one_over_tp(tp_results):
     """Every rank holds exactly 1/tp of each split linear/embedding under TP, 1/(dp_shard*tp) under FSDP x TP."""
     for per_rank in tp_results["bytes_per_rank"]:
         tp_bytes = {n: b for n, b in per_rank["tp"].items() if "norm" not in n}  # norms are replicated under TP
-        linears = [f"model.layers.{i}.{n}.weight" for i in range(4) for n in COLWISE + ROWWISE]
+        linears = [f"model.layers.{i}.{n}.weight" for i in range(4) for n in REGISTRY["llama"].linears]
         assert set(tp_bytes) == set(linears) | {"model.embed_tokens.weight", "lm_head.weight"}
         assert all(local * 2 == full for local, full in tp_bytes.values())
         for name, (local, full) in per_rank["fsdp_tp"].items():

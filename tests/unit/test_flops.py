@@ -56,8 +56,8 @@ def _measured_flops_per_token(model) -> float:
     return counter.get_total_flops() / (BATCH * SEQ)
 
 
-@pytest.mark.parametrize("preset", ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "qwen3-moe-tiny",
-                                    "mixtral-tiny"])
+@pytest.mark.parametrize("preset", ["llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "smollm3-tiny",
+                                    "qwen3-moe-tiny", "mixtral-tiny"])
 def test_tiny_models_match_flop_counter(preset):
     """Exact for what both count; norms, softmax, rotary, SiLU, residuals, biases and the loss are in neither. An MoE
     model's experts count their routed rows (T x k: active parameters, transformers' eager experts on CPU compute

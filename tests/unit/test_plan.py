@@ -45,8 +45,8 @@ def _rung(plan, name):
 
 
 @pytest.mark.parametrize("spec", ["llama-tiny", "llama-3.2-1b", "llama-3.1-8b", "custom", "mistral-tiny",
-                                  "qwen2-tiny", "qwen3-tiny", "qwen3-tied", "qwen3-moe-tiny", "mixtral-tiny",
-                                  "llama4-tiny", "qwen3-30b-a3b", "llama-4-scout"])
+                                  "qwen2-tiny", "qwen3-tiny", "qwen3-tied", "smollm3-tiny", "qwen3-moe-tiny",
+                                  "mixtral-tiny", "llama4-tiny", "qwen3-30b-a3b", "llama-4-scout"])
 def test_param_count_matches_meta_model(spec):
     """Every registered architecture: Qwen2's q/k/v biases, Qwen3's per-head norms and separate head_dim, the MoE
     models' stacked experts, routers, shared expert and dense layers among the MoE ones."""

@@ -13,7 +13,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from hfdist.models.build import build_model
 from hfdist.models.loss import count_loss_tokens
 from hfdist.models.presets import load_config
-from hfdist.models.registry import COLWISE, LORA_TARGETS, REGISTRY, ROWWISE
+from hfdist.models.registry import LORA_TARGETS, REGISTRY
 from hfdist.parallel.tensor import (
     TPError,
     apply_tp,
@@ -66,10 +66,10 @@ def test_validate_tp_vocab_hint_and_bad_degree():
 def test_plan_is_data_with_megatron_layout():
     plan = tp_plan(REGISTRY["llama"])
     layer = "model.layers.*"
-    for name in COLWISE:  # local tensors, column-split weights
+    for name in REGISTRY["llama"].colwise:  # local tensors, column-split weights
         style = plan[f"{layer}.{name}"]
         assert type(style) is LocalLinear and style.split == 0 and style.reduce_to is None
-    for name in ROWWISE:
+    for name in REGISTRY["llama"].rowwise:
         style = plan[f"{layer}.{name}"]
         assert type(style) is LocalLinear and style.split == 1 and style.reduce_to == Shard(1)  # reduce-scatter
     for norm in (f"{layer}.input_layernorm", f"{layer}.post_attention_layernorm", "model.norm"):

@@ -11,7 +11,7 @@ import pytest
 
 from hfdist.callbacks.rank_metrics import straggler_line
 from hfdist.config.finetune import parse_args
-from hfdist.train import watchdog
+from hfdist.train import hang_report, watchdog
 
 
 @pytest.mark.parametrize("value", ["0.5", "0", "-3", "nan"])
@@ -48,40 +48,84 @@ def test_flight_recorder_env_points_the_dump_into_the_run_logs(tmp_path):
     assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "logs" / "flight_recorder" / "rank_")
 
 
-def test_report_names_the_rank_behind_the_timed_out_collective(monkeypatch, tmp_path):
-    """Rank 0 timed out in all_reduce #5 of group 0; rank 1's last heartbeat (30 s old) had enqueued #4 only;
-    rank 2 is alive and had enqueued #5."""
-    import torch.distributed as dist
+# As gloo leaves it after rank 0 timed out in all_reduce #5 of group 0: the timed-out work retired, the group's last
+# completed one behind.
+_GLOO_RECORD = {"entries": [{"profiling_name": "gloo:broadcast", "collective_seq_id": 4, "retired": True,
+                             "is_p2p": False, "process_group": ["0", "default_pg"], "time_created_ns": 1},
+                            {"profiling_name": "gloo:all_reduce", "collective_seq_id": 5, "retired": True,
+                             "is_p2p": False, "process_group": ["0", "default_pg"], "time_created_ns": 2}],
+                "pg_status": {"0": {"last_enqueued_collective": "5", "last_completed_collective": "4"}}}
 
-    store = dist.HashStore()
-    now = time.time()
-    beats = {1: {"rank": 1, "time": now - 30, "phase": "training", "step": 7, "last_enqueued": {"0": "4"},
-                 "stack": ['  File "trainer.py", line 1, in training_step']},
-             2: {"rank": 2, "time": now - 1, "phase": "training", "step": 7, "last_enqueued": {"0": "5"},
-                 "stack": ['  File "fsdp.py", line 2, in all_reduce']}}
-    for rank, beat in beats.items():
-        store.set(f"hfdist/heartbeat/{rank}", json.dumps(beat))
-    # As gloo leaves it after the timeout: the timed-out work retired, the group's last completed one behind.
-    record = {"entries": [{"profiling_name": "gloo:broadcast", "collective_seq_id": 4, "retired": True,
-                           "is_p2p": False, "process_group": ["0", "default_pg"], "time_created_ns": 1},
-                          {"profiling_name": "gloo:all_reduce", "collective_seq_id": 5, "retired": True,
-                           "is_p2p": False, "process_group": ["0", "default_pg"], "time_created_ns": 2}],
-              "pg_status": {"0": {"last_enqueued_collective": "5", "last_completed_collective": "4"}}}
-    monkeypatch.setattr(watchdog, "_flight_record", lambda collectives, nccl=False, only_active=False: record)
-    watch = watchdog.CollectiveWatch(tmp_path, 20)
-    watch._store, watch._rank, watch._world = store, 0, 3
-    watch.where("training", 7)
-    try:
-        raise RuntimeError("Timed out waiting 20000ms for recv operation to complete")
-    except RuntimeError as exc:
-        text = watch.report(exc)
+
+def _beats(now: float) -> dict[int, dict]:
+    """Rank 1's last heartbeat (30 s old, on another host) had enqueued #4 only; rank 2 is alive and had #5; rank 3
+    never published."""
+    return {0: {"rank": 0, "time": now, "phase": "training", "step": 7, "last_enqueued": {"0": "5"}, "stack": []},
+            1: {"rank": 1, "host": "elsewhere", "pid": 99, "time": now - 30, "phase": "training", "step": 7,
+                "last_enqueued": {"0": "4"}, "stack": ['  File "trainer.py", line 1, in training_step']},
+            2: {"rank": 2, "time": now - 1, "phase": "training", "step": 7, "last_enqueued": {"0": "5"},
+                "stack": ['  File "fsdp.py", line 2, in all_reduce']}}
+
+
+def test_diagnosis_names_the_ranks_behind_the_timed_out_collective():
+    """The pure diagnosis: the collective from the flight recorder, rank 1 behind it and silent, rank 3 unknown,
+    rank 2 alive and caught up; a silent rank on another host is not this host's to end."""
+    now = 1000.0
+    d = hang_report.diagnose(_GLOO_RECORD, _beats(now), rank=0, world=4, now=now, where="step 7",
+                             limit="--collective-timeout 20 s")
+    assert d.collective == "gloo:all_reduce #5 of process group 0 (default_pg)" and d.group == "0"
+    assert d.waited == "waited more than --collective-timeout 20 s"
+    assert (d.missing, d.silent, d.unknown, d.culprits) == ([1], [1], [3], [1, 3])
+    assert d.silent_on("elsewhere") == [(1, 99)] and d.silent_on("here") == []
+    stalled = hang_report.diagnose({**_GLOO_RECORD, "entries": [{**_GLOO_RECORD["entries"][1],
+                                                                 "time_created_ns": int((now - 17) * 1e9)}]},
+                                   _beats(now), rank=0, world=3, now=now, where="step 7",
+                                   limit="--collective-timeout 20 s", stall_fraction=0.8)
+    assert stalled.waited.startswith("has waited 17 s, over 80% of --collective-timeout 20 s")
+    unrecorded = hang_report.diagnose({"entries": [], "pg_status": {}}, _beats(now), rank=0, world=3, now=now,
+                                      where="step 7", limit="x", unrecorded="torch.distributed all_gather",
+                                      timeout_message="Timed out waiting 20000ms")
+    assert unrecorded.group is None and unrecorded.missing == [] and unrecorded.culprits == [1]
+    assert unrecorded.collective == ("torch.distributed all_gather (from this rank's stack: the flight recorder holds "
+                                     "no unfinished entry; gloo: Timed out waiting 20000ms)")
+
+
+def test_render_says_who_where_and_what_was_done():
+    now = 1000.0
+    d = hang_report.diagnose(_GLOO_RECORD, _beats(now), rank=0, world=3, now=now, where="step 7",
+                             limit="--collective-timeout 20 s")
+    text = hang_report.render(d, killed=[1], removed=["checkpoint-4"], exit_code=3)
     assert text.startswith("hfdist: collective timeout on rank 0 at step 7: gloo:all_reduce #5 of process group 0 "
                            "(default_pg) waited more than --collective-timeout 20 s.")
     assert "hfdist: never joined: rank 1\n" in text
     assert "rank 1: step 7, heartbeat silent for 30 s" in text and "its last collective in that group #4" in text
     assert 'hfdist:      File "trainer.py", line 1, in training_step' in text  # rank 1's last stack
     assert "hfdist: -- rank 2: step 7, heartbeat alive" in text
+    assert "removed the unfinished save checkpoint-4" in text and "rank 1 on this host, silent, killed" in text
+    assert "(exit code 3)" in text
     assert all(line.startswith("hfdist:") for line in text.splitlines())  # the console keeps it on the screen
+
+
+def test_watch_gathers_the_diagnosis_from_the_store_and_its_stack(monkeypatch, tmp_path):
+    """What the watch hands diagnose: every rank's heartbeat from the store, its own stack where the timeout
+    struck; and act() ends no rank of another host (nothing is removed from an output folder without saves)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    for rank, beat in _beats(time.time()).items():
+        if rank:
+            store.set(f"hfdist/heartbeat/{rank}", json.dumps(beat))
+    monkeypatch.setattr(watchdog, "_flight_record", lambda collectives, nccl=False, only_active=False: _GLOO_RECORD)
+    watch = watchdog.CollectiveWatch(tmp_path, 20)
+    watch._store, watch._rank, watch._world = store, 0, 3
+    watch.where("training", 7)
+    try:
+        raise RuntimeError("Timed out waiting 20000ms for recv operation to complete")
+    except RuntimeError as exc:
+        d = watch.diagnose(exc)
+    assert d.where == "step 7" and d.culprits == [1] and set(d.beats) == {0, 1, 2}
+    assert any("test_watchdog.py" in frame for frame in d.beats[0]["stack"])
+    assert watch.act(d) == ([], [])
 
 
 def _nccl_record(age_s: float) -> dict:

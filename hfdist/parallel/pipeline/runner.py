@@ -339,8 +339,6 @@ class PipelineRunner:
         num_tokens = num_tokens if num_tokens > 0 else 1
         kwargs = {"target": target.to(self.device) if self.has_last_stage else None,
                   "loss_kwargs": {"num_tokens": num_tokens}}
-        for stage in self.stages:  # the gradient token_sum_loss's division sends each micro-batch's loss sum
-            stage.loss_grad_scale = torch.ones((), dtype=torch.float32) / num_tokens
         if self.has_last_stage:  # split into micro-batches with the other stage inputs (CausalLMStage.forward)
             kwargs["loss_target"] = kwargs["target"]
         if attention_mask is not None:

@@ -73,8 +73,6 @@ class CausalLMStage(nn.Module):
             sequence).
         fused_loss: whether the last stage's loss computes its gradients in the forward (the default) or
             recomputes each chunk's logits in backward.
-        loss_grad_scale: the gradient the loss sum will get in backward (1 / the batch's token count; the runner
-            sets it per step): only the fused loss's rounding depends on it.
     """
 
     def __init__(self, lm: nn.Module, stage_index: int, num_stages: int, layer_range: range, name_prefix: str = ""):
@@ -93,7 +91,6 @@ class CausalLMStage(nn.Module):
         self.mask_kinds = facts_for(lm.config).mask_kinds(lm.config)
         self.loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE
         self.fused_loss = True
-        self.loss_grad_scale: float | torch.Tensor = 1.0
 
     @property
     def is_first(self) -> bool:
@@ -151,7 +148,7 @@ class CausalLMStage(nn.Module):
             return self.lm_head(self.norm(hidden))
         # Inside the stage's forward, so FSDP2's unsharded lm_head and TP's hooks on it serve every chunk.
         return chunked_token_sum_cross_entropy(self.lm_head, self.norm(hidden), loss_target, self.loss_chunk_size,
-                                               self.fused_loss, self.loss_grad_scale)
+                                               self.fused_loss)
 
 
     def _logits_at(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
