@@ -40,7 +40,7 @@ _ROUTER_KEYS = ("expert_tokens_min", "expert_tokens_max")
 # What one logging window reports per rank, in the order the gathered vector carries them.
 WINDOW_KEYS = (*_RATE_KEYS, *PEAK_KEYS, *_STATE_KEYS, *COUNT_KEYS, *_ROUTER_KEYS)
 # What the whole run reports per rank (`.ranks`, hfdist_summary.json).
-RUN_KEYS = (*WINDOW_KEYS, "steps", "setup_peak_memory_bytes", "training_peak_bytes")
+RUN_KEYS = (*WINDOW_KEYS, "steps", "setup_peak_memory_bytes", "training_peak_bytes", "training_resident_bytes")
 _LOW_PRECISION = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
