@@ -128,7 +128,7 @@ def dataclass_from_namespace(cls: type, args: argparse.Namespace, **overrides: A
 def options_markdown(cls: type) -> str:
     """The options of `cls` as the docs' Markdown tables, one per group: flag, job-file key, default, help."""
     lines = [f"<!-- generated from {cls.__module__}.{cls.__qualname__} by hfdist.config.options.options_markdown; "
-             f"tests/unit/test_docs.py keeps it equal -->"]
+             f"tests/unit/test_options.py keeps it equal -->"]
     by_group: dict[str, list[tuple[dataclasses.Field, Option]]] = {}
     descriptions: dict[str, str | None] = {}
     for f, spec in options_of(cls):
