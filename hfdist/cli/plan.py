@@ -1,4 +1,4 @@
-"""`hfdist plan`: per-rank memory of every rung of the ladder and the simplest rung that fits."""
+"""`hfdist plan`: per-rank memory of every rung of the ladder each rung's best layout and the fastest predicted one that fits."""
 
 from __future__ import annotations
 

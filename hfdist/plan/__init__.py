@@ -1,8 +1,15 @@
 """The memory planner: per-rank GPU bytes of every rung for a model and a cluster, from the config alone.
 
     bytes.py    the accounting: bytes per parameter, sharding per rung, offload, activations, buffers
+    context_bytes.py  what each context-parallel method (Ulysses, ring) adds to a rank's bytes and traffic
+    expert_bytes.py   the same for mixture-of-experts layers: ep, experts held, the all-to-all
     state_bytes.py  the model-state bytes a run allocates per rank (what simulate and the tests measure against)
-    planner.py  walks the ladder in decision-table order, picks the simplest rung that fits, says what to change
+    layouts.py  every valid layout of a rung: degrees, micro-batch, recompute (pins narrow the search)
+    cost.py     predicted step time of a layout: FLOPs over the matmul rate, collectives over the bandwidth, bubble
+    planner.py  walks the ladder, picks the fastest predicted layout that fits (a near tie goes to the simpler
+                rung), says what to change when nothing fits
+    render.py   the plan as a table or JSON
+    simulate.py the real parallelize recipe on the meta device and a fake process group, at any scale
 
     plan = plan_rungs(load_config("llama-3.1-70b"), gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB)
     print(plan.table()); plan.to_json(); plan.recommended.command

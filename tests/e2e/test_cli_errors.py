@@ -56,7 +56,8 @@ def test_planner_refuses_a_rung_that_cannot_fit(tmp_path):
     proc = _finetune("--config", "ddp", "--model", "llama-3.1-8b", "--gpu-mem-gb", "80",
                      "--output-dir", str(tmp_path / "o"))
     assert proc.returncode == 2
-    assert "ddp is predicted to need" in proc.stderr and "simplest rung that fits" in proc.stderr
+    assert "ddp is predicted to need" in proc.stderr and "fastest predicted layout that fits" in proc.stderr
+    assert "--config fsdp_tp.yaml" in proc.stderr  # the command that would fit
     assert "fsdp_full_shard" in proc.stderr  # the planner's table is shown
 
 
