@@ -142,6 +142,9 @@ def main() -> None:
     if record["rank"] == 0:
         args.out.write_text(json.dumps(records, indent=1))
     if cp > 1:
+        # Every rank past its last exchange before any tears the group down: the ring's gloo point-to-point pairs
+        # abort the process (std::terminate) when a peer leaves first (hfdist.job.run does the same).
+        dist.barrier()
         dist.destroy_process_group()
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import finetune
+from helpers import finetune_all
 
 pytestmark = pytest.mark.multiproc
 
@@ -53,11 +53,12 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     load_tokenizer(None, is_preset=True).save_pretrained(checkpoint)
     # `python scripts/finetune.py --config X` hands over to accelerate launch itself: one interpreter fewer per run
     # than the README's `accelerate launch scripts/finetune.py` (tested in test_finetune_ladder.py), same ranks.
-    out = {name: finetune(root / name, "--model", str(checkpoint), *RUN_ARGS, *args, via="python")
-           for name, args in FROM_CHECKPOINT.items()}
-    out["preset_fsdp4"] = finetune(root / "preset_fsdp4", "--model", MODEL, *RUN_ARGS, "--config", "fsdp_full_shard",
-                                   "--num-processes", "4", via="python")
-    return out
+    # Side by side: every figure here is a rank's own (its VmHWM, its tensors), which another launch does not move.
+    jobs = {name: (root / name, ("--model", str(checkpoint), *RUN_ARGS, *args), {"via": "python"})
+            for name, args in FROM_CHECKPOINT.items()}
+    jobs["preset_fsdp4"] = (root / "preset_fsdp4", ("--model", MODEL, *RUN_ARGS, "--config", "fsdp_full_shard",
+                                                    "--num-processes", "4"), {"via": "python"})
+    return finetune_all(jobs)
 
 
 def test_the_checkpoint_is_big_and_shipped_in_bf16(sizes):
