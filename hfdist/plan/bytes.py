@@ -35,7 +35,9 @@ Activations: hfdist.models.shape's per-layer formula (for DDP and the single pro
 runs them in bf16 as autocast over fp32 weights, so the residual stream stays fp32; the mesh rungs, a pipeline with
 one data-parallel rank included, compute in bf16 through FSDP2's policy); data parallelism does not split them; a
 1F1B pipeline stage s holds pp - s micro-batches in flight (at least pp micro-batches assumed), so the first stage
-holds a whole model's worth of layer activations for one micro-batch. A cp rank holds 1/cp of every sequence, and its
+holds a whole model's worth of layer activations for one micro-batch. With activation checkpointing a layer keeps
+its input only, and backward recomputes one layer at a time once the loss head's tensors are freed: the larger of
+that layer and the head counts, not both. A cp rank holds 1/cp of every sequence, and its
 method's own bytes on top (hfdist.plan.context_bytes: repeated kv heads, exchange buffers or the ring's key/value
 blocks in flight). Attention as the default (`auto`: flash varlen, flex or hfdist's document attention) holds nothing
 S x S; the explicit sdpa / eager choices add their dense mask and its per-layer copies
@@ -320,16 +322,20 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     full_layer = shape.layer_activation_bytes(tokens, elem, tp, w.lora_r if w.lora else 0, lora_targets, autocast)
     residual_elem = 4 if autocast else elem  # autocast keeps the residual stream between layers in fp32
     kept = shape.checkpointed_layer_bytes(tokens, residual_elem, tp) if w.activation_checkpointing else full_layer
-    activations = (pp - stage) * layers * kept + (full_layer if w.activation_checkpointing else 0)
+    activations = (pp - stage) * layers * kept
     activations += _dense_mask_bytes(shape, dims, w, stage, layers, elem)
     if dims.cp > 1:  # the cp method's own: repeated kv heads saved, exchange buffers / key-value blocks in flight
         activations += _context_bytes(shape, dims, w, tokens, elem, 1 if w.activation_checkpointing else
                                       (pp - stage) * layers)
-    if last:
-        # hfdist's loss holds one chunk of every sequence's fp32 logits at a time (hfdist.models.chunked_loss).
-        rows = w.seq // dims.cp
-        logit_tokens = w.micro_batch * min(w.loss_chunk_size or rows, rows)
-        activations += shape.head_activation_bytes(tokens, elem, tp, logit_tokens)
+    # hfdist's loss holds one chunk of every sequence's fp32 logits at a time (hfdist.models.chunked_loss).
+    rows = w.seq // dims.cp
+    head = shape.head_activation_bytes(tokens, elem, tp, w.micro_batch * min(w.loss_chunk_size or rows, rows)) \
+        if last else 0
+    # Without recompute the head's tensors come on top of every layer's at the end of the forward. With it, the
+    # peak is the larger of that moment (the layers' inputs and the head's) and one layer recomputed in backward,
+    # which runs once the head's backward has freed its tensors: they are never held together (measured on CPU
+    # by `hfdist tune`'s probes, results/cpu-2core/tune.md: counting both over-planned recompute by up to 25%).
+    activations += max(full_layer, head) if w.activation_checkpointing else head
 
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp

@@ -11,10 +11,12 @@ Every rank at once (so each sees the share of the machine it will have in traini
 - all-gathers over the whole group of 4 KiB (latency) and 16 MiB (bus bandwidth: (n - 1) / n of the buffer per
   rank), gloo on a CPU host and NCCL on GPUs;
 - on a GPU, a pinned host-to-device copy of 64 MiB (the host link);
-- the workspace: two training steps (forward, backward, AdamW) of hfdist's tiny Llama on 16 tokens, whose own
-  gradients, optimizer state and activations are a few MB: the rest of what the steps add to the rank's memory
-  (the allocator's peak on a GPU, the resident set on a CPU: kernels' code and scratch, the autograd engine's
-  threads) is what every training rank holds besides its model's tensors.
+- the workspace, on a GPU: two training steps (forward, backward, AdamW) of hfdist's tiny Llama on 16 tokens,
+  whose own gradients, optimizer state and activations are a few MB: the rest of the allocator's peak (cuBLAS and
+  NCCL workspaces, the caching allocator's rounding) is what every training rank holds besides its model's
+  tensors. On a CPU the probes' figure is the tensors a step holds (hfdist.callbacks.memory: training_peak_bytes),
+  so nothing besides them is planned: counting the resident set's growth there (kernels' code, the autograd
+  engine's threads, ~8 MB) over-planned small layouts by up to 50% (results/cpu-2core/tune.md).
 Each figure is the best of a few repeats (other work on a machine only ever slows a repeat down). Rank 0 writes
 the Hardware as JSON.
 """
@@ -58,8 +60,12 @@ def _fit_rate(rows: tuple[int, ...], rates: list[float]) -> tuple[float, float]:
 
 
 def _workspace(device) -> int:
-    """Bytes two training steps of a tiny model add beyond its gradients and optimizer state (module docstring)."""
+    """Bytes two training steps of a tiny model add beyond its gradients and optimizer state on a GPU; 0 on a CPU
+    (module docstring)."""
     import torch
+
+    if device.type == "cpu":
+        return 0
 
     from hfdist.metrics.memory import peak_memory_bytes, rank_state_bytes, start_peak_window
     from hfdist.models.build import build_model
@@ -115,7 +121,7 @@ def measure(hidden: int, intermediate: int, dtype: str) -> dict:
         host = pinned.nbytes / _best(lambda: big.copy_(pinned, non_blocking=True), sync)
     kind = torch.cuda.get_device_name(device) if on_gpu else "CPU"
     workspace = _workspace(device)
-    return {"workspace_bytes": workspace,"matmul_flops": peak, "half_rate_rows": half, "memory_bandwidth": memory,
+    return {"workspace_bytes": workspace, "matmul_flops": peak, "half_rate_rows": half, "memory_bandwidth": memory,
             "intra_node_bandwidth": bandwidth, "inter_node_bandwidth": bandwidth, "latency": latency,
             "host_bandwidth": host, "host_memory_bandwidth": memory,
             "source": f"measured by hfdist tune on this machine: {world} {kind} rank(s) at once, {dtype} matmuls of "

@@ -91,7 +91,8 @@ def test_planner_counts_the_dense_mask_on_every_rank():
 
 
 def test_plan_recommends_auto_over_a_dense_mask_that_cannot_fit():
-    plan = plan_rungs(preset_shape("llama-3.1-8b"), gpus_per_node=8, gpu_mem_bytes=80 * GB, seq=131072,
+    # At 192K tokens the (S, S) mask alone is 34 GiB of bools on every rank, whatever the degrees.
+    plan = plan_rungs(preset_shape("llama-3.1-8b"), gpus_per_node=8, gpu_mem_bytes=80 * GB, seq=196608,
                       activation_checkpointing=True, attention="sdpa")
     assert plan.recommended is None and "use --attn-implementation auto" in plan.hint
     assert "dense S x S document mask" in plan.assumptions()[2]
