@@ -8,8 +8,9 @@
 
 import sys
 
-from hfdist.cli.finetune import exit_after_run, run_finetune
+from hfdist.cli.finetune import run_finetune
+from hfdist.console import leave
 
 if __name__ == "__main__":
     # A hand-over starts this script again in each rank.
-    exit_after_run(run_finetune(sys.argv[1:], [__file__]))
+    leave(run_finetune(sys.argv[1:], [__file__]))

@@ -77,14 +77,16 @@ def accelerate(*args: str) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", *args]
 
 
-def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = "accelerate",
+def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = "python",
              cwd: Path = REPO, env: dict[str, str] | None = None) -> dict:
     """Run the main job into `out` (from `cwd`, with `env` added to the environment) and return its
     hfdist_summary.json, with the run's stdout and stderr under "_stdout" / "_stderr"; fail the test with the log if
     it fails.
 
-    via="accelerate": `accelerate launch scripts/finetune.py ...` (the README's form, hfdist hands over);
-    via="python": `python scripts/finetune.py ...`; config_file: `accelerate launch --config_file F ...`.
+    via="python": `python scripts/finetune.py ...` (what `hfdist finetune` runs; hfdist hands over to accelerate);
+    via="accelerate": `accelerate launch scripts/finetune.py ...` (the README's form: the same hand-over behind one
+    more process, which SHARED_RUNS takes on every kind of strategy); config_file: `accelerate launch --config_file F
+    ...`.
     """
     args = [str(FINETUNE), *TINY_ARGS, "--output-dir", str(out), *extra]
     if config_file is not None:
@@ -168,21 +170,22 @@ BF16_ARGS = ("--mixed-precision", "bf16", "--no-wandb")
 SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "single": ((), None, "python"),
     "lora_single": (("--lora",), None, "python"),
+    # The README's form (`accelerate launch scripts/finetune.py`) on DDP, FSDP2 x TP, ZeRO-3 and 3d; the rest as
+    # `hfdist finetune` runs it (`python scripts/finetune.py`: the same hand-over, one process less) ...
     "ddp": (("--config", "ddp.yaml"), None, "accelerate"),
-    "fsdp_full_shard": (("--config", "fsdp_full_shard.yaml"), None, "accelerate"),
+    "fsdp_full_shard": (("--config", "fsdp_full_shard.yaml"), None, "python"),
     "fsdp_tp": (("--config", "fsdp_tp.yaml"), None, "accelerate"),
     "zero3": (("--config", "zero3.yaml"), None, "accelerate"),
-    "lora_fsdp_full_shard": (("--config", "fsdp_full_shard", "--lora"), None, "accelerate"),
-    # `accelerate launch --config_file` (hfdist finds the rung through the launcher) ...
+    "lora_fsdp_full_shard": (("--config", "fsdp_full_shard", "--lora"), None, "python"),
+    # ... or `accelerate launch --config_file` (hfdist finds the rung through the launcher).
     # (It also reports to MLflow and TensorBoard: test_finetune_ladder reads every rank's series back from them.)
     "fsdp_hybrid": (("--report-to", "wandb,mlflow,tensorboard"), "fsdp_hybrid.yaml", "accelerate"),
     "pp": ((), "pp.yaml", "accelerate"),
-    # ... and the README's form, which hands over to accelerate itself.
     "3d": (("--config", "3d.yaml"), None, "accelerate"),
     # The ladder's zero2 (the Trainer's loss through DeepSpeed's engine) and the pipeline module's Interleaved1F1B
     # (the last stage's loss) compute the loss in chunks: each launch answers its own module's tests and the chunked
     # loss's, since chunking changes no loss beyond the 1e-5 those modules allow against the unchunked single run.
-    "zero2": (("--config", "zero2.yaml", *LOSS_CHUNKS), None, "accelerate"),
+    "zero2": (("--config", "zero2.yaml", *LOSS_CHUNKS), None, "python"),
     "pp_Interleaved1F1B": (("--config", "pp", "--pp-schedule", "Interleaved1F1B", *LOSS_CHUNKS), None, "python"),
     # The bf16 runs test_bf16.py checks and test_fp8.py compares its float8 runs with (BF16_SHARED).
     **{f"bf16_{name}": ((*(("--config", name) if name != "single" else ()), *BF16_ARGS), None, "python")

@@ -21,10 +21,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from hfdist.errors import HfdistError
 
-__all__ = ["main", "build_parser", "VERB_MODULES"]
+__all__ = ["main", "entry", "build_parser", "VERB_MODULES"]
 
 VERB_MODULES = ("finetune", "prepare", "configs", "plan", "tune", "compare", "simulate", "checkpoint")
 
@@ -50,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `hfdist` console script; returns the exit code."""
+    """Parse `argv` (the command line's by default) and run its verb; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     args.verb_argv = argv[argv.index(args.verb) + 1:]
@@ -59,3 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     except HfdistError as exc:
         print(f"hfdist: error: {exc}", file=sys.stderr)
         return 2
+
+
+def entry() -> NoReturn:
+    """The `hfdist` console script and `python -m hfdist.cli`: main(), then leave the process without the
+    interpreter's teardown (hfdist.console.leave says why). main() itself returns, for callers in a process of their
+    own making."""
+    from hfdist.console import leave
+
+    leave(main())

@@ -1,7 +1,5 @@
-"""`python -m hfdist.cli VERB ...`."""
+"""`python -m hfdist.cli VERB ...` (how a hand-over starts each rank of an installed hfdist)."""
 
-import sys
+from hfdist.cli import entry
 
-from hfdist.cli import main
-
-sys.exit(main())
+entry()

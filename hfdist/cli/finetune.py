@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from hfdist.config.finetune import MODULE_ENTRY, USAGE, add_finetune_arguments
 
-__all__ = ["VERB", "run_finetune", "exit_after_run"]
-
+__all__ = ["VERB", "run_finetune"]
 
 
 def run_finetune(argv: list[str], entry: list[str]) -> int:
@@ -40,24 +38,8 @@ def run_finetune(argv: list[str], entry: list[str]) -> int:
     return run_with_clear_errors(job)
 
 
-def exit_after_run(code: int) -> None:
-    """Leave the process with `code`. A rank of a multi-process run is complete at this point (summary, model and
-    W&B written, process group destroyed), but gloo's threads can still abort the interpreter's teardown
-    ("terminate called without an active exception", SIGABRT) and turn a finished run into a failed one: such a
-    rank leaves without that teardown."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from hfdist import console
-
-        console.finish()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
 def run(args: argparse.Namespace) -> int:
-    exit_after_run(run_finetune(args.verb_argv, MODULE_ENTRY))
-    return 0  # not reached
+    return run_finetune(args.verb_argv, MODULE_ENTRY)
 
 
 VERB = ("finetune", "fine-tune a model with a rung of the ladder (the job scripts/finetune.py runs)", USAGE,

@@ -74,4 +74,6 @@ def _wait_for_ranks() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from hfdist.console import leave
+
+    leave(main())

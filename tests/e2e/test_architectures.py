@@ -38,9 +38,9 @@ def runs(tmp_path_factory) -> dict[tuple[str, str], dict]:
     root = tmp_path_factory.mktemp("architectures")
     jobs = {}
     for preset, rung in RUNGS.items():
-        jobs[preset, "single"] = (root / f"{preset}-single", ("--model", preset), {"via": "python"})
+        jobs[preset, "single"] = (root / f"{preset}-single", ("--model", preset), {})
         jobs[preset, rung] = (root / f"{preset}-{rung}", ("--model", preset, "--config", rung, "--no-wandb"),
-                              {"via": "python"})
+                              {})
     return finetune_all(jobs)
 
 

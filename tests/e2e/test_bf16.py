@@ -41,10 +41,10 @@ def runs(shared_runs, tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("bf16")
     held = {"env": {f"HFDIST_TEST_HOLD_{p}": str(HOLD_S) for p in HELD_PHASES}}
     shared = [name for name in ["single", *RUNGS] if f"bf16_{name}" in SHARED_RUNS]
-    jobs = {name: (root / name, ("--config", name, *WORLD.get(name, ()), *BF16_ARGS), {"via": "python"})
+    jobs = {name: (root / name, ("--config", name, *WORLD.get(name, ()), *BF16_ARGS), {})
             for name in RUNGS if name not in shared}
     jobs["ddp"] = (root / "ddp", ("--config", "ddp", *BF16_ARGS, "--collective-timeout", str(SHORT_TIMEOUT_S)),
-                   {"via": "python", **held})
+                   {**held})
     out = shared_runs.launch([f"bf16_{name}" for name in shared], also=jobs)
     return {**out, **{name: shared_runs[f"bf16_{name}"] for name in shared}}
 

@@ -55,7 +55,7 @@ def runs(tmp_path_factory) -> dict[str, dict]:
                 "zero3_bf16": ("--config", "zero3_bf16.yaml"),
                 "zero3_fp16": ("--config", "zero3_fp16.yaml"),
                 "fsdp_one_process": ("--config", "fsdp_full_shard", "--num-processes", "1")}
-    out = finetune_all({name: (root / f"out_{name}", args, {"via": "python", "cwd": root})
+    out = finetune_all({name: (root / f"out_{name}", args, {"cwd": root})
                         for name, args in launches.items()})
     for name in out:
         out[name]["_dir"] = root / f"out_{name}"

@@ -23,7 +23,7 @@ SHARED = {"zero2": "zero2", "pp": "pp_Interleaved1F1B"}  # case -> the SHARED_RU
 def chunked_runs(tmp_path_factory, shared_runs) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("chunked")
     own = shared_runs.launch(list(SHARED.values()),
-                             also={"single": (root / "single", (*LOSS_CHUNKS, "--no-wandb"), {"via": "python"})})
+                             also={"single": (root / "single", (*LOSS_CHUNKS, "--no-wandb"), {})})
     return {**own, **{case: shared_runs[name] for case, name in SHARED.items()}}
 
 

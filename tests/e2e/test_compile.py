@@ -24,7 +24,7 @@ RUNGS = table_rungs(option="compile")  # the rung table's tested_with: ddp, fsdp
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("compile")
-    return finetune_all({name: (root / name, ("--config", name, "--compile", "--no-wandb"), {"via": "python"})
+    return finetune_all({name: (root / name, ("--config", name, "--compile", "--no-wandb"), {})
                          for name in RUNGS})
 
 

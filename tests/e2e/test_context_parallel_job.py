@@ -38,7 +38,7 @@ def cp_runs(tmp_path_factory, shared_runs):
             # cp on pipeline stages (the Trainer's batch cut before stage 0, the schedule's loss and scoring)
             "pp_cp": ("--config", "pp", "--num-processes", "4", "--cp", "2", "--cp-method", "ring")}
     held_out = eval_args(shared_runs.root)  # the other rungs' held-out conversations, evaluated at step 2 and 3
-    runs = finetune_all({name: (root / name, (*CP_ARGS, *extra, *held_out), {"via": "python"})
+    runs = finetune_all({name: (root / name, (*CP_ARGS, *extra, *held_out), {})
                          for name, extra in jobs.items()})
     for name, summary in runs.items():
         summary["_dir"] = root / name

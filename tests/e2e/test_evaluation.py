@@ -51,7 +51,7 @@ def runs(shared_runs, tmp_path_factory):
     load_best = ("--max-steps", "6", "--learning-rate", "5e-1", "--lr-scheduler", "constant", "--save-steps", "2",
                  "--eval-fraction", "0.05", "--eval-steps", "2", "--load-best", "--no-wandb")
     own = side_by_side({"from_job_file": from_job_file,
-                        "load_best": partial(finetune, root / "load_best", *load_best, via="python")})
+                        "load_best": partial(finetune, root / "load_best", *load_best)})
     for name, summary in own.items():
         summary["_dir"] = root / name
     return {**{name: shared_runs[name] for name in names}, **own}

@@ -44,8 +44,7 @@ def test_killed_rank_restarts_from_the_last_checkpoint(tmp_path):
     # The uninterrupted run trains beside the killed one (its own folder and port): it only slows the killed run,
     # which leaves the kill more time to land mid-training.
     with ThreadPoolExecutor(1) as pool:
-        reference = pool.submit(finetune, tmp_path / "reference", *STEPS, "--config", "fsdp_full_shard", "--no-wandb",
-                                via="python")
+        reference = pool.submit(finetune, tmp_path / "reference", *STEPS, "--config", "fsdp_full_shard", "--no-wandb")
         out = tmp_path / "killed"
         cmd = _torchrun("--nproc-per-node", "2", "--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                         f"127.0.0.1:{free_port()}", str(FINETUNE), *args, "--config", "fsdp_full_shard", "--resume",

@@ -36,8 +36,9 @@ FULL = table_rungs("ladder")
 LORA = table_rungs("ladder", "lora")
 # Every rung holding 1/dp_shard of params, grads and optimizer state: ZeRO-3 and FSDP2 without tp.
 FULL_SHARDING = [n for n in FULL if (r := load_rung(n)).zero_stage == 3 or (r.uses_fsdp and not r.uses_tp)]
-# Half the rungs go through the README's form (hfdist hands over to accelerate), half through
-# `accelerate launch --config_file`, so both entry paths are exercised on every kind of strategy.
+# Half the rungs go through hfdist's hand-over (`python scripts/finetune.py --config`, or the README's `accelerate
+# launch scripts/finetune.py --config` for the shared runs helpers.SHARED_RUNS marks), half through `accelerate launch
+# --config_file`, so every entry path is exercised on every kind of strategy.
 VIA_CONFIG_FILE = {"fsdp_hybrid", "zero1", "zero2_tp", "zero3_offload_cpu"}
 
 

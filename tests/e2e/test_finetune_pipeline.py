@@ -35,7 +35,7 @@ def runs(tmp_path_factory, references, shared_runs):
     root = tmp_path_factory.mktemp("pipeline")
     shared = [n for n in RUNGS + [f"pp_{s}" for s in SCHEDULES] if n in SHARED_RUNS]
     jobs = {name: (root / name, ("--config", name.removeprefix("lora_"), *(("--lora",) if name in LORA else ())),
-                   {"via": "python"}) for name in RUNGS + LORA if name not in SHARED_RUNS}
+                   {}) for name in RUNGS + LORA if name not in SHARED_RUNS}
     for schedule in SCHEDULES:
         if f"pp_{schedule}" in SHARED_RUNS:
             continue
@@ -43,7 +43,7 @@ def runs(tmp_path_factory, references, shared_runs):
         # recomputed: one launch answers the schedule's tests and accumulation's.
         extra = ACCUM_AC if schedule == ACCUM_AC_SCHEDULE else ()
         jobs[f"pp_{schedule}"] = (root / f"pp_{schedule}", ("--config", "pp", "--pp-schedule", schedule, *extra),
-                                  {"via": "python"})
+                                  {})
     out = shared_runs.launch(shared, also=jobs)
     out.update({name: shared_runs[name] for name in shared})
     return {**references, **out}

@@ -51,8 +51,8 @@ GATHERED_IN_FLOAT8 = {"fsdp_full_shard", "fsdp_hybrid", "fsdp_tp", "3d"}
 @pytest.fixture(scope="module")
 def runs(shared_runs, tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("fp8")
-    jobs = {"single": (root / "single", ("--fp8", *ONE_SEQUENCE, "--no-wandb"), {"via": "python"})}
-    jobs.update({name: (root / name, ("--config", name, *OPTIONS[name], "--no-wandb"), {"via": "python"})
+    jobs = {"single": (root / "single", ("--fp8", *ONE_SEQUENCE, "--no-wandb"), {})}
+    jobs.update({name: (root / name, ("--config", name, *OPTIONS[name], "--no-wandb"), {})
                  for name in RUNGS})
     fp8 = shared_runs.launch(list(BF16_OF.values()), also=jobs)
     return {**fp8, **{key: shared_runs[key] for key in BF16_OF.values()}}

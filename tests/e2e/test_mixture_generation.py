@@ -60,7 +60,7 @@ def runs(tmp_path_factory):
               "--eval-max-new-tokens", str(NEW_TOKENS), "--num-processes", "2", "--save-steps", "0")
     trackers = ("--report-to", "wandb,mlflow,tensorboard")
     out = finetune_all({rung: (root / rung, ("--config", rung, *common, *(trackers if rung == "ddp" else ())),
-                               {"via": "python"}) for rung in RUNGS})
+                               {}) for rung in RUNGS})
     for rung, summary in out.items():
         summary["_dir"] = root / rung
     out["_prompts"] = prompts

@@ -29,9 +29,9 @@ MODEL = ("--model", "qwen3-moe-tiny")
 def runs(tmp_path_factory) -> dict[str, dict]:
     """{"single" | "fsdp_ep": summary (+ "_dir")}, launched side by side."""
     root = tmp_path_factory.mktemp("moe_job")
-    jobs = {"single": (root / "single", (*MODEL, "--report-to", "none"), {"via": "python"}),
+    jobs = {"single": (root / "single", (*MODEL, "--report-to", "none"), {}),
             "fsdp_ep": (root / "fsdp_ep", (*MODEL, "--config", "fsdp_ep", "--ep", "2", "--report-to", "tensorboard"),
-                        {"via": "python"})}
+                        {})}
     summaries = finetune_all(jobs)
     for name, summary in summaries.items():
         summary["_dir"] = jobs[name][0]

@@ -57,15 +57,15 @@ def _bf16_folder(root, preset: str, seed: int):
 def runs(tmp_path_factory) -> dict[str, dict]:
     root = tmp_path_factory.mktemp("qlora")
     default = ("--model", "llama-small")  # the embedded default (TINY_ARGS name llama-tiny)
-    jobs = {"single": (root / "single", (*default, *QLORA, *FP32), {"via": "python"})}
+    jobs = {"single": (root / "single", (*default, *QLORA, *FP32), {})}
     for name in RUNGS:
         precision = () if name == BF16_RUNG else FP32
-        jobs[name] = (root / name, ("--config", name, *default, *QLORA, *precision), {"via": "python"})
+        jobs[name] = (root / name, ("--config", name, *default, *QLORA, *precision), {})
     for arch, (preset, rung, seed) in ARCHITECTURES.items():
         model = ("--model", str(_bf16_folder(root, preset, seed)))
         extra = CHECKPOINTED if arch == "qwen2" else QLORA
-        jobs[f"{arch}_single"] = (root / f"{arch}_single", (*model, *QLORA, *FP32), {"via": "python"})
-        jobs[f"{arch}_{rung}"] = (root / f"{arch}_{rung}", ("--config", rung, *model, *extra, *FP32), {"via": "python"})
+        jobs[f"{arch}_single"] = (root / f"{arch}_single", (*model, *QLORA, *FP32), {})
+        jobs[f"{arch}_{rung}"] = (root / f"{arch}_{rung}", ("--config", rung, *model, *extra, *FP32), {})
     out = finetune_all(jobs)
     for name, (folder, _, _) in jobs.items():
         out[name]["_dir"] = folder
@@ -181,6 +181,6 @@ def test_checkpoint_holds_the_adapters_and_resumes_on_another_layout(runs, tmp_p
     resumed_dir.mkdir()
     shutil.copytree(checkpoint, resumed_dir / "checkpoint-2")
     resumed = finetune(resumed_dir, "--config", "ddp", "--model", summary["config"]["model"], *CHECKPOINTED, *FP32,
-                       "--resume", via="python")
+                       "--resume")
     assert "resharding fsdp_full_shard on 2 ranks" in resumed["_stdout"]
     assert resumed["losses"][-2:] == pytest.approx(summary["losses"][2:], rel=LOSS_RTOL)

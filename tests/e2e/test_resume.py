@@ -104,7 +104,7 @@ def runs(tmp_path_factory, shared_runs):
         else:
             resumed.mkdir(parents=True)
             shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
-        jobs[name] = (resumed, (*args, "--resume"), {"via": "python"})
+        jobs[name] = (resumed, (*args, "--resume"), {})
     seconds = finetune_all(jobs)
     out = {name: (shared_runs[name], seconds[name], shared_runs[name]["_dir"], jobs[name][0]) for name in RUNGS}
     return {**out, "_killed": killed}

@@ -39,7 +39,7 @@ def sources(tmp_path_factory, shared_runs):
     folder = tmp_path_factory.mktemp("reshard") / PP_ODD
     shared = [source for source, _ in CASES.values() if source != PP_ODD]
     own = shared_runs.launch(shared, also={PP_ODD: (folder, (*ODD, "--config", "pp", *SHARED_SAVE_STEPS, "--no-wandb"),
-                                                    {"via": "python"})})
+                                                    {})})
     out = {PP_ODD: (own[PP_ODD], folder)}
     out.update({source: (shared_runs[source], shared_runs[source]["_dir"]) for source in shared})
     return out
@@ -52,7 +52,7 @@ def resumed(tmp_path_factory, sources) -> dict[str, tuple[dict, Path]]:
     jobs = {}
     for case, (source, target) in CASES.items():
         shutil.copytree(sources[source][1] / "checkpoint-2", root / case / "checkpoint-2")
-        jobs[case] = (root / case, (*target, *SHARED_SAVE_STEPS, "--no-wandb", "--resume"), {"via": "python"})
+        jobs[case] = (root / case, (*target, *SHARED_SAVE_STEPS, "--no-wandb", "--resume"), {})
     return {case: (summary, root / case) for case, summary in finetune_all(jobs).items()}
 
 

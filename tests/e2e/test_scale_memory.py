@@ -54,10 +54,10 @@ def runs(tmp_path_factory) -> dict[str, dict]:
     # `python scripts/finetune.py --config X` hands over to accelerate launch itself: one interpreter fewer per run
     # than the README's `accelerate launch scripts/finetune.py` (tested in test_finetune_ladder.py), same ranks.
     # Side by side: every figure here is a rank's own (its VmHWM, its tensors), which another launch does not move.
-    jobs = {name: (root / name, ("--model", str(checkpoint), *RUN_ARGS, *args), {"via": "python"})
+    jobs = {name: (root / name, ("--model", str(checkpoint), *RUN_ARGS, *args), {})
             for name, args in FROM_CHECKPOINT.items()}
     jobs["preset_fsdp4"] = (root / "preset_fsdp4", ("--model", MODEL, *RUN_ARGS, "--config", "fsdp_full_shard",
-                                                    "--num-processes", "4"), {"via": "python"})
+                                                    "--num-processes", "4"), {})
     return finetune_all(jobs)
 
 

@@ -135,9 +135,7 @@ def test_refusal_is_one_paragraph_exit_2_and_nothing_written(tmp_path, capsys):
     from hfdist.cli import main
 
     out = tmp_path / "run"
-    with pytest.raises(SystemExit) as exit_code:
-        main(["finetune", "--config", "3d", "--qlora", "--output-dir", str(out)])
-    assert exit_code.value.code == 2
+    assert main(["finetune", "--config", "3d", "--qlora", "--output-dir", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("hfdist: error: --qlora does not run on 3d: tensor parallelism") and err.count("\n") == 1
     assert not out.exists()
