@@ -18,6 +18,11 @@ a training step. Everything else in hfdist reaches torch through public APIs.
   all-reduce (hfdist.parallel.tensor_styles.PartialGradReducer). Public hooks fire per tensor
   (`register_post_accumulate_grad_hook`) or before accumulation (`register_multi_grad_hook`), and none at the end of
   a backward whose inputs need no gradient (a model's input ids).
+- `pipeline_receive_buffers`: the buffers a `torch.distributed.pipelining` stage receives into, one per micro-batch
+  for the activations it gets and one for the gradients it gets back, allocated at its first step and kept for the
+  run (the stage's `args_recv_info` / `grad_recv_info`). torch keeps no public count of them; hfdist's memory meter
+  counts them with the rest of a rank's training state (hfdist.metrics.memory.held_outside_bytes), as the planner
+  does (hfdist.plan.bytes).
 - `loss_parallel_active`: whether `torch.distributed.tensor.parallel.loss_parallel()` is in effect, read from the
   DTensor handlers it installs (torch keeps no public flag). The recomputing chunked loss refuses vocab-sharded
   logits outside it rather than let DTensor gather every chunk's whole vocabulary.
@@ -31,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["call_with_parameters", "queue_after_backward", "loss_parallel_active"]
+__all__ = ["call_with_parameters", "queue_after_backward", "pipeline_receive_buffers", "loss_parallel_active"]
 
 
 def call_with_parameters(module: nn.Module, forward: Callable[..., Any],
@@ -49,6 +54,20 @@ def call_with_parameters(module: nn.Module, forward: Callable[..., Any],
 def queue_after_backward(callback: Callable[[], None]) -> None:
     """Run `callback` once the backward now running has finished (call it from inside a backward hook)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def pipeline_receive_buffers(stage: Any) -> list[torch.Tensor]:
+    """The receive buffers torch.distributed.pipelining's `stage` (a PipelineStage) holds: none before its first
+    step; DTensor activations as their local tensors."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+        for info in infos:
+            buffer = getattr(info, "buffer", None)  # a root argument's placeholder has none
+            if isinstance(buffer, torch.Tensor):
+                out.append(buffer.to_local() if isinstance(buffer, DTensor) else buffer)
+    return out
 
 
 def loss_parallel_active() -> bool:

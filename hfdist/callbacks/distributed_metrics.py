@@ -26,7 +26,7 @@ from hfdist.callbacks.progress import MetricsProgressCallback, rank_table
 from hfdist.callbacks.rank_metrics import aggregate_ranks, gather_records, slowest_rank, straggler_line
 from hfdist.callbacks.throughput import ThroughputMeter
 from hfdist.metrics.flops import TokenFlops, mfu, model_token_flops, tflops_per_device
-from hfdist.metrics.memory import ddp_bucket_bytes
+from hfdist.metrics.memory import held_outside_bytes
 from hfdist.metrics.peaks import PeakFlops, device_peak_flops
 from hfdist.models.registry import UnsupportedModelError
 
@@ -155,7 +155,8 @@ class DistributedMetricsCallback(TrainerCallback):
                   "TrainingArguments or set ACCELERATE_USE_CPU=1 for data-parallel training over CPU processes.")
         self._memory, self._throughput = MemoryMeter(), ThroughputMeter()  # a new run per train() call
         self._memory.start(model, optimizer, args.device,
-                           held_outside=ddp_bucket_bytes(trainer.model_wrapped) if trainer is not None else 0)
+                           held_outside=(lambda: held_outside_bytes(trainer.model_wrapped)) if trainer is not None
+                           else (lambda: 0))
         self._throughput.start(model, args.device)
         self._throughput.idle()
         self._running = True

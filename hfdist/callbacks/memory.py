@@ -18,6 +18,8 @@ on llama-small under TP), which no plan of the tensors counts.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from hfdist.metrics.memory import (
@@ -58,18 +60,22 @@ class MemoryMeter:
         self._run: dict[str, int] = {}
         self._counts_at_start: dict[str, int] = {}
         self._counts_seen: dict[str, int] = {}
-        self._held_at_start = self._resident_at_start = self._held_outside = 0
+        self._held_at_start = self._resident_at_start = 0
+        self._held_outside: Callable[[], int] = lambda: 0
         self._steps = 0
         self._counter: LiveTensorBytes | None = None  # the second step's tensors, on CPU
         self._counted_peak: int | None = None
         self._counted_held = 0
 
-    def start(self, model: torch.nn.Module, optimizer, device: torch.device, held_outside: int = 0) -> None:
+    def start(self, model: torch.nn.Module, optimizer, device: torch.device,
+              held_outside: Callable[[], int] = lambda: 0) -> None:
         """Hook the model and optimizer and open the first window (the peak so far becomes the setup peak).
 
         Args:
-            held_outside: bytes of training state allocated already but not in the model's or optimizer's tensors
-                (DDP's gradient buckets), counted in `training_peak_bytes`.
+            held_outside: the bytes of training state not in the model's or optimizer's tensors (DDP's gradient
+                buckets, a pipeline's receive buffers: hfdist.metrics.memory.held_outside_bytes), counted in
+                `training_peak_bytes`; read now and again when the count starts, after the first step (which
+                allocates the pipeline's).
         """
         self._model, self._device = model, device
         inner = innermost_optimizer(optimizer)
@@ -83,7 +89,7 @@ class MemoryMeter:
         counts = cuda_memory_stats(device)
         self._counts_at_start = self._counts_seen = {k: counts[k] for k in COUNT_KEYS if k in counts}
         self._held_outside = held_outside
-        self._held_at_start = sum(rank_state_bytes(model, optimizer).values()) + held_outside
+        self._held_at_start = sum(rank_state_bytes(model, optimizer).values()) + held_outside()
         self._resident_at_start = start_peak_window(device)
         self._steps = 0
         self._count_tensors = device.type == "cpu" and not any(
@@ -106,7 +112,7 @@ class MemoryMeter:
             held = self._state_bytes
             # what the second step starts with; its gradients are freed and made again inside the count
             self._counted_held = held["param_bytes"] + held["optimizer_bytes"] + held["master_bytes"] + \
-                self._held_outside
+                self._held_outside()
             self._counter = LiveTensorBytes()
             self._counter.__enter__()
 

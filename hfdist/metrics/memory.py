@@ -24,7 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["held_tensor", "innermost_optimizer", "rank_state_bytes", "ddp_bucket_bytes", "peak_memory_bytes", "current_memory_bytes",
+__all__ = ["held_tensor", "innermost_optimizer", "rank_state_bytes", "held_outside_bytes",
+           "peak_memory_bytes", "current_memory_bytes",
            "reset_peak_memory", "cuda_peaks_kept_through_resets", "start_peak_window", "cuda_memory_stats", "saved_tensor_bytes", "LiveTensorBytes",
            "freed_memory_returned_to_os", "MMAP_THRESHOLD_BYTES"]
 
@@ -107,6 +108,14 @@ def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
         optimizer_bytes = _storage_bytes(state_tensors, set())
     return {"param_bytes": param_bytes, "grad_bytes": grad_bytes, "optimizer_bytes": optimizer_bytes,
             "master_bytes": master_bytes}
+
+
+def held_outside_bytes(model: torch.nn.Module) -> int:
+    """Bytes of training state `model` (the Trainer's wrapped model) holds outside its parameters, gradients and
+    optimizer state: DDP's gradient buckets, a pipeline's receive buffers (allocated at its first step)."""
+    from hfdist.parallel.pipeline.model import PipelineModel
+
+    return ddp_bucket_bytes(model) + (model.receive_buffer_bytes() if isinstance(model, PipelineModel) else 0)
 
 
 def ddp_bucket_bytes(model: torch.nn.Module) -> int:

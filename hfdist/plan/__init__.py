@@ -3,6 +3,7 @@
     bytes.py    the accounting: bytes per parameter, sharding per rung, offload, activations, buffers
     context_bytes.py  what each context-parallel method (Ulysses, ring) adds to a rank's bytes and traffic
     expert_bytes.py   the same for mixture-of-experts layers: ep, experts held, the all-to-all
+    pipeline_bytes.py what a pipeline stage keeps beside its layers: outputs, input gradients, receive buffers
     state_bytes.py  the model-state bytes a run allocates per rank (what simulate and the tests measure against)
     layouts.py  every valid layout of a rung: degrees, micro-batch, recompute (pins narrow the search)
     cost.py     predicted step time of a layout: FLOPs over the matmul rate, collectives over the bandwidth, bubble

@@ -35,7 +35,8 @@ Activations: hfdist.models.shape's per-layer formula (for DDP and the single pro
 runs them in bf16 as autocast over fp32 weights, so the residual stream stays fp32; the mesh rungs, a pipeline with
 one data-parallel rank included, compute in bf16 through FSDP2's policy); data parallelism does not split them; a
 1F1B pipeline stage s holds pp - s micro-batches in flight (at least pp micro-batches assumed), so the first stage
-holds a whole model's worth of layer activations for one micro-batch. With activation checkpointing a layer keeps
+holds a whole model's worth of layer activations for one micro-batch, and what torch's stages keep beside them:
+outputs, input gradients, receive buffers and a backward's working set (hfdist.plan.pipeline_bytes). With activation checkpointing a layer keeps
 its input only, and backward recomputes one layer at a time once the loss head's tensors are freed: the larger of
 that layer and the head counts, not both. A cp rank holds 1/cp of every sequence, and its
 method's own bytes on top (hfdist.plan.context_bytes: repeated kv heads, exchange buffers or the ring's key/value
@@ -76,6 +77,7 @@ from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import gathers_in_float8
 from hfdist.plan.expert_bytes import gathered_layer_params
+from hfdist.plan.pipeline_bytes import pipeline_stage_bytes
 
 __all__ = [
     "PlanError",
@@ -331,11 +333,20 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     rows = w.seq // dims.cp
     head = shape.head_activation_bytes(tokens, elem, tp, w.micro_batch * min(w.loss_chunk_size or rows, rows)) \
         if last else 0
-    # Without recompute the head's tensors come on top of every layer's at the end of the forward. With it, the
-    # peak is the larger of that moment (the layers' inputs and the head's) and one layer recomputed in backward,
-    # which runs once the head's backward has freed its tensors: they are never held together (measured on CPU
-    # by `hfdist tune`'s probes, results/cpu-2core/tune.md: counting both over-planned recompute by up to 25%).
-    activations += max(full_layer, head) if w.activation_checkpointing else head
+    # Without recompute (and outside a pipeline) the head's tensors come on top of every layer's at the end of the
+    # forward. With it, the peak is the larger of that moment (the layers' inputs and the head's) and one layer
+    # recomputed in backward, which runs once the head's backward has freed its tensors: they are never held
+    # together (measured on CPU by `hfdist tune`'s probes, results/cpu-2core/tune.md: counting both over-planned
+    # recompute by up to 25%). A pipeline stage without the head peaks in a backward instead (hfdist.plan.pipeline_bytes).
+    in_backward = full_layer if w.activation_checkpointing else 0
+    receive_buffers = 0
+    if pp > 1:
+        assert rung.pipeline is not None
+        held, working, receive_buffers = pipeline_stage_bytes(shape, dims.pp, stage, rung.pipeline.n_microbatches,
+                                                              tokens, elem, pb.grad, dims.tp)
+        activations += held
+        in_backward += working
+    activations += max(in_backward, head)
 
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp
@@ -354,6 +365,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
         buffers += 2 * trainable * pb.grad
     if rung.uses_deepspeed:
         buffers += _ds_reduce_bucket_bytes(rung, shape, pb.grad)
+    buffers += receive_buffers
     return RankBytes(*(int(x) for x in (weights, grads, master, optimizer, activations, buffers, offloaded,
                                         offloaded_weights)))
 

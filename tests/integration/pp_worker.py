@@ -143,7 +143,7 @@ def run_case(mesh, schedule: str, batches, *, tied: bool = False, lora: bool = F
     runner.loss_chunk_size = 5
     del model
     opt = torch.optim.AdamW([p for p in runner.parameters() if p.requires_grad], lr=LR)
-    losses, norms = [], []
+    losses, norms, receive_bytes = [], [], []
     grad_types: set[str] = set()
     for batch in batches:
         if accum:
@@ -154,6 +154,7 @@ def run_case(mesh, schedule: str, batches, *, tied: bool = False, lora: bool = F
         else:
             loss = runner.step(batch["input_ids"], batch["labels"], batch["attention_mask"])
         grad_types |= {type(p.grad).__name__ for p in runner.parameters() if p.grad is not None}
+        receive_bytes.append(runner.receive_buffer_bytes())
         norms.append(float(runner.clip_grad_norm_(max_norm(lora))))
         opt.step()
         opt.zero_grad()
@@ -162,7 +163,8 @@ def run_case(mesh, schedule: str, batches, *, tied: bool = False, lora: bool = F
         dist.all_reduce(shared, group=runner.pp_group)
         losses.append(float(shared))
     state = saved_state(runner, tied, lora)
-    out = dict(losses=losses, norms=norms, grad_types=sorted(grad_types), stages=runner.stage_indices)
+    out = dict(losses=losses, norms=norms, grad_types=sorted(grad_types), stages=runner.stage_indices,
+               receive_bytes=receive_bytes)
     if state is not None:
         out["final_loss"] = reload_loss(state, tied, lora, batches[0])
         if lora:

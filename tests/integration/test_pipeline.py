@@ -54,6 +54,26 @@ def test_pipeline_matches_single_process(pp_results, name):
 
 
 @pytest.mark.multiproc
+def test_receive_buffers_are_counted_as_the_planner_counts_them(pp_results):
+    """torch allocates one receive buffer per micro-batch (2 rows x 16 tokens x 32 hidden, fp32: 4,096 bytes) at the
+    first step, for the activations a stage gets (all but the first stage) and the gradients it gets back (all but
+    the last), and keeps them: what hfdist.plan.pipeline_bytes plans and the memory meter counts (rank 0 here)."""
+    one = 2 * 16 * 32 * 4
+    # 1F1B over 2 ranks: rank 0 holds stage 0 of 2, gradients only. Interleaved: stages 0 and 2 of 4.
+    assert _run(pp_results, "1F1B/untied")["receive_bytes"][:2] == [4 * one] * 2
+    assert _run(pp_results, "Interleaved1F1B/untied")["receive_bytes"][:2] == [(4 + 4 + 4) * one] * 2
+    from transformers import LlamaConfig
+
+    from hfdist.models.shape import ModelShape
+    from hfdist.plan.pipeline_bytes import pipeline_stage_bytes
+
+    shape = ModelShape.from_config(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2))
+    assert pipeline_stage_bytes(shape, 2, 0, 4, tokens=2 * 16, elem=4, grad_elem=4)[2] == 4 * one
+    assert pipeline_stage_bytes(shape, 4, 2, 4, tokens=2 * 16, elem=4, grad_elem=4)[2] == 8 * one
+
+
+@pytest.mark.multiproc
 def test_pipeline_layouts_lora_and_fsdp(pp_results):
     assert _run(pp_results, "Interleaved1F1B/untied")["stages"] == [0, 2]  # rank 0: stage i on rank i % pp
     assert _run(pp_results, "ZBVZeroBubble/tied")["stages"] == [0, 3]  # V: first and last stage on rank 0

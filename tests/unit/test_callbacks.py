@@ -280,3 +280,31 @@ def test_rank_table_marks_the_slowest_rank_and_lists_outputs():
     assert table[3].endswith("<- slowest") and table[3].split()[:2] == ["1", "2.00"]
     assert table[4:] == ["MFU against X", "model: /out"]
     assert rank_table([{"rank": 0, "tokens_per_second": 1.0}, {"rank": 1}]).splitlines()[2].split() == ["1", "-"]
+
+
+def test_cpu_count_includes_what_the_first_step_allocates_outside_the_model():
+    """The memory meter reads the bytes held outside the model and optimizer (DDP's buckets, a pipeline's receive
+    buffers) when its count of the second step starts, not when training starts: a pipeline allocates its receive
+    buffers in the first step, and the planner counts them (hfdist.plan.pipeline_bytes)."""
+    from hfdist.callbacks.memory import MemoryMeter
+
+    model = torch.nn.Linear(8, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    outside = {"bytes": 0}
+    meter = MemoryMeter()
+    meter.start(model, optimizer, torch.device("cpu"), held_outside=lambda: outside["bytes"])
+
+    def step():
+        model(torch.randn(4, 8)).sum().backward()
+        outside["bytes"] = 10**6  # a pipeline's buffers appear in its first step's forward and backward
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    meter.take_window()
+    step()
+    step()
+    figures = meter.finish()
+    params = sum(p.numel() * 4 for p in model.parameters())
+    assert figures["training_peak_bytes"] >= 10**6 + params
+    assert figures["training_peak_bytes"] < 10**6 + 3 * params + 4096  # params, their gradients, a step's tensors

@@ -352,11 +352,17 @@ def test_tensor_and_pipeline_rungs_are_planned_generically():
         + shape.head_params / 2 + h
     assert _rung(plan, "fsdp_tp2").dims == ParallelDims(dp_shard=4, tp=2)
     assert _rung(plan, "fsdp_tp2").bytes.weights == int(2 * per_tp_rank / 4)
-    # 1F1B: the first of 2 stages (16 layers, per split_stages) holds 2 micro-batches in flight.
+    # 1F1B over 4 micro-batches: the first of 2 stages (16 layers, per split_stages) holds 2 in flight and their
+    # outputs, the last 1 and 3 input gradients (hfdist.plan.bytes._pipeline_bytes); both peak in a backward, the
+    # MLP's three bf16 intermediate-wide gradients and the largest projection's bf16 gradient on each tp rank, or
+    # (the last) in its loss head, whichever is larger.
     pp_rung = _rung(plan_rungs(config, [tp_pp], tp=2, pp=2, **kw), "fsdp_tp2_pp2")
     assert pp_rung.dims == ParallelDims(dp_shard=2, pp=2, tp=2)
-    stage0 = 2 * 16 * shape.layer_activation_bytes(2048, 2, tp=2)
-    stage1 = 16 * shape.layer_activation_bytes(2048, 2, tp=2) + shape.head_activation_bytes(2048, 2, tp=2)
+    hidden = 2048 * h * 2
+    working = (2048 * 3 * shape.intermediate * 2 + shape.largest_projection * 2) // 2
+    stage0 = 2 * 16 * shape.layer_activation_bytes(2048, 2, tp=2) + 2 * hidden + working
+    stage1 = 16 * shape.layer_activation_bytes(2048, 2, tp=2) + 3 * hidden + \
+        max(working, shape.head_activation_bytes(2048, 2, tp=2))
     assert pp_rung.bytes.activations in (stage0, stage1)
     assert pp_rung.bytes.weights < _rung(plan, "fsdp_tp2").bytes.weights
     wide = _rung(plan_rungs(config, [tp2], tp=16, **kw), "fsdp_tp2")  # 8 kv heads cannot be split 16 ways
@@ -546,14 +552,15 @@ def test_presets_plan_without_importing_torch():
 
 def test_pipeline_with_one_data_parallel_rank_gathers_only_under_bf16():
     """pp with dp = 1 gets FSDP2 only for bf16 (its precision policy): then each stage holds bf16 copies of all its
-    units through the step; in fp32 nothing is gathered beyond the workspace."""
+    units through the step; in fp32 nothing is gathered: the workspace and the stage's receive buffers."""
     from hfdist.plan.bytes import WORKSPACE_BYTES, Workload, rung_rank_bytes
 
     shape = ModelShape.from_config(load_config("llama-3.1-8b"))
     dims = ParallelDims(pp=2)
     fp32 = rung_rank_bytes(shape, load_rung("pp"), dims, Workload(dtype="fp32"))
     bf16 = rung_rank_bytes(shape, load_rung("pp"), dims, Workload(dtype="bf16"))
-    assert fp32.buffers == WORKSPACE_BYTES
+    receive = 4 * Workload().seq * shape.hidden * 4  # one fp32 receive buffer per micro-batch (pipeline_bytes)
+    assert fp32.buffers == WORKSPACE_BYTES + receive
     assert bf16.buffers - WORKSPACE_BYTES >= 2 * (shape.layers // 2) * shape.layer_linear_params  # bf16 stage copy
 
 

@@ -9,7 +9,8 @@ wrapper:
   `.backward()` on what it returns (the schedule has already run the backward);
 - offers what a trainer needs besides the step, so no trainer reaches into the runner: `evaluate` (a batch's loss on
   every rank), `clip_grad_norm_` (over every stage), `save_modules` and `original_name` (the full model's names of
-  the local tensors, for saving and checkpoints), `has_last_stage` and `loss_chunk_size`.
+  the local tensors, for saving and checkpoints), `has_last_stage`, `loss_chunk_size` and `receive_buffer_bytes`
+  (what the stages receive into, for the memory meter).
 Saving streams the stages' tensors into a HF checkpoint (hfdist.checkpoint.hf_export), by the names `save_modules`
 maps back to the full model's.
 """
@@ -86,6 +87,11 @@ class PipelineModel(nn.Module):
     def has_last_stage(self) -> bool:
         """Whether this rank runs the last stage (the one that computes the loss)."""
         return self.runner.has_last_stage
+
+    def receive_buffer_bytes(self) -> int:
+        """Bytes of the buffers this rank's stages receive activations and gradients into (allocated at the first
+        step, kept for the run)."""
+        return self.runner.receive_buffer_bytes()
 
     @property
     def loss_chunk_size(self) -> int | None:

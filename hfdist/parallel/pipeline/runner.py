@@ -177,6 +177,14 @@ class PipelineRunner:
         """Whether this rank runs the last stage (computes the loss; the logging rank under PP)."""
         return self.num_stages - 1 in self.stage_indices
 
+    def receive_buffer_bytes(self) -> int:
+        """Bytes of the buffers this rank's stages receive activations and gradients into: torch allocates one per
+        micro-batch at the first step and keeps them for the run (0 before it)."""
+        from hfdist.torch_private import pipeline_receive_buffers
+
+        return sum(t.numel() * t.element_size() for stage in self.pipeline_stages
+                   for t in pipeline_receive_buffers(stage))
+
     def parameters(self) -> Iterator[nn.Parameter]:
         """Parameters of the local stages, each once (stages on one rank may share a tied weight)."""
         for _, p in self.named_parameters():
