@@ -127,8 +127,12 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"ranks": ranks}, f)
     if dist.is_initialized():
+        dist.barrier()  # rank 0 has written the figures: every rank leaves together
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
+    from hfdist.console import leave
+
     main()
+    leave(0)  # gloo's threads can abort the interpreter's teardown (hfdist.console.leave)

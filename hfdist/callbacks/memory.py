@@ -8,8 +8,9 @@ training ends, before anything a script does afterwards (an evaluation, saving t
 GPU the allocator's peak; on a CPU, which has no allocator statistics, the tensors of the second optimizer step
 counted as they are made (hfdist.metrics.memory.LiveTensorBytes, from the end of the first step's update to the
 second's: its forward, backward and every gradient) on top of what the rank held when it began (parameters, the
-optimizer's state, DDP's gradient buckets). The second step is the first with the optimizer's state in place, and
-the one in which DDP rebuilds its buckets; counting its ops makes it about a tenth slower. Compiled layers are not
+optimizer's state, DDP's gradient buckets, a pipeline's receive buffers). The second step is the first with the
+optimizer's state in place, and the one in which DDP rebuilds its buckets; counting its ops makes it about a tenth
+slower. Compiled layers are not
 counted (the compiler would trace the counter): there, and when training ends before a second step, the figure is
 the rank's state when training began plus what its resident set grew by. `training_resident_bytes` is always the
 latter: on a CPU it also holds what glibc's heap keeps of freed tensors (measured up to twice a step's activations
