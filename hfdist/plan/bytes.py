@@ -36,10 +36,10 @@ runs them in bf16 as autocast over fp32 weights, so the residual stream stays fp
 one data-parallel rank included, compute in bf16 through FSDP2's policy); data parallelism does not split them; a
 1F1B pipeline stage s holds pp - s micro-batches in flight (at least pp micro-batches assumed), so the first stage
 holds a whole model's worth of layer activations for one micro-batch, and what torch's stages keep beside them:
-outputs, input gradients, receive buffers and a backward's working set (hfdist.plan.pipeline_bytes). With activation checkpointing a layer keeps
-its input only, and backward recomputes one layer at a time once the loss head's tensors are freed: the larger of
-that layer and the head counts, not both. A cp rank holds 1/cp of every sequence, and its
-method's own bytes on top (hfdist.plan.context_bytes: repeated kv heads, exchange buffers or the ring's key/value
+outputs, input gradients, receive buffers and a backward's working set (hfdist.plan.pipeline_bytes). With
+activation checkpointing a layer keeps its input only, and backward recomputes one layer at a time once the loss
+head's tensors are freed: the larger of that layer and the head counts, not both. A cp rank holds 1/cp of every
+sequence, and its method's own bytes on top (hfdist.plan.context_bytes: repeated kv heads, exchange buffers or the ring's key/value
 blocks in flight). Attention as the default (`auto`: flash varlen, flex or hfdist's document attention) holds nothing
 S x S; the explicit sdpa / eager choices add their dense mask and its per-layer copies
 (hfdist.models.attention.dense_mask_bytes), on every tp and cp rank whole.
@@ -337,7 +337,8 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     # forward. With it, the peak is the larger of that moment (the layers' inputs and the head's) and one layer
     # recomputed in backward, which runs once the head's backward has freed its tensors: they are never held
     # together (measured on CPU by `hfdist tune`'s probes, results/cpu-2core/tune.md: counting both over-planned
-    # recompute by up to 25%). A pipeline stage without the head peaks in a backward instead (hfdist.plan.pipeline_bytes).
+    # recompute by up to 25%). A pipeline stage without the head peaks in a backward instead
+    # (hfdist.plan.pipeline_bytes).
     in_backward = full_layer if w.activation_checkpointing else 0
     receive_buffers = 0
     if pp > 1:
