@@ -22,7 +22,8 @@ a training step. Everything else in hfdist reaches torch through public APIs.
   for the activations it gets and one for the gradients it gets back, allocated at its first step and kept for the
   run (the stage's `args_recv_info` / `grad_recv_info`). torch keeps no public count of them; hfdist's memory meter
   counts them with the rest of a rank's training state (hfdist.metrics.memory.held_outside_bytes), as the planner
-  does (hfdist.plan.bytes).
+  does (hfdist.plan.bytes). Its contract needs a pipeline on several ranks, so it is checked in
+  tests/integration/test_pipeline.py (the bytes after each step, against torch's 1F1B and Interleaved1F1B stages).
 - `loss_parallel_active`: whether `torch.distributed.tensor.parallel.loss_parallel()` is in effect, read from the
   DTensor handlers it installs (torch keeps no public flag). The recomputing chunked loss refuses vocab-sharded
   logits outside it rather than let DTensor gather every chunk's whole vocabulary.
