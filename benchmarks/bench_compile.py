@@ -35,11 +35,12 @@ def command(variant: str, args, out: Path) -> tuple[list[str], dict[str, str]]:
 
     hfdist's job would start a new process tree wherever it hands over (the rung's `accelerate launch`, or the
     single rung's restart with one GPU visible on a multi-GPU host), and the clock would not be in it. So the
-    benchmark starts the rung's world itself, as hfdist would (hfdist.job.launch.accelerate_command, with the clock
-    around scripts/finetune.py), and a single run sees one GPU from the start."""
+    benchmark starts the rung's world itself, as hfdist would (`accelerate launch` with
+    hfdist.job.launch.accelerate_arguments, the clock around scripts/finetune.py), and a single run sees one GPU from
+    the start."""
     from hfdist.config.finetune import FinetuneConfig
     from hfdist.config.ladder import StrategyKind
-    from hfdist.job.launch import accelerate_command, single_gpu_env
+    from hfdist.job.launch import accelerate_arguments, single_gpu_env
     from hfdist.job.world import Node, resolve_rung
 
     script_args = ["--config", args.config, "--seq-len", str(args.seq_len), "--global-batch-size",
@@ -50,7 +51,8 @@ def command(variant: str, args, out: Path) -> tuple[list[str], dict[str, str]]:
     rung = resolve_rung(FinetuneConfig(config=args.config), node)
     if rung.kind is StrategyKind.SINGLE:
         return [sys.executable, str(CLOCK), str(FINETUNE), *script_args], single_gpu_env(env) if node.gpus else env
-    return accelerate_command(rung, [str(CLOCK), str(FINETUNE)], script_args, on_gpu=node.gpus > 0), env
+    launch = [sys.executable, "-m", "accelerate.commands.launch"]
+    return [*launch, *accelerate_arguments(rung, [str(CLOCK), str(FINETUNE)], script_args, on_gpu=node.gpus > 0)], env
 
 
 def _run(variant: str, args, work: Path) -> dict[str, float]:

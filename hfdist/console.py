@@ -23,6 +23,7 @@ says what is wrong). An uncaught exception writes the log out in any case, and s
 from __future__ import annotations
 
 import atexit
+import contextlib
 import io
 import logging
 import os
@@ -30,11 +31,12 @@ import re
 import sys
 import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn, TextIO
 
 __all__ = ["SCREEN_PREFIX", "LOG_DIR_ENV", "VERBOSE_ENV", "log_dir", "log_path", "start", "finish", "leave", "stop",
-           "screen", "say", "launch_env"]
+           "routed", "screen", "say", "launch_env"]
 
 SCREEN_PREFIX = "hfdist"
 # How hfdist's hand-over tells the processes it starts where their logs go and whether to be verbose.
@@ -244,3 +246,18 @@ def stop() -> None:
     atexit.unregister(finish)
     _state["log"].close()  # type: ignore[union-attr]
     _state.clear()
+
+
+@contextlib.contextmanager
+def routed(log_file: str | Path, verbose: bool = False) -> Iterator[None]:
+    """`start()` for the length of a with block, for a process that routes only part of its life (the hand-over,
+    while accelerate's launcher runs in it); a process already routed keeps its routing."""
+    if _state:
+        yield
+        return
+    start(log_file, verbose)
+    try:
+        yield
+    finally:
+        finish()
+        stop()

@@ -7,16 +7,14 @@ in the folder named by HFDIST_ERROR_DIR instead, and the hand-over prints each d
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["HfdistError", "DataError", "run_with_clear_errors", "ERROR_DIR_ENV", "FAILURES_FILE", "collected_errors"]
+__all__ = ["HfdistError", "DataError", "run_with_clear_errors", "ERROR_DIR_ENV", "collected_errors"]
 
 ERROR_DIR_ENV = "HFDIST_ERROR_DIR"
-FAILURES_FILE = "launcher.json"  # written by hfdist.job.quiet_launch: {"failures": {rank: exit code}}
 
 
 class HfdistError(Exception):
@@ -57,13 +55,10 @@ def _ranks(ranks: list[int]) -> str:
     return f"ranks {ranks[0]}-{ranks[-1]}" if contiguous else "ranks " + ", ".join(map(str, ranks))
 
 
-def collected_errors(folder: Path) -> tuple[list[str], dict[int, int]]:
+def collected_errors(folder: Path) -> list[str]:
     """What the ranks of a failed hand-over left in `folder`: each distinct hfdist paragraph once, prefixed with the
-    ranks that raised it, and the launcher's record of which ranks exited with which code."""
+    ranks that raised it."""
     by_text: dict[str, list[int]] = {}
     for path in sorted(folder.glob("rank-*.txt")):
         by_text.setdefault(path.read_text(), []).append(int(path.stem.split("-", 1)[1]))
-    paragraphs = [f"hfdist: error ({_ranks(sorted(ranks))}): {text}" for text, ranks in by_text.items()]
-    failures_file = folder / FAILURES_FILE
-    failures = json.loads(failures_file.read_text())["failures"] if failures_file.is_file() else {}
-    return paragraphs, {int(rank): int(code) for rank, code in failures.items()}
+    return [f"hfdist: error ({_ranks(sorted(ranks))}): {text}" for text, ranks in by_text.items()]

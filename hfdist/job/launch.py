@@ -7,14 +7,14 @@ but `single` trains in a launched world (a process group, even of one process), 
 rank checks that the launcher's settings are the rung's. `single` on a machine with several GPUs restarts itself
 with one GPU visible (transformers would otherwise spread it over all of them with nn.DataParallel).
 
-The hand-over runs accelerate through hfdist.job.quiet_launch, so a failed run ends with hfdist's paragraph, not
-with the launch stack's tracebacks: ranks leave their error paragraphs in a folder the hand-over reads when the
-launch fails, and the hand-over prints each distinct paragraph once, last.
+The hand-over runs accelerate's launcher in its own process (hfdist.job.quiet_launch), so a failed run ends with
+hfdist's paragraph, not with the launch stack's tracebacks: ranks leave their error paragraphs in a folder the
+hand-over reads when the launch fails, and the hand-over prints each distinct paragraph once, last.
 
-Preemption (hfdist.train.preemption): the process that hands over forwards the preemption signals it receives to the
-launch (Kubernetes signals a container's first process only), whose torch elastic agent forwards them to the ranks and
-waits for them (hfdist.config.preemption.elastic_forwarding_env); a run whose ranks stopped for a preemption
-exits PREEMPTED_EXIT_CODE, whichever process got the signal.
+Preemption (hfdist.train.preemption): the process that hands over is the one Kubernetes signals (a container's first
+process only); torch elastic's agent, running in it, forwards the preemption signals to the ranks and waits for them
+(hfdist.config.preemption.elastic_forwarding_env). The single rung's restart on one GPU forwards them to the process
+it starts. A run whose ranks stopped for a preemption exits PREEMPTED_EXIT_CODE, whichever process got the signal.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Sequence
 
@@ -38,7 +38,7 @@ from hfdist.config.preemption import PREEMPTED_EXIT_CODE, elastic_forwarding_env
 from hfdist.errors import ERROR_DIR_ENV, HfdistError, collected_errors
 from hfdist.job.world import Node
 
-__all__ = ["LaunchError", "accelerate_command", "single_gpu_env", "ensure_world", "HANDED_OVER_ENV"]
+__all__ = ["LaunchError", "accelerate_arguments", "single_gpu_env", "ensure_world", "HANDED_OVER_ENV"]
 
 HANDED_OVER_ENV = "HFDIST_HANDED_OVER"
 # accelerate's FSDP switches: hfdist applies FSDP2 itself (launch.py docstring, parallel/fsdp.py), so these are read
@@ -58,13 +58,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_command(rung: Rung, entry: Sequence[str], script_args: list[str], on_gpu: bool) -> list[str]:
-    """The launch command that starts `entry` (a script path, or ["-m", module, ...]) in the rung's world:
-    `accelerate launch --config_file <rung yaml> ...` through hfdist.job.quiet_launch."""
+def accelerate_arguments(rung: Rung, entry: Sequence[str], script_args: list[str], on_gpu: bool) -> list[str]:
+    """The arguments of the `accelerate launch --config_file <rung yaml> ...` that starts `entry` (a script path, or
+    ["-m", module, ...]) in the rung's world."""
     assert rung.yaml_path is not None
     # One machine: hfdist starts every process on this node (several nodes: one launcher each, docs/multi-node.md).
-    cmd = [sys.executable, "-m", "hfdist.job.quiet_launch", "--config_file", str(rung.yaml_path),
-           "--num_processes", str(rung.num_processes), "--num_machines", "1", "--main_process_port", str(_free_port())]
+    cmd = ["--config_file", str(rung.yaml_path), "--num_processes", str(rung.num_processes), "--num_machines", "1",
+           "--main_process_port", str(_free_port())]
     translation = cpu_translation(rung, on_gpu)
     # DeepSpeed takes precision from its JSON only. A YAML's fp8 is hfdist's to apply (hfdist.parallel.float8):
     # accelerate is told the precision of the rest, or it would convert the model with its own FP8 recipe.
@@ -110,19 +110,40 @@ def _forwarding(child: subprocess.Popen, signals: Sequence[str]) -> Iterator[Non
             signal.signal(sig, handler)
 
 
-def _hand_over(cmd: list[str], env: dict[str, str], what: str, signals: Sequence[str] = ()) -> int:
-    """Run the launch command, forwarding `signals` to it, and when it fails end the screen with the ranks' hfdist
-    paragraphs (or one line saying which rank failed); returns the exit code (2 when the ranks stopped on bad input,
-    as one process does; PREEMPTED_EXIT_CODE when they stopped for a preemption: rank 0 printed why)."""
-    with tempfile.TemporaryDirectory(prefix="hfdist-errors-") as errors:
-        child = subprocess.Popen(cmd, env={**env, ERROR_DIR_ENV: errors})
+# How a hand-over starts its launch: given the launch's environment, run it to its end and return its exit code and
+# {rank: exit code} of the ranks that failed (when it knows them).
+Start = Callable[[Mapping[str, str]], tuple[int, dict[int, int]]]
+
+
+def _in_a_process(cmd: list[str], signals: Sequence[str]) -> Start:
+    """Start `cmd` as a child process, forwarding `signals` to it."""
+    def start(env: Mapping[str, str]) -> tuple[int, dict[int, int]]:
+        child = subprocess.Popen(cmd, env=dict(env))
         with _forwarding(child, signals):
-            code = child.wait()
+            return child.wait(), {}
+    return start
+
+
+def _accelerate_here(arguments: list[str]) -> Start:
+    """Run `accelerate launch <arguments>` in this process (hfdist.job.quiet_launch)."""
+    def start(env: Mapping[str, str]) -> tuple[int, dict[int, int]]:
+        from hfdist.job.quiet_launch import launch_here
+
+        return launch_here(arguments, env)
+    return start
+
+
+def _hand_over(start: Start, env: dict[str, str], what: str) -> int:
+    """Run the launch, and when it fails end the screen with the ranks' hfdist paragraphs (or one line saying which
+    rank failed); returns the exit code (2 when the ranks stopped on bad input, as one process does;
+    PREEMPTED_EXIT_CODE when they stopped for a preemption: rank 0 printed why)."""
+    with tempfile.TemporaryDirectory(prefix="hfdist-errors-") as errors:
+        code, failures = start({**env, ERROR_DIR_ENV: errors})
         if code == 0:
             return 0
         if preempted_note(errors) is not None:
             return PREEMPTED_EXIT_CODE
-        paragraphs, failures = collected_errors(Path(errors))
+        paragraphs = collected_errors(Path(errors))
     for text in paragraphs:
         print(text, file=sys.stderr, flush=True)
     if paragraphs:
@@ -171,9 +192,10 @@ def ensure_world(rung: Rung, cfg: FinetuneConfig, entry: Sequence[str], script_a
         # replica): the single rung restarts itself with one GPU visible.
         print(f"hfdist: single runs on one GPU of {node.gpus}: restarting with CUDA_VISIBLE_DEVICES="
               f"{single_gpu_env(env)['CUDA_VISIBLE_DEVICES']}", flush=True)
-        return _hand_over([sys.executable, *entry, *script_args], single_gpu_env(env), "the single run", signals)
-    cmd = accelerate_command(rung, entry, script_args, on_gpu=node.gpus > 0)
+        return _hand_over(_in_a_process([sys.executable, *entry, *script_args], signals), single_gpu_env(env),
+                          "the single run")
+    arguments = accelerate_arguments(rung, entry, script_args, on_gpu=node.gpus > 0)
     print(f"hfdist: starting {rung.num_processes} process{'es' if rung.num_processes > 1 else ''} for {rung.name} "
           f"({rung.dims.layout()}): accelerate launch --config_file {rung.yaml_path} ...",
           flush=True)
-    return _hand_over(cmd, env, rung.name, signals)
+    return _hand_over(_accelerate_here(arguments), env, rung.name)

@@ -1,69 +1,92 @@
-"""`accelerate launch` for hfdist's hand-over, without the launch stack's own tracebacks.
+"""`accelerate launch` run inside hfdist's hand-over process, without the launch stack's own tracebacks.
 
-    python -m hfdist.job.quiet_launch <accelerate launch arguments>
+Why in this process: a launcher of its own would be one more Python started on every launch that imports torch and
+accelerate again (about a second of CPU, before any rank starts); the hand-over has imported them already. The
+ranks are this process's children, torch elastic's agent runs in its main thread, and the agent's signal handlers
+are this process's while the launch runs (hfdist.job.launch, preemption).
 
-accelerate's launchers end a failed run with a traceback of their own (subprocess.CalledProcessError from the
-single-process and DeepSpeed launchers, torch elastic's ChildFailedError report from the multi-process one) after
-the ranks' output, so hfdist's one-paragraph error would be buried above it. This runs the same
-`accelerate.commands.launch.launch_command` in-process and turns those exceptions into the ranks' exit code, with
-which ranks failed written for the hand-over (hfdist.job.launch) to report. The launcher's own notes (torch elastic's
-thread and signal messages, accelerate's hints) go to OUTPUT_DIR/logs/launcher.log (hfdist.console).
+Why quiet: accelerate's launchers end a failed run with a traceback of their own (subprocess.CalledProcessError from
+the single-process and DeepSpeed launchers, torch elastic's ChildFailedError report from the multi-process one) after
+the ranks' output, so hfdist's one-paragraph error would be buried above it. `launch_here` turns those exceptions
+into the ranks' exit code and which ranks failed, for the hand-over to report. The launcher's own notes (torch
+elastic's thread and signal messages, accelerate's hints) go to OUTPUT_DIR/logs/launcher.log (hfdist.console).
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
+import signal
 import subprocess
-import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from hfdist.errors import ERROR_DIR_ENV, FAILURES_FILE
-
-__all__ = ["main"]
+__all__ = ["launch_here"]
 
 
-def _record_failures(failures: dict[int, int]) -> None:
-    folder = os.environ.get(ERROR_DIR_ENV)
-    if folder and Path(folder).is_dir():
-        (Path(folder) / FAILURES_FILE).write_text(json.dumps({"failures": failures}))
+@contextlib.contextmanager
+def _environment(env: Mapping[str, str]) -> Iterator[None]:
+    """os.environ is `env` inside (accelerate builds the ranks' environment from it), as it was after."""
+    before = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run `accelerate launch` with `argv`; returns the exit code of the failed rank (0 when every rank succeeded)."""
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """torch elastic's agent installs its own handlers for the signals it forwards: the caller's come back after."""
+    saved = {sig: signal.getsignal(sig) for sig in signal.valid_signals()
+             if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) is not None}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, handler)
+
+
+def launch_here(argv: list[str], env: Mapping[str, str]) -> tuple[int, dict[int, int]]:
+    """Run `accelerate launch <argv>` in this process, the ranks started with environment `env`.
+
+    Returns:
+        The exit code (0 when every rank succeeded, else the first failed rank's; 128 + the signal when the agent
+        got a signal and forwarded it to the ranks) and {rank: exit code} of the ranks that failed.
+    """
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     from hfdist import console
 
-    args = launch_command_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if os.environ.get(console.LOG_DIR_ENV):
-        console.start(Path(os.environ[console.LOG_DIR_ENV]) / "launcher.log",
-                      verbose=bool(os.environ.get(console.VERBOSE_ENV)))
-    try:
-        launch_command(args)
-    except subprocess.CalledProcessError as exc:
-        _record_failures({0: exc.returncode})
-        return exc.returncode or 1
-    except ChildFailedError as exc:
-        codes = {int(rank): int(failure.exitcode) for rank, failure in exc.failures.items()}
-        _record_failures(codes)
-        _, first = exc.get_first_failure()
-        return first.exitcode if first.exitcode > 0 else 1
-    except SignalException as exc:  # the agent got a signal and forwarded it to the ranks
-        _wait_for_ranks()
-        return 128 + int(exc.sigval)  # as a shell reports a process the signal ended (the hand-over reads the ranks')
-    return 0
+    args = launch_command_parser().parse_args(argv)
+    log_folder = env.get(console.LOG_DIR_ENV)
+    routing = (console.routed(Path(log_folder) / "launcher.log", verbose=bool(env.get(console.VERBOSE_ENV)))
+               if log_folder else contextlib.nullcontext())
+    with _environment(env), _signal_handlers_kept(), routing:
+        try:
+            launch_command(args)
+        except subprocess.CalledProcessError as exc:
+            return exc.returncode or 1, {0: exc.returncode}
+        except ChildFailedError as exc:
+            _, first = exc.get_first_failure()
+            failures = {int(rank): int(failure.exitcode) for rank, failure in exc.failures.items()}
+            return (first.exitcode if first.exitcode > 0 else 1), failures
+        except SignalException as exc:  # the agent got a signal and forwarded it to the ranks
+            _wait_for_ranks()
+            return 128 + int(exc.sigval), {}  # as a shell reports a process the signal ended
+    return 0, {}
 
 
 def _wait_for_ranks() -> None:
     """After the agent forwarded a signal: wait until every rank (a child of this process) has exited, ignoring more
-    of the signals the agent forwards. A second signal (Slurm signals every process of a job; hfdist's hand-over
-    forwards its own) would otherwise end the agent's wait early and this process with it, while the ranks are still
-    writing their checkpoint; the ranks stop on their own (hfdist.train.preemption)."""
-    import signal
-
+    of the signals the agent forwards. A second signal (Slurm signals every process of a job) would otherwise end the
+    agent's wait early and this process with it, while the ranks are still writing their checkpoint; the ranks stop
+    on their own (hfdist.train.preemption)."""
     for name in os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM").split(","):
         signal.signal(signal.Signals[name.strip()], signal.SIG_IGN)
     while True:
@@ -71,9 +94,3 @@ def _wait_for_ranks() -> None:
             os.wait()
         except ChildProcessError:
             return
-
-
-if __name__ == "__main__":
-    from hfdist.console import leave
-
-    leave(main())

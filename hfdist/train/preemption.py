@@ -15,9 +15,10 @@ environment advertises: at the start (a resumed run: its checkpoint's recorded w
 checkpoint, with a warning when it does not fit.
 
 Tests only: HFDIST_TEST_PREEMPT_AT=RANK:STEP[:SIGNAL[:FLAGS]] makes rank RANK send SIGNAL (default SIGTERM) as step
-STEP begins to itself, or with the flag `launcher` to its launchers: the process that handed over to accelerate (what
-Kubernetes signals, a container's first process) and accelerate's agent (which that one forwards it to, so the agent
-gets it twice, as under Slurm, which signals every process of a job); with `fresh`, only in a run that did not
+STEP begins to itself, or with the flag `launcher` to its launcher: the process that handed over to accelerate and
+runs torch elastic's agent (what Kubernetes signals, a container's first process), twice, as under Slurm, which
+signals every process of a job (the second arrives while the agent forwards the first); with `fresh`, only in a run
+that did not
 resume (a worker killed once, then restarted from a checkpoint). FLAGS is a comma-separated list. So a test preempts
 or kills a run at a known step without timing a signal from outside.
 """
@@ -122,11 +123,6 @@ class PreemptionWatch:
         return {"preempt_signal": self.received[0], "preempt_signal_time": self.received[1]} if self.received else {}
 
 
-def _parent_of(pid: int) -> int:
-    """The parent process id of `pid` (Linux /proc)."""
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 def _test_delivery(watch: PreemptionWatch, rank: int, step: int, resumed: bool) -> None:
     """HFDIST_TEST_PREEMPT_AT=RANK:STEP[:SIGNAL[:FLAGS]]: this rank sends the signal, as that step begins, to itself
     or to the hand-over's process (module docstring), and then waits until the launchers have forwarded it back to
@@ -143,7 +139,7 @@ def _test_delivery(watch: PreemptionWatch, rank: int, step: int, resumed: bool) 
         os.kill(os.getpid(), sig)
         return
     os.kill(os.getppid(), sig)
-    os.kill(_parent_of(os.getppid()), sig)
+    os.kill(os.getppid(), sig)
     deadline = time.time() + 120
     while watch.received is None and time.time() < deadline:
         time.sleep(0.01)

@@ -6,7 +6,7 @@ fsdp_full_shard on 4 processes is preempted twice in one output folder: once whi
 checkpoint-2 is in flight (rank 1 signals itself from inside that write and holds it until the ranks have agreed to
 stop, so the save of step 3 must first wait for it), once between checkpoints (rank 2 at step 5); the third launch
 finishes it, against an uninterrupted 4-process run. zero3 (DeepSpeed's own checkpoints) is preempted by a SIGTERM to
-its launchers, which forward it to every rank; pp by one rank; each resumes against the session's shared run of its
+its launcher, which forwards it to every rank; pp by one rank; each resumes against the session's shared run of its
 rung (helpers.SHARED_RUNS, the same arguments). The signals come from the ranks themselves at a given step
 (HFDIST_TEST_PREEMPT_AT, hfdist.train.preemption), so no test times a kill.
 """
@@ -163,10 +163,9 @@ def test_preempted_fsdp_run_resumes_to_the_uninterrupted_losses(runs):
 
 
 def test_zero3_preempted_through_its_launcher(runs):
-    """SIGTERM to the launchers: the process that handed over (as Kubernetes signals a container's first process),
-    which forwards it to accelerate's agent, and the agent itself (so it gets it twice, as under Slurm, which signals
-    every process of a job); the agent forwards it to every rank; DeepSpeed writes its own checkpoint-3; the launcher
-    exits 75."""
+    """SIGTERM to the launcher: the process that handed over, which runs accelerate's agent (as Kubernetes signals a
+    container's first process), twice (as under Slurm, which signals every process of a job); the agent forwards it
+    to every rank; DeepSpeed writes its own checkpoint-3; the launcher exits 75."""
     first, resumed = runs["zero3"]
     _assert_preempted(first, 3, ["checkpoint-2", "checkpoint-3"])
     assert first["markers"]["checkpoint-3"]["format"] == "deepspeed"

@@ -93,11 +93,8 @@ def test_ranks_leave_their_paragraph_for_the_hand_over(tmp_path, monkeypatch, ca
 
         assert run_with_clear_errors(job) == 2
     assert capsys.readouterr().err == ""  # the hand-over prints them, once
-    (tmp_path / "launcher.json").write_text('{"failures": {"0": 2, "1": 2, "2": 2, "3": -15}}')
-    paragraphs, failures = collected_errors(tmp_path)
-    assert paragraphs == ["hfdist: error (ranks 0, 1, 3): bad dataset columns",
-                          "hfdist: error (rank 2): rank 2 saw something else"]
-    assert failures == {0: 2, 1: 2, 2: 2, 3: -15}
+    assert collected_errors(tmp_path) == ["hfdist: error (ranks 0, 1, 3): bad dataset columns",
+                                          "hfdist: error (rank 2): rank 2 saw something else"]
     monkeypatch.delenv(ERROR_DIR_ENV)
     assert run_with_clear_errors(lambda: (_ for _ in ()).throw(ConfigError("x"))) == 2
     assert "hfdist: error (rank 3): x" in capsys.readouterr().err

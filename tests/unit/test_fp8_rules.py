@@ -155,10 +155,10 @@ def test_the_launch_never_hands_accelerate_its_own_fp8():
     tells it the precision of the rest (hfdist converts the model itself)."""
     from dataclasses import replace
 
-    from hfdist.job.launch import accelerate_command
+    from hfdist.job.launch import accelerate_arguments
 
     rung = replace(load_rung("fsdp_full_shard"), fp8="tensorwise", mixed_precision="bf16")
-    cmd = accelerate_command(rung, ["scripts/finetune.py"], [], on_gpu=True)
+    cmd = accelerate_arguments(rung, ["scripts/finetune.py"], [], on_gpu=True)
     assert cmd[cmd.index("--mixed_precision") + 1] == "bf16"
 
 

@@ -104,7 +104,7 @@ def test_watch_agrees_alone_and_gives_the_signal_back():
 def test_hand_over_forwards_the_signal_and_exits_75_on_the_ranks_note():
     """The launch command stands in for accelerate: it leaves rank 0's note once it has the forwarded SIGTERM."""
     from hfdist.errors import ERROR_DIR_ENV
-    from hfdist.job.launch import _hand_over
+    from hfdist.job.launch import _hand_over, _in_a_process
 
     child = ("import os, signal, sys, time\n"
              "def stop(signum, frame):\n"
@@ -115,7 +115,8 @@ def test_hand_over_forwards_the_signal_and_exits_75_on_the_ranks_note():
              "time.sleep(60)\n"
              "sys.exit(1)\n")
     before = signal.getsignal(signal.SIGTERM)
-    assert _hand_over([sys.executable, "-c", child], dict(os.environ), "test", ("SIGTERM",)) == PREEMPTED_EXIT_CODE
+    start = _in_a_process([sys.executable, "-c", child], ("SIGTERM",))
+    assert _hand_over(start, dict(os.environ), "test") == PREEMPTED_EXIT_CODE
     assert signal.getsignal(signal.SIGTERM) == before  # given back after the launch
 
 

@@ -12,7 +12,7 @@ import torch
 from hfdist.config.dims import ParallelDims
 from hfdist.config.finetune import FinetuneConfig
 from hfdist.config.ladder import LadderError, load_rung
-from hfdist.job import launch
+from hfdist.job import launch, quiet_launch
 from hfdist.job.world import Node, WorldError, resolve_rung
 
 EIGHT_GPUS = Node(gpus=8)
@@ -114,8 +114,11 @@ class _Finished:
 
 
 def _captured_launch(monkeypatch) -> list:
+    """The launches a hand-over makes, as (command, environment): a child process's command, or the `accelerate
+    launch` arguments it runs in its own process."""
     calls = []
     monkeypatch.setattr(launch.subprocess, "Popen", lambda cmd, env: calls.append((cmd, env)) or _Finished())
+    monkeypatch.setattr(quiet_launch, "launch_here", lambda argv, env: calls.append((argv, env)) or (0, {}))
     return calls
 
 
@@ -141,7 +144,7 @@ def test_every_other_rung_trains_in_a_launched_world(monkeypatch, no_launcher, t
     rung = resolve_rung(cfg, Node())
     assert launch.ensure_world(rung, cfg, launch_entry := ["-m", "hfdist.cli", "finetune"], ["--a"], Node()) == 0
     (cmd, env), = calls
-    assert cmd[:3] == [sys.executable, "-m", "hfdist.job.quiet_launch"] and cmd[-4:] == [*launch_entry, "--a"]
+    assert cmd[:2] == ["--config_file", str(rung.yaml_path)] and cmd[-4:] == [*launch_entry, "--a"]
     assert cmd[cmd.index("--num_processes") + 1] == "1" and cmd[cmd.index("--num_machines") + 1] == "1"
     assert env["HFDIST_LOG_DIR"] == str(tmp_path / "o" / "logs")
     gpu_rung = resolve_rung(FinetuneConfig(config="fsdp_tp", tp=8), EIGHT_GPUS)
