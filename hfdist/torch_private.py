@@ -24,6 +24,11 @@ a training step. Everything else in hfdist reaches torch through public APIs.
   counts them with the rest of a rank's training state (hfdist.metrics.memory.held_outside_bytes), as the planner
   does (hfdist.plan.bytes). Its contract needs a pipeline on several ranks, so it is checked in
   tests/integration/test_pipeline.py (the bytes after each step, against torch's 1F1B and Interleaved1F1B stages).
+- `fsdp_unsharded_storages`: the storages FSDP2 keeps for a module's unsharded parameters (each FSDP parameter's
+  all-gather outputs, read through the module's FSDP state), which FSDP2 frees and refills by resizing them in place
+  rather than by any op that makes a tensor. hfdist's CPU memory count (hfdist.metrics.memory.LiveTensorBytes) reads
+  their size where a step's tensors may peak; FSDP2's public FSDPModule methods (unshard, reshard) say nothing of
+  the memory they hold.
 - `loss_parallel_active`: whether `torch.distributed.tensor.parallel.loss_parallel()` is in effect, read from the
   DTensor handlers it installs (torch keeps no public flag). The recomputing chunked loss refuses vocab-sharded
   logits outside it rather than let DTensor gather every chunk's whole vocabulary.
@@ -37,7 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["call_with_parameters", "queue_after_backward", "pipeline_receive_buffers", "loss_parallel_active"]
+__all__ = ["call_with_parameters", "queue_after_backward", "pipeline_receive_buffers", "fsdp_unsharded_storages",
+           "loss_parallel_active"]
 
 
 def call_with_parameters(module: nn.Module, forward: Callable[..., Any],
@@ -68,6 +74,20 @@ def pipeline_receive_buffers(stage: Any) -> list[torch.Tensor]:
             buffer = getattr(info, "buffer", None)  # a root argument's placeholder has none
             if isinstance(buffer, torch.Tensor):
                 out.append(buffer.to_local() if isinstance(buffer, DTensor) else buffer)
+    return out
+
+
+def fsdp_unsharded_storages(model: nn.Module) -> list[torch.UntypedStorage]:
+    """The storages of the unsharded parameters of every FSDP2 unit in `model` (none before a unit's first
+    all-gather): full size while the unit is unsharded, 0 bytes once FSDP2 resharded it."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            group = module._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group is not None else ():
+                out += [t.untyped_storage() for t in param.all_gather_outputs]
     return out
 
 

@@ -7,8 +7,9 @@ training ends, before anything a script does afterwards (an evaluation, saving t
 `training_peak_bytes` is what training's tensors need at their peak, the figure the memory planner predicts: on a
 GPU the allocator's peak; on a CPU, which has no allocator statistics, the tensors of the second optimizer step
 counted as they are made (hfdist.metrics.memory.LiveTensorBytes, from the end of the first step's update to the
-second's: its forward, backward and every gradient) on top of what the rank held when it began (parameters, the
-optimizer's state, DDP's gradient buckets, a pipeline's receive buffers). The second step is the first with the
+second's: its forward, backward and every gradient, and FSDP2's unsharded parameters while they hold memory) on top
+of what the rank held when it began (parameters, the optimizer's state, DDP's gradient buckets, a pipeline's receive
+buffers). The second step is the first with the
 optimizer's state in place, and the one in which DDP rebuilds its buckets; counting its ops makes it about a tenth
 slower. Compiled layers are not
 counted (the compiler would trace the counter): there, and when training ends before a second step, the figure is
@@ -32,6 +33,7 @@ from hfdist.metrics.memory import (
     reset_peak_memory,
     start_peak_window,
 )
+from hfdist.torch_private import fsdp_unsharded_storages
 
 __all__ = ["MemoryMeter", "PEAK_KEYS", "COUNT_KEYS"]
 
@@ -114,7 +116,7 @@ class MemoryMeter:
             # what the second step starts with; its gradients are freed and made again inside the count
             self._counted_held = held["param_bytes"] + held["optimizer_bytes"] + held["master_bytes"] + \
                 self._held_outside()
-            self._counter = LiveTensorBytes()
+            self._counter = LiveTensorBytes(resized=fsdp_unsharded_storages(self._model))
             self._counter.__enter__()
 
     def _stop_counting(self) -> None:

@@ -303,21 +303,52 @@ class LiveTensorBytes(TorchDispatchMode):
     in place, buffers allocated earlier. Tensor subclasses that wrap others (DTensor, functional collectives'
     AsyncCollectiveTensor) own no memory: the plain tensors their ops create are what is counted. `largest` is the
     biggest single storage an op created (bytes), and `largest_op` that op: what shows an S x S tensor.
+
+    FSDP2's unsharded parameters are the exception: FSDP2 keeps their storages for the model's life and gives them
+    memory by resizing them in place (free to 0 bytes after a layer's use, back to full before the next), which no op
+    shows. They are given as `resized` (hfdist.torch_private.fsdp_unsharded_storages) and found at FSDP2's copy-out
+    op, and counted at their current size: read again where they are filled (the copy-out of an all-gather's result,
+    or a copy into one of them, as FSDP2 does on one rank) and wherever the count could set a new peak (so a storage
+    FSDP2 freed since is not counted there); reading them at every op would slow the counted step by a third.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, resized: Iterable[torch.UntypedStorage] = ()) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
         self.largest = 0
         self.largest_op = ""
         self._tracked: weakref.WeakSet = weakref.WeakSet()
+        # FSDP2's unsharded parameters' storages, by identity (the storage implementation's address).
+        self._resized: dict[int, torch.UntypedStorage] = {s._cdata: s for s in resized}
+        self._resized_bytes = self._read_resized()  # exact after a fill, at most that since
+        self._copy_out = _fsdp_copy_out_op()
+
+    def _read_resized(self) -> int:
+        return sum(s.nbytes() for s in self._resized.values())
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes
 
+    def _note(self) -> None:
+        """A moment the live bytes may peak: FSDP2's resized storages are read again only if they could matter."""
+        if self.live + self._resized_bytes > self.peak:
+            self._resized_bytes = self._read_resized()
+            self.peak = max(self.peak, self.live + self._resized_bytes)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._copy_out is not None and func._overloadpacket is self._copy_out:
+            for target in kwargs["out"]:
+                storage = target.untyped_storage()
+                self._resized[storage._cdata] = storage
+            self._resized_bytes = self._read_resized()
+            self._note()
+            return out
+        if func is torch.ops.aten.copy_.default and args[0].untyped_storage()._cdata in self._resized:
+            self._resized_bytes = self._read_resized()
+            self._note()
+            return out
         inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         for t in tree_flatten(out)[0]:
             if type(t) not in (torch.Tensor, torch.nn.Parameter):
@@ -329,7 +360,17 @@ class LiveTensorBytes(TorchDispatchMode):
             self._tracked.add(storage)
             weakref.finalize(storage, self._free, nbytes)
             self.live += nbytes
-            self.peak = max(self.peak, self.live)
+            self._note()
             if nbytes > self.largest:
                 self.largest, self.largest_op = nbytes, str(func)
         return out
+
+
+def _fsdp_copy_out_op():
+    """FSDP2's op that copies an all-gather's result into the unsharded parameters (torch.ops.fsdp, registered when
+    FSDP2 is imported: an FSDP2 model has imported it), or None."""
+    import sys
+
+    if "torch.distributed.fsdp" not in sys.modules:
+        return None
+    return getattr(torch.ops.fsdp, "split_with_sizes_copy", None)

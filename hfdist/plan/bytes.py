@@ -50,8 +50,9 @@ of the trainable grads: gradient_as_bucket_view is off by default; two while DDP
 overlap_comm in ZeRO-1/2); gathered parameters of sharded-weight rungs: FSDP2 as hfdist applies it keeps the
 root unit (embedding, final norm, lm_head) unsharded for the whole step plus two decoder layers (current and
 prefetched) and one layer's unsharded grads (a pipeline stage: all its units, for the whole step; a pipeline with
-one data-parallel rank has FSDP2, and so gathered copies, only under bf16); ZeRO-3 gathers module by module
-(largest module's params + grads, DeepSpeed's own 4 x largest-layer term, plus the prefetch bucket). Allocator
+one data-parallel rank has FSDP2, and so gathered copies, only under bf16; under gradient accumulation hfdist
+reduce-scatters every micro-batch, so no unsharded gradient outlives its layer's backward); ZeRO-3 gathers module
+by module (largest module's params + grads, DeepSpeed's own 4 x largest-layer term, plus the prefetch bucket). Allocator
 fragmentation is not modelled.
 
 FP8 (--fp8, torchao's float8 linears in the decoder projections): the model states are unchanged (fp32 masters,
@@ -417,7 +418,8 @@ def _gathered_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Worklo
         # reduce-scatter once at the end of the step (pipelining/stage.py), as without resharding after forward.
         if rung.fsdp is not None and not rung.fsdp.reshard_after_forward or dims.pp > 1:
             return layers * (layer_weights + layer * unit_grad) + root * (pb.weight + unit_grad)
-        # Root unit unsharded all step, two layers gathered (current + prefetched), one layer's grads.
+        # Root unit unsharded all step, two layers gathered (current + prefetched), one layer's grads (under
+        # gradient accumulation too: hfdist.train.trainer reduce-scatters them at every micro-batch's end).
         return root * (pb.weight + unit_grad) + 2 * layer_weights + layer * unit_grad
     if rung.uses_deepspeed and rung.zero_stage >= 3:
         projection = max(shape.hidden * shape.intermediate, shape.heads * shape.head_dim * shape.hidden)

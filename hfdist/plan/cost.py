@@ -198,14 +198,17 @@ def step_collectives(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workl
             # FSDP2 gathers in the compute dtype, each decoder layer in forward and again in backward (the root unit
             # once: FSDP2 keeps the root gathered for backward; a pipeline stage keeps all its units gathered through
             # the step, hfdist.parallel.parallelize.reshard_after_forward), every micro-step; it reduce-scatters
-            # the fp32 gradients once per step (hfdist defers the reduction over accumulation).
+            # the fp32 gradients at every micro-step too (hfdist.train.trainer: no unsharded gradient is kept
+            # across micro-batches; a pipeline's schedule reduces once per step).
             resharded = rung.fsdp is not None and rung.fsdp.reshard_after_forward and dims.pp == 1
             passes = accumulation if resharded else 1
             gathered = (2 * (params - root) + root if resharded else params) * passes
             units = (2 * layers + 1 if resharded else layers + 1) * passes
+            reductions = accumulation if dims.pp == 1 else 1
             out.append(Collective("all_gather", "dp_shard_cp", n, gathered * (2 if w.dtype == "bf16" else 4),
                                   units, True))
-            out.append(Collective("reduce_scatter", "dp_shard_cp", n, trainable * 4, layers + 1, True))
+            out.append(Collective("reduce_scatter", "dp_shard_cp", n, trainable * 4 * reductions,
+                                  (layers + 1) * reductions, True))
         if dims.dp_replicate > 1:  # HSDP: the shards' gradients all-reduced across the replicas
             out.append(Collective("all_reduce", "dp_replicate", dims.dp_replicate, trainable * 4 / n, layers + 1,
                                   True))

@@ -308,3 +308,32 @@ def test_cpu_count_includes_what_the_first_step_allocates_outside_the_model():
     params = sum(p.numel() * 4 for p in model.parameters())
     assert figures["training_peak_bytes"] >= 10**6 + params
     assert figures["training_peak_bytes"] < 10**6 + 3 * params + 4096  # params, their gradients, a step's tensors
+
+
+@pytest.mark.parametrize("world,reshard", [(2, True), (2, False), (1, True)])
+def test_cpu_count_holds_fsdp2s_unsharded_parameters_while_they_are_allocated(world, reshard):
+    """FSDP2 gives its unsharded parameters memory by resizing storages it keeps, which no op shows: the count holds
+    them while they have memory (filled by the all-gather's copy-out, or on one rank by a copy). Two sharded layers:
+    at the second layer's fill the rank holds its unsharded parameters (and on 2 ranks the all-gather's buffer, the
+    full layer too), and the first layer's unless FSDP2 resharded it after its forward."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from hfdist.metrics.memory import LiveTensorBytes
+    from hfdist.torch_private import fsdp_unsharded_storages
+
+    with fake_world(world):
+        mesh = init_device_mesh("cpu", (world,))
+        model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+        for layer in model:
+            fully_shard(layer, mesh=mesh, reshard_after_forward=reshard)
+        x = torch.randn(2, 256)
+        model(x)  # the first all-gather allocates the unsharded storages, before the count
+        for layer in model:
+            layer.reshard()
+        with torch.no_grad(), LiveTensorBytes(resized=fsdp_unsharded_storages(model)) as counted:
+            model(x)
+    full_layer = (256 * 256 + 256) * 4
+    activations = 2 * 2 * 256 * 4  # each layer's output
+    layers_held = (2 if world > 1 else 1) + (0 if reshard else 1)
+    assert layers_held * full_layer <= counted.peak <= layers_held * full_layer + activations

@@ -8,7 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hfdist.torch_private import call_with_parameters, loss_parallel_active, queue_after_backward
+from hfdist.torch_private import (
+    call_with_parameters,
+    fsdp_unsharded_storages,
+    loss_parallel_active,
+    queue_after_backward,
+)
+
+from helpers import fake_world
 
 
 def test_call_with_parameters_runs_the_modules_forward_on_the_given_tensors():
@@ -61,3 +68,19 @@ def test_loss_parallel_active_follows_torchs_context():
     with loss_parallel():
         assert loss_parallel_active()
     assert not loss_parallel_active()
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_fsdp_unsharded_storages_are_full_while_unsharded_and_empty_after(world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    with fake_world(world):
+        model = nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4))
+        fully_shard(model[0], mesh=init_device_mesh("cpu", (world,)))
+        assert fsdp_unsharded_storages(model) == []  # before the first all-gather
+        model[0].unshard()
+        storages = fsdp_unsharded_storages(model)
+        assert sorted(s.nbytes() for s in storages) == [8 * 4, 16 * 8 * 4]  # bias, weight: whole, in fp32
+        model[0].reshard()
+        assert [s.nbytes() for s in storages] == [0, 0]
