@@ -25,6 +25,7 @@ import argparse
 import ast
 import builtins
 import contextlib
+import functools
 import glob
 import io
 import os
@@ -192,10 +193,18 @@ def _check_finetune_values(ns: argparse.Namespace) -> None:
         assert model in PRESETS, f"--model {model}: no such preset ({sorted(PRESETS)})"
 
 
+@functools.cache
+def _tracked_top_level() -> frozenset[str]:
+    """The repository's own top-level files and folders (git's), not what runs left beside them (outputs/, logs/)."""
+    listed = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    return frozenset(line.split("/", 1)[0] for line in listed.splitlines())
+
+
 def _check_job_file(ns: argparse.Namespace) -> None:
-    """A job file of the repository's that a command names must exist and be a valid job (its keys and values)."""
+    """A job file of the repository's that a command names must exist and be a valid job (its keys and values).
+    A path under a folder that runs write (the quick start's outputs/) is a run's file, not the repository's."""
     path = getattr(ns, "job", None) or getattr(ns, "job_file", None)
-    if path and Path(path).parts[0] in {p.name for p in REPO.iterdir()}:
+    if path and Path(path).parts[0] in _tracked_top_level():
         from hfdist.config.finetune import parse_args
 
         assert (REPO / path).is_file(), f"{path} does not exist"
