@@ -110,7 +110,8 @@ def finetune(out: Path, *extra: str, config_file: str | None = None, via: str = 
 # Launches at once in finetune_all: the suite's CI host has 2 cores, and one launch leaves a core idle for much of its
 # life (the launcher chain's imports before the ranks start, rank 0 alone saving and summarising, one-process runs).
 # Three at once took the suite on the 2-core, 24 GiB machine to 35:56, against 37:09 with two (39:10 on a fresh
-# clone), with at least 10 GiB of memory left free throughout (docs/testing.md has the runs). Each launch is its own job (output folder, port, process group), so running several together
+# clone), with at least 10 GiB of memory left free throughout (docs/testing.md has the runs). Each launch is its own
+# job (output folder, port, process group), so running several together
 # changes no figure a test asserts (losses, bytes, dtypes, saved weights); the one timed assertion (test_faults.py's
 # stopped rank) runs alone. HFDIST_TEST_LAUNCHES=1 runs them one at a time (a machine shared with other work, or
 # short of memory: under ~16 GiB, 2).
