@@ -83,7 +83,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tuned, tune_seconds, tune_cmd = _tune(args, Path(tmp) / "tune", exhaustive=False)
         swept, sweep_seconds, sweep_cmd = _tune(args, Path(tmp) / "sweep", exhaustive=True)
-    ok = [r for r in swept["probes"] if r["status"] == "ok" and r["agreement"] in ("agrees", "alone")]
+    if tuned["winner"] is None:  # nothing checked: tune says why in its report
+        raise SystemExit(f"hfdist tune chose no layout ({tuned.get('unsettled')}); nothing to compare with the sweep")
+    ok = [r for r in swept["probes"] if r["status"] == "ok" and r["agreement"] == "agrees"]
     best = max(ok, key=lambda r: r["tokens_per_second"])
     chosen = next(r for r in swept["probes"] if r["key"] == tuned["winner"])
     errors = [(r["planned_bytes"] - r["peak_memory_bytes"]) / r["peak_memory_bytes"] for r in swept["probes"]

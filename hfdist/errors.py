@@ -12,9 +12,13 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["HfdistError", "DataError", "run_with_clear_errors", "ERROR_DIR_ENV", "collected_errors"]
+__all__ = ["HfdistError", "DataError", "run_with_clear_errors", "report_error", "ERROR_DIR_ENV", "collected_errors",
+           "DIVERGED_EXIT_CODE"]
 
 ERROR_DIR_ENV = "HFDIST_ERROR_DIR"
+# A run stopped by a non-finite loss, gradient norm or update (hfdist.train.nonfinite). docs/clusters.md's table: a
+# crash is 1, bad input 2, a hang 3, a preemption 75.
+DIVERGED_EXIT_CODE = 4
 
 
 class HfdistError(Exception):
@@ -36,15 +40,21 @@ def _leave_for_hand_over(rank: str, message: str) -> bool:
     return True
 
 
+def report_error(message: str) -> None:
+    """This rank's one-paragraph error: left for hfdist's hand-over, which prints it last (module docstring), or
+    printed on stderr."""
+    rank = os.environ.get("RANK", "0")
+    if not _leave_for_hand_over(rank, message):
+        where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+        print(f"hfdist: error{where}: {message}", file=sys.stderr, flush=True)
+
+
 def run_with_clear_errors(job: Callable[[], int]) -> int:
     """Run `job`; an HfdistError prints as one paragraph on stderr (no traceback) and gives exit code 2."""
     try:
         return job()
     except HfdistError as exc:
-        rank = os.environ.get("RANK", "0")
-        if not _leave_for_hand_over(rank, str(exc)):
-            where = f" (rank {rank})" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
-            print(f"hfdist: error{where}: {exc}", file=sys.stderr, flush=True)
+        report_error(str(exc))
         return 2
 
 

@@ -39,3 +39,18 @@ def gpu_host(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device=None: SimpleNamespace(total_memory=80 * 10**9, name="NVIDIA H100 80GB HBM3"))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The rung table's test plan, counted where the run shows it (tests/e2e/test_cells.py: one case per accepted
+    cell, so a cell the table accepts shows up here, passed or failed)."""
+    outcomes = {key: [r for r in terminalreporter.stats.get(key, [])
+                      if "test_cells.py::test_cell_equals_one_process[" in getattr(r, "nodeid", "")]
+                for key in ("passed", "failed", "error")}
+    total = sum(map(len, outcomes.values()))
+    if total:
+        from hfdist.config.cells import accepted_cells
+
+        terminalreporter.write_line(
+            f"cells: {total} of the rung table's {len(accepted_cells())} accepted cells trained against one process "
+            f"({len(outcomes['passed'])} passed, {len(outcomes['failed']) + len(outcomes['error'])} failed)")

@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from cells import DRY_RUN, GPU, Cell, Shape, suite_cells  # noqa: E402
 from measure import REPO, recorded  # noqa: E402
 
 PART_BUDGET_S = 500  # a lent machine runs one command for at most 10 minutes; start-up and the report take the rest
+END_GRACE_S = 10  # a timed-out cell's ranks get this long to leave after SIGTERM (its results are not kept)
 
 
 def _finetune_takes(flag: str) -> bool:
@@ -141,26 +141,22 @@ def _drop_weights(run: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _text(output: str | bytes | None) -> str:
-    return output.decode(errors="replace") if isinstance(output, bytes) else output or ""
-
-
 def run_cell(cell: Cell, shape: Shape, gpus: int, out: Path, runs: Path, env: dict[str, str],
              timeout_s: float) -> dict:
-    """Run one cell, return its record: command, exit code ("timeout" when cut off), wall seconds, figures (or
-    the last lines it printed)."""
+    """Run one cell, return its record: command, exit code ("timeout" when cut off: the cell is ended with every
+    process it started, its ranks included), wall seconds, figures (or the last lines it printed)."""
+    from hfdist.processes import run_logged
+
     cmd = command(cell, shape, gpus, out, runs)
     run = runs / cell.name
     run.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
-        code, log = proc.returncode, proc.stdout + proc.stderr
-    except subprocess.TimeoutExpired as exc:
-        code, log = "timeout", _text(exc.stdout) + _text(exc.stderr)
+    log_path = runs / f"{cell.name}.log"
+    exit_code = run_logged(cmd, log_path, timeout=timeout_s, grace=END_GRACE_S, env=env, cwd=REPO)
+    code = "timeout" if exit_code is None else exit_code
+    log = log_path.read_text(errors="replace")
     record = {"name": cell.name, "kind": cell.kind, "command": recorded(cmd), "exit": code,
               "wall_s": round(time.perf_counter() - start, 1)}
-    (runs / f"{cell.name}.log").write_text(log)
     if code == 0:
         record.update(_figures(run, cell))
     else:  # a refusal (exit 2) is a result too: what hfdist says it cannot run here

@@ -228,6 +228,8 @@ def _checks(strategy: Strategy, config, compile: bool, fp8: str | None, qlora: b
 
         check_compile(rung)
     check_model_fits(config, rung)
+    if lora or qlora:
+        refuse_unless(rung, "lora")
     if qlora:
         from hfdist.models.quantize import check_quantizable
 

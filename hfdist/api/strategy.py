@@ -103,7 +103,9 @@ class Strategy:
         settings["activation_checkpointing"] = False
         if _has_field(cls, "gradient_checkpointing"):
             settings["gradient_checkpointing"] = False
-        args = cls(**{**kwargs, **settings})
+        # A non-finite step stops the run (hfdist.train.nonfinite); the Trainer's default would log it as the mean of
+        # the earlier losses (0.0 when every step is logged), hiding it. A caller's own value wins.
+        args = cls(**{"logging_nan_inf_filter": False, **kwargs, **settings})
         return placed_by_hfdist(args) if mesh else args
 
     def deepspeed_config(self) -> tuple[dict | None, str | None]:

@@ -168,6 +168,7 @@ class DistributedMetricsCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if self._running:
             self._throughput.step_end()
+            self._memory.step_end()
 
     # -- figures ------------------------------------------------------------------------------------------------
 

@@ -95,7 +95,8 @@ class MemoryMeter:
         self._held_at_start = sum(rank_state_bytes(model, optimizer).values()) + held_outside()
         self._resident_at_start = start_peak_window(device)
         self._steps = 0
-        self._count_tensors = device.type == "cpu" and not any(
+        # the count closes at the optimizer's step pre-hook: none without a torch optimizer to hook
+        self._count_tensors = device.type == "cpu" and inner is not None and not any(
             getattr(m, "_compiled_call_impl", None) is not None for m in model.modules())
 
     def _end_of_backward(self, param) -> None:
@@ -110,6 +111,11 @@ class MemoryMeter:
 
     def _after_step(self, optimizer, args, kwargs) -> None:
         self._state_bytes = rank_state_bytes(self._model, optimizer)
+
+    def step_end(self) -> None:
+        """The Trainer's optimizer step has ended: after the first, start counting the second's tensors. (Steps are
+        the Trainer's: DeepSpeed calls the torch optimizer's step once per parameter group, so its hooks fire
+        several times a step.)"""
         self._steps += 1
         if self._steps == 1 and self._count_tensors:
             held = self._state_bytes

@@ -197,9 +197,14 @@ class CheckpointingMixin:
             cost.write_s = write_s or 0.0
             self._record_cost(cost)
 
-    def _finalize_training(self, trial, num_train_samples, start_time):
-        self._wait_for_checkpoint()  # the last checkpoint lands before the run's closing metrics and final save
+    def land_checkpoints(self) -> None:
+        """The checkpoint being written in the background (if any) lands, and the writer closes: the end of training,
+        or a stop before it (a diverged run keeps its last finite checkpoint)."""
+        self._wait_for_checkpoint()
         self._background.close()
+
+    def _finalize_training(self, trial, num_train_samples, start_time):
+        self.land_checkpoints()  # the last checkpoint lands before the run's closing metrics and final save
         return super()._finalize_training(trial, num_train_samples, start_time)
 
     def _write_checkpoint(self, folder: Path, background: bool = False, finish=None) -> float:

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = ["PREEMPTED_EXIT_CODE", "DEFAULT_SIGNALS", "GRACE_ENV", "Grace", "signal_name", "preempt_signals",
-           "advertised_grace", "grace_lines", "preempted_line", "elastic_forwarding_env", "PREEMPTED_NOTE",
+           "advertised_grace", "grace_lines", "preempted_line", "elastic_env", "PREEMPTED_NOTE",
            "leave_preempted_note", "preempted_note"]
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL (module docstring)
@@ -42,7 +42,7 @@ GRACE_ENV = "HFDIST_PREEMPT_GRACE"
 TORCHRUN_SHUTDOWN_DEFAULT = 30.0  # torch.distributed.launcher.api.LaunchConfig's default shutdown_timeout
 KUBERNETES_GRACE_DEFAULT = 30.0  # a pod's default terminationGracePeriodSeconds
 _UNCATCHABLE = ("SIGKILL", "SIGSTOP")
-# The signals torch elastic forwards to its workers by default (torch.distributed.run --signals-to-handle).
+# The signals torch elastic handles by default (torch.distributed.run --signals-to-handle).
 _ELASTIC_DEFAULT_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
@@ -69,12 +69,13 @@ def preempt_signals(extra: str | None = None) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*DEFAULT_SIGNALS, *((signal_name(extra),) if extra else ()))))
 
 
-def elastic_forwarding_env(signals: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
-    """The environment that makes a torch elastic agent started by hfdist's hand-over forward every preemption signal
-    to its ranks (its default list lacks SIGUSR1) and wait for them as long as they checkpoint: the environment's own
-    grace (Kubernetes', Slurm's) is the deadline that counts. A user's own values win."""
-    forwarded = ",".join(dict.fromkeys((*_ELASTIC_DEFAULT_SIGNALS, *signals)))
-    out = {"PET_SIGNALS_TO_HANDLE": forwarded, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(24 * 3600)}
+def elastic_env(relayed: Sequence[str], env: Mapping[str, str]) -> dict[str, str]:
+    """The environment of the torch elastic agent hfdist's hand-over runs: it handles its default signals (Ctrl-C's
+    SIGINT, ...) but not the preemption signals, which the hand-over relays to the ranks itself
+    (hfdist.job.signal_relay), and it waits for the ranks as long as they checkpoint when it stops them: the
+    environment's own grace (Kubernetes', Slurm's) is the deadline that counts. A user's own values win."""
+    handled = ",".join(s for s in _ELASTIC_DEFAULT_SIGNALS if s not in relayed)
+    out = {"PET_SIGNALS_TO_HANDLE": handled, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(24 * 3600)}
     return {k: v for k, v in out.items() if k not in env}
 
 

@@ -17,9 +17,10 @@ __all__ = ["RungInfo", "RUNG_INFO", "FEATURES", "TESTED_OPTIONS", "E2E_MODULES",
 
 # The options a rung may take or refuse; each is a RungInfo field of the same name (True: takes it; False or a
 # string, the reason: refused before launch). The value is what hfdist verifies when it does run there.
-FEATURES = {"compile": "compiled layers", "qlora": "a 4-bit quantized base model", "fp8": "FP8 matmuls"}
+FEATURES = {"lora": "LoRA adapters (peft)", "qlora": "a 4-bit quantized base model", "fp8": "FP8 matmuls",
+            "compile": "compiled layers"}
 # The options the end-to-end suite trains a rung with, besides its plain full fine-tune (RungInfo.tested_with).
-TESTED_OPTIONS = ("lora", "bf16", *FEATURES)  # bf16: --mixed-precision bf16 (fp32 elsewhere on CPU)
+TESTED_OPTIONS = ("bf16", *FEATURES)  # bf16: --mixed-precision bf16 (fp32 elsewhere on CPU)
 # The end-to-end module that trains a rung against the single-process run (RungInfo.e2e), under tests/e2e/.
 E2E_MODULES = {"ladder": "test_finetune_ladder.py", "pipeline": "test_finetune_pipeline.py",
                "context_parallel": "test_context_parallel_job.py", "moe": "test_moe_job.py",
@@ -38,19 +39,24 @@ class RungInfo:
     example_args: str = ""  # what its launch command adds in the ladder table (ddp is the LoRA rung)
     _: KW_ONLY
     plan_order: int  # the planner's walk, simplest first (offload rungs go last whatever theirs is)
+    lora: bool | str = True  # --lora: True, or why not
     compile: bool | str = False  # --compile: True, or why not (False: not built for it)
     qlora: bool | str = False  # --qlora: as compile
     fp8: bool | str = False  # --fp8: as compile
     e2e: str = "ladder"  # the E2E_MODULES key of the module that trains it against the single process, on its
     # YAML's own process count (the count a CPU run takes)
-    # TESTED_OPTIONS the suite also trains it with end to end: lora in its e2e module, each other option in that
-    # option's module (tests/e2e/test_bf16.py, test_compile.py, ...)
+    # TESTED_OPTIONS the suite also trains it with end to end beyond its cells (tests/e2e/test_cells.py: every option
+    # it takes against one process): lora in its e2e module (saved adapters, resume), each other option in that
+    # option's module (tests/e2e/test_bf16.py: fp32 saves; test_fp8.py: compositions, saves; test_qlora.py, ...)
     tested_with: frozenset[str] = frozenset()
     # Mixture-of-experts models (hfdist.models.moe): True where hfdist trains them (verified against one process,
     # the router's aux loss included), else why not (refused before launch by hfdist.parallel.expert_check);
     # takes_ep: --ep splits their experts over the data-parallel ranks there (hfdist.parallel.expert).
     moe: bool | str = False
     takes_ep: bool = False
+    # Dense models (every architecture of the registry without experts): True, else why not (refused before launch
+    # by hfdist.parallel.expert_check); the rung's option cells then train an MoE model (hfdist.config.cells).
+    dense: bool | str = True
 
     def takes(self, feature: str) -> bool:
         """The rung runs with this FEATURES option (built and verified there)."""
@@ -68,6 +74,10 @@ _FP8_DS = "DeepSpeed's engine casts and partitions the model itself, around torc
 _FP8_CP = "context parallelism splits every sequence's tokens over cp ranks, so each rank's float8 scales see a part"
 _FP8_OFFLOAD = ("FSDP2's CPU offload keeps the weights in host memory, between which and torchao's float8 all-gather "
                 "hfdist has built and tested nothing; the rung is for QLoRA")
+# Why the rungs that refuse --lora do.
+_LORA_AUTOTP = ("DeepSpeed's AutoTP swaps each Linear for its tensor-parallel layer after the optimizer is built, under "
+                "peft's adapters, so ZeRO-2 meets parameters it has no name for (a KeyError in its parameter mapping, "
+                "DeepSpeed 0.19.8); fsdp_tp trains LoRA under tensor parallelism")
 # Why the rungs that refuse --qlora do (docs/qlora.md).
 _QLORA_TP = ("tensor parallelism splits every projection into DTensor shards and runs its matmul on them, while "
              "bitsandbytes' 4-bit matmul takes a plain packed weight, and splitting a projection's input dimension "
@@ -92,6 +102,8 @@ _COMPILE_EP = ("the experts' all-to-all takes split sizes read from the routing 
 _FP8_EP = "torchao converts Linear layers, and the experts are stacked 3-D weights; not built for MoE"
 _QLORA_EP = ("the experts (most of an MoE model's weights) are stacked 3-D parameters bitsandbytes has no 4-bit layer "
              "for here, so a 4-bit base would stay mostly full precision")
+_DENSE_EP = ("its experts are split over ep ranks and a dense model has none; fsdp_full_shard is the same layout for "
+             "it")
 
 # Table order: the decision table's rows (docs/ladder.md): 1 DDP, 2 FSDP FULL_SHARD / ZeRO-2, 3 HYBRID / ZeRO-3,
 # 4 PP or TP (pipeline stages first, then tensor parallelism), 5 3D, 6 ZeRO-3 + offload; ZeRO-1 sits between rows
@@ -105,14 +117,14 @@ RUNG_INFO: dict[str, RungInfo] = {
     "ddp": RungInfo(1, "LoRA fine-tune <= 7B; the model fits on one device", "nothing (full replica per rank)",
                     "the model, grads and Adam state fit one device; fastest", "--lora",
                     plan_order=10, fp8=True, compile=True, qlora=True,
-                    tested_with=frozenset({"bf16", "compile", "fp8", "lora", "qlora"}), moe=True),
+                    tested_with=frozenset({"bf16", "fp8", "lora", "qlora"}), moe=True),
     "zero1": RungInfo(1, "model + grads fit one device, Adam state does not", "optimizer state",
                       "a small step past DDP: frees 12 of 16 bytes/param of Adam state",
                       plan_order=20, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_ZERO12, moe=_MOE_DS),
     "fsdp_full_shard": RungInfo(2, "full fine-tune 7B-13B on one node", "params + grads + optimizer state",
                                 "the model states do not fit one device; one node",
                                 plan_order=40, fp8=True, compile=True, qlora=True,
-                                tested_with=frozenset({"bf16", "compile", "fp8", "lora", "qlora"}), moe=True),
+                                tested_with=frozenset({"bf16", "fp8", "lora", "qlora"}), moe=True),
     "zero2": RungInfo(2, "full fine-tune 7B-13B on one node", "grads + optimizer state",
                       "weights fit one device but grads + Adam state do not",
                       plan_order=30, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_ZERO12,
@@ -120,7 +132,7 @@ RUNG_INFO: dict[str, RungInfo] = {
     "fsdp_hybrid": RungInfo(3, "full fine-tune 30B-70B on several nodes", "params + grads + optimizer state "
                             "inside a node; replicated across nodes", "multi-node, slow inter-node fabric",
                             plan_order=60, fp8=True, compile=True, qlora=True,
-                            tested_with=frozenset({"fp8", "qlora"}), moe=_MOE_UNVERIFIED),
+                            tested_with=frozenset({"qlora"}), moe=_MOE_UNVERIFIED),
     "zero3": RungInfo(3, "full fine-tune 30B-70B", "params + grads + optimizer state",
                       "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem",
                       plan_order=50, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=True,
@@ -134,17 +146,16 @@ RUNG_INFO: dict[str, RungInfo] = {
                         "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
                         "sharding alone is not enough or its all-gathers dominate; tp inside a node",
                         plan_order=80, fp8=True, compile=True, qlora=_QLORA_TP,
-                        tested_with=frozenset({"bf16", "compile", "fp8", "lora"}), moe=True, takes_ep=True),
+                        tested_with=frozenset({"bf16", "fp8", "lora"}), moe=True, takes_ep=True),
     "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
                          "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
                          "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19",
-                         plan_order=90, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_TP,
+                         plan_order=90, lora=_LORA_AUTOTP, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_TP,
                          tested_with=frozenset({"bf16"}), moe=_MOE_DS),
     "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
                    "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
                    "the model needs tp inside a node and pp across nodes to fit; dp for the rest",
-                   plan_order=100, fp8=True, compile=_COMPILE_PP, qlora=_QLORA_TP, e2e="pipeline",
-                   tested_with=frozenset({"bf16", "fp8"}), moe=_MOE_PP),
+                   plan_order=100, fp8=True, compile=_COMPILE_PP, qlora=_QLORA_TP, e2e="pipeline", moe=_MOE_PP),
     "fsdp_cp": RungInfo(4, "long-context fine-tune (32K-128K tokens): activations exceed a device",
                         "every sequence's tokens over cp (Ulysses attention) x params + grads + optimizer state "
                         "over dp_shard x cp (FSDP2)", "activations do not fit even with checkpointing; cp inside "
@@ -165,7 +176,7 @@ RUNG_INFO: dict[str, RungInfo] = {
                         "an MoE model whose experts' all-gathers dominate or do not fit; ep inside a node",
                         "--model qwen3-moe-tiny --ep 2",
                         plan_order=46, compile=_COMPILE_EP, fp8=_FP8_EP, qlora=_QLORA_EP, e2e="moe",
-                        moe=True, takes_ep=True),
+                        moe=True, takes_ep=True, dense=_DENSE_EP),
     "fsdp_offload": RungInfo(6, "the model exceeds the GPUs' memory even sharded, e.g. QLoRA of 70B on 2 x 24 GB",
                              "params + grads + optimizer state sharded over ranks and kept in CPU RAM (FSDP2 CPU "
                              "offload); each layer's shards copied to the GPU as it runs",

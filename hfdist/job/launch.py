@@ -12,21 +12,21 @@ hfdist's paragraph, not with the launch stack's tracebacks: ranks leave their er
 hand-over reads when the launch fails, and the hand-over prints each distinct paragraph once, last.
 
 Preemption (hfdist.train.preemption): the process that hands over is the one Kubernetes signals (a container's first
-process only); torch elastic's agent, running in it, forwards the preemption signals to the ranks and waits for them
-(hfdist.config.preemption.elastic_forwarding_env). The single rung's restart on one GPU forwards them to the process
-it starts. A run whose ranks stopped for a preemption exits PREEMPTED_EXIT_CODE, whichever process got the signal.
+process only); it relays the first preemption signal to the processes it started (the ranks, or the single rung's
+restart on one GPU) and ignores the rest (hfdist.job.signal_relay), while torch elastic's agent, running in it, waits
+for the ranks as long as they checkpoint (hfdist.config.preemption.elastic_env). A run whose ranks stopped for a
+preemption exits PREEMPTED_EXIT_CODE, whichever process got the signal and however many times.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Sequence
 
@@ -34,8 +34,9 @@ from hfdist import console
 from hfdist.config.finetune import FinetuneConfig
 from hfdist.config.ladder import Rung, StrategyKind
 from hfdist.config.precision import cpu_translation
-from hfdist.config.preemption import PREEMPTED_EXIT_CODE, elastic_forwarding_env, preempt_signals, preempted_note
-from hfdist.errors import ERROR_DIR_ENV, HfdistError, collected_errors
+from hfdist.config.preemption import PREEMPTED_EXIT_CODE, elastic_env, preempt_signals, preempted_note
+from hfdist.errors import DIVERGED_EXIT_CODE, ERROR_DIR_ENV, HfdistError, collected_errors
+from hfdist.job.signal_relay import SignalRelay
 from hfdist.job.world import Node
 
 __all__ = ["LaunchError", "accelerate_arguments", "single_gpu_env", "ensure_world", "HANDED_OVER_ENV"]
@@ -96,31 +97,15 @@ def single_gpu_env(env: dict[str, str]) -> dict[str, str]:
     return {**env, "CUDA_VISIBLE_DEVICES": visible[0] if visible else "0"}
 
 
-@contextlib.contextmanager
-def _forwarding(child: subprocess.Popen, signals: Sequence[str]) -> Iterator[None]:
-    """While `child` runs: each of `signals` this process receives is sent on to it (not acted on here)."""
-    previous = {}
-    for name in signals:
-        sig = signal.Signals[name]
-        previous[sig] = signal.signal(sig, lambda signum, frame: child.send_signal(signum))
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
 # How a hand-over starts its launch: given the launch's environment, run it to its end and return its exit code and
 # {rank: exit code} of the ranks that failed (when it knows them).
 Start = Callable[[Mapping[str, str]], tuple[int, dict[int, int]]]
 
 
-def _in_a_process(cmd: list[str], signals: Sequence[str]) -> Start:
-    """Start `cmd` as a child process, forwarding `signals` to it."""
+def _in_a_process(cmd: list[str]) -> Start:
+    """Start `cmd` as a child process (the hand-over relays preemption signals to it)."""
     def start(env: Mapping[str, str]) -> tuple[int, dict[int, int]]:
-        child = subprocess.Popen(cmd, env=dict(env))
-        with _forwarding(child, signals):
-            return child.wait(), {}
+        return subprocess.Popen(cmd, env=dict(env)).wait(), {}
     return start
 
 
@@ -133,21 +118,29 @@ def _accelerate_here(arguments: list[str]) -> Start:
     return start
 
 
-def _hand_over(start: Start, env: dict[str, str], what: str) -> int:
-    """Run the launch, and when it fails end the screen with the ranks' hfdist paragraphs (or one line saying which
-    rank failed); returns the exit code (2 when the ranks stopped on bad input, as one process does;
-    PREEMPTED_EXIT_CODE when they stopped for a preemption: rank 0 printed why)."""
-    with tempfile.TemporaryDirectory(prefix="hfdist-errors-") as errors:
+def _hand_over(start: Start, env: dict[str, str], what: str, signals: Sequence[str]) -> int:
+    """Run the launch, relaying the preemption `signals` this process receives to the processes it starts
+    (hfdist.job.signal_relay), and when it fails end the screen with the ranks' hfdist paragraphs (or one line saying
+    which rank failed); returns the exit code (2 when the ranks stopped on bad input, as one process does;
+    PREEMPTED_EXIT_CODE when they stopped for a preemption: rank 0 printed why; DIVERGED_EXIT_CODE with rank 0's
+    paragraph when a non-finite step stopped them; 128 + the signal when a relayed
+    signal ended them outside training, before they could checkpoint)."""
+    with tempfile.TemporaryDirectory(prefix="hfdist-errors-") as errors, SignalRelay(signals) as relay:
         code, failures = start({**env, ERROR_DIR_ENV: errors})
         if code == 0:
             return 0
         if preempted_note(errors) is not None:
             return PREEMPTED_EXIT_CODE
+        if relay.received is not None:
+            print(f"hfdist: {what} got {relay.received} outside training (before its first step or after its last), "
+                  "so it wrote no checkpoint for it; --resume continues from the last checkpoint in the output "
+                  "folder, if there is one.", file=sys.stderr, flush=True)
+            return 128 + int(signal.Signals[relay.received])
         paragraphs = collected_errors(Path(errors))
     for text in paragraphs:
         print(text, file=sys.stderr, flush=True)
-    if paragraphs:
-        return 2
+    if paragraphs:  # bad input (2), or a run that diverged (its own code: hfdist.train.nonfinite)
+        return DIVERGED_EXIT_CODE if code == DIVERGED_EXIT_CODE else 2
     failed = ", ".join(f"rank {r} (exit code {c})" for r, c in sorted(failures.items())) or f"exit code {code}"
     print(f"hfdist: {what} failed: {failed}. The failing rank's output is above; library messages are in "
           f"{env.get(console.LOG_DIR_ENV, 'the output folder')}.", file=sys.stderr, flush=True)
@@ -184,7 +177,7 @@ def ensure_world(rung: Rung, cfg: FinetuneConfig, entry: Sequence[str], script_a
         return None
     signals = preempt_signals(cfg.preempt_signal)
     env = {**os.environ, HANDED_OVER_ENV: "1", **console.launch_env(cfg.output_dir, cfg.verbose),
-           **elastic_forwarding_env(signals, os.environ)}
+           **elastic_env(signals, os.environ)}
     if rung.kind is StrategyKind.SINGLE:
         if node.gpus <= 1:
             return None
@@ -192,10 +185,10 @@ def ensure_world(rung: Rung, cfg: FinetuneConfig, entry: Sequence[str], script_a
         # replica): the single rung restarts itself with one GPU visible.
         print(f"hfdist: single runs on one GPU of {node.gpus}: restarting with CUDA_VISIBLE_DEVICES="
               f"{single_gpu_env(env)['CUDA_VISIBLE_DEVICES']}", flush=True)
-        return _hand_over(_in_a_process([sys.executable, *entry, *script_args], signals), single_gpu_env(env),
-                          "the single run")
+        return _hand_over(_in_a_process([sys.executable, *entry, *script_args]), single_gpu_env(env),
+                          "the single run", signals)
     arguments = accelerate_arguments(rung, entry, script_args, on_gpu=node.gpus > 0)
     print(f"hfdist: starting {rung.num_processes} process{'es' if rung.num_processes > 1 else ''} for {rung.name} "
           f"({rung.dims.layout()}): accelerate launch --config_file {rung.yaml_path} ...",
           flush=True)
-    return _hand_over(_accelerate_here(arguments), env, rung.name)
+    return _hand_over(_accelerate_here(arguments), env, rung.name, signals)

@@ -71,16 +71,18 @@ def check_deepspeed_json(rung: Rung, cfg: FinetuneConfig, micro: int, grad_accum
 
 
 def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
-    """--lora-target-modules must name decoder projections of the model; LoRA dropout cannot run under tensor
-    parallelism (each rank would drop other entries of the same replicated input: not the one-process computation).
+    """--lora on a rung that takes it (the rung table); --lora-target-modules must name decoder projections of the
+    model; LoRA dropout cannot run under tensor parallelism (each rank would drop other entries of the same replicated input: not the one-process computation).
 
     Raises:
         ConfigError: naming the modules the model has, or the rung's tp degree, and the fix.
     """
     if not cfg.lora:
         return
+    from hfdist.config.features import refuse_unless
     from hfdist.models.registry import LORA_TARGETS, facts_for, is_supported
 
+    refuse_unless(rung, "lora")  # the rung table says which rungs take it, and why the others do not
     known = facts_for(config).lora_targets if is_supported(config) else LORA_TARGETS
     if is_supported(config) and facts_for(config).moe is not None:
         from hfdist.models.moe import peft_converted_targets

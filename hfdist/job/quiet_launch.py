@@ -8,7 +8,9 @@ are this process's while the launch runs (hfdist.job.launch, preemption).
 Why quiet: accelerate's launchers end a failed run with a traceback of their own (subprocess.CalledProcessError from
 the single-process and DeepSpeed launchers, torch elastic's ChildFailedError report from the multi-process one) after
 the ranks' output, so hfdist's one-paragraph error would be buried above it. `launch_here` turns those exceptions
-into the ranks' exit code and which ranks failed, for the hand-over to report. The launcher's own notes (torch
+into the ranks' exit code and which ranks failed, for the hand-over to report. The agent handles the signals torch
+elastic lists in PET_SIGNALS_TO_HANDLE, which the hand-over sets without the preemption signals: those it relays to
+the ranks itself (hfdist.job.signal_relay). The launcher's own notes (torch
 elastic's thread and signal messages, accelerate's hints) go to OUTPUT_DIR/logs/launcher.log (hfdist.console).
 """
 
@@ -76,21 +78,7 @@ def launch_here(argv: list[str], env: Mapping[str, str]) -> tuple[int, dict[int,
             _, first = exc.get_first_failure()
             failures = {int(rank): int(failure.exitcode) for rank, failure in exc.failures.items()}
             return (first.exitcode if first.exitcode > 0 else 1), failures
-        except SignalException as exc:  # the agent got a signal and forwarded it to the ranks
-            _wait_for_ranks()
+        except SignalException as exc:  # the agent got one of its signals (Ctrl-C; preemption's are relayed by
+            # hfdist.job.signal_relay, never the agent's) and stopped the ranks
             return 128 + int(exc.sigval), {}  # as a shell reports a process the signal ended
     return 0, {}
-
-
-def _wait_for_ranks() -> None:
-    """After the agent forwarded a signal: wait until every rank (a child of this process) has exited, ignoring more
-    of the signals the agent forwards. A second signal (Slurm signals every process of a job) would otherwise end the
-    agent's wait early and this process with it, while the ranks are still writing their checkpoint; the ranks stop
-    on their own (hfdist.train.preemption)."""
-    for name in os.environ.get("PET_SIGNALS_TO_HANDLE", "SIGTERM").split(","):
-        signal.signal(signal.Signals[name.strip()], signal.SIG_IGN)
-    while True:
-        try:
-            os.wait()
-        except ChildProcessError:
-            return

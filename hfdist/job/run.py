@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # heavy imports (transformers, wandb) stay out of the launche
     from hfdist.callbacks.distributed_metrics import DistributedMetricsCallback
     from hfdist.callbacks.losses import LossRecorder
     from hfdist.callbacks.trackers import Trackers
+    from hfdist.train.nonfinite import Diverged
     from hfdist.train.trainer import StrategyMixin
     from hfdist.train.watchdog import CollectiveWatch
 
@@ -136,9 +137,14 @@ class Run:
     load: dict[str, float]
     sources: list[dict[str, Any]]  # each training source's name, rows and label tokens (hfdist.data.preparation)
 
-    def record(self) -> RunRecord:
-        """What the summary reports of this run, once it has trained."""
-        return RunRecord(strategy=self.strategy, losses=self.losses.losses, loss_steps=self.losses.steps,
+    def record(self, diverged: Diverged | None = None) -> RunRecord:
+        """What the summary reports of this run, once it has trained (or stopped at a non-finite step: `diverged`,
+        whose loss and gradient norm, never logged, close the series)."""
+        losses, steps, norms = list(self.losses.losses), list(self.losses.steps), list(self.losses.grad_norms)
+        if diverged is not None and diverged.loss is not None:
+            losses, steps, norms = losses + [diverged.loss], steps + [diverged.step], norms + [diverged.grad_norm]
+        return RunRecord(strategy=self.strategy, losses=losses, loss_steps=steps, grad_norms=norms,
+                         diverged=diverged.record() if diverged is not None else None,
                          check_blocks=check_blocks(self.trainer.rung, len(self.dataset)),
                          flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
                          closing_table=self.metrics.closing_table, evaluations=self.losses.evaluations,
@@ -215,7 +221,6 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
     if prepared.eval is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint
         callbacks.append(EvaluationSchedule(at_saves=cfg.load_best))
-    callbacks += injected_faults(int(os.environ.get("RANK", "0")), rung.name)  # tests: nothing unless HFDIST_INJECT_*
     # The job's callbacks replace the API's default metrics callback (print_table=False: the summary closes the run).
     trainer = strategy_trainer(Trainer, chosen)(
         model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval, data_collator=collator,
@@ -223,6 +228,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
         loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async,
         preempt_signals=preempt_signals(cfg.preempt_signal),
         preempt_grace=advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get(HANDED_OVER_ENV))))
+    trainer.gradient_hooks += injected_faults(int(os.environ.get("RANK", "0")), rung.name)  # tests only: HFDIST_INJECT_*
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
     if cfg.eval_prompts is not None and prepared.eval is not None:
@@ -254,9 +260,26 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     if handed_over is not None:
         return handed_over
     console.start(console.log_path(cfg.output_dir, f"rank-{os.environ.get('RANK', '0')}"), cfg.verbose)
+    code = train_in_world(cfg, rung)
+    _leave_process_group()
+    return code
+
+
+def train_in_world(cfg: FinetuneConfig, rung: Rung) -> int:
+    """What every rank of the run's world does once it is formed: set up, train, save, write the summary (rank 0).
+
+    The job's whole path after the launch, callable again in the same world: the suite's cell worker
+    (tests/e2e/cells_worker.py) trains many cases this way in one launch. The process group stays formed.
+
+    Returns:
+        The rank's exit code: 0, PREEMPTED_EXIT_CODE when a preemption stopped it, DIVERGED_EXIT_CODE when a
+        non-finite loss, gradient norm or update did (hfdist.train.nonfinite; rank 0 reports the paragraph).
+    """
+    from hfdist.train.nonfinite import DIVERGED_EXIT_CODE, TrainingDiverged
+
+    micro, grad_accum = batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)
     if _is_rank0():
         write_job_file(cfg)
-
     watch = _arm_watch(cfg)
     run = _set_up(cfg, rung, micro, grad_accum, watch)
     with watch.alone("starting the trackers", "TRACKERS"):  # rank 0's tracker start-up stays out of the measured loop
@@ -266,13 +289,20 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
     if resume_from is not None and _is_rank0():
         print(resume_line(resume_from, cfg, rung), flush=True)
     with watch.watching():  # a collective timeout: every surviving rank reports who never joined, and leaves
-        train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+        diverged = None
+        try:
+            train_output = run.trainer.train(resume_from_checkpoint=str(resume_from) if resume_from else None)
+            runtime = train_output.metrics.get("train_runtime")
+        except TrainingDiverged as stop:  # raised on every rank at the same step: nothing of it was written
+            diverged, runtime = stop.diverged, None
+            run.trainer.preemption.disarm()
+            run.trainer.land_checkpoints()  # an earlier, finite checkpoint still being written lands
         preempted = run.trainer.preempted  # a checkpoint of the last step is written: no more work in the grace
         check_loss, saved = None, {}
-        if cfg.load_best and preempted is None:
+        if cfg.load_best and preempted is None and diverged is None:
             watch.where("loading the best checkpoint")
             run.losses.best_step = run.trainer.load_best_checkpoint()
-        if cfg.save_model and preempted is None:
+        if cfg.save_model and preempted is None and diverged is None:
             watch.where("scoring the check batch")
             check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
                                                              run.trainer.data_collator))
@@ -286,9 +316,14 @@ def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> i
                                                   **_fp8_record(run), **run.trainer.preemption.rank_record()})
     with watch.alone("writing the summary", "SUMMARY"):  # and finishing W&B's run (an upload, online)
         if _is_rank0():
-            write_summary(cfg, run.record(), train_output.metrics.get("train_runtime"), check_loss, ranks, resume_from,
+            write_summary(cfg, run.record(diverged), runtime, check_loss, ranks, resume_from,
                           preempted.record() if preempted else None)
-    _leave_process_group()
+    if diverged is not None:
+        if _is_rank0():
+            from hfdist.errors import report_error
+
+            report_error(diverged.paragraph())
+        return DIVERGED_EXIT_CODE
     return PREEMPTED_EXIT_CODE if preempted else 0
 
 

@@ -13,6 +13,7 @@ from hfdist.config.finetune import FinetuneConfig, job_text
 from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung
 from hfdist.config.preemption import PREEMPTED_EXIT_CODE, leave_preempted_note, preempted_line
+from hfdist.errors import DIVERGED_EXIT_CODE
 
 if TYPE_CHECKING:
     from hfdist.callbacks.trackers import Trackers
@@ -33,6 +34,7 @@ class RunRecord:
     strategy: dict[str, Any]
     losses: list[float]
     loss_steps: list[int]
+    grad_norms: list[float | None]  # each step's, before clipping (hfdist.callbacks.losses.LossRecorder)
     check_blocks: int
     flops_per_token: float
     peak_flops: PeakFlops | None
@@ -43,6 +45,8 @@ class RunRecord:
     # Every checkpoint's cost (hfdist.checkpoint.trainer_hooks.CheckpointCost: step, background, held_s, write_s)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
     sources: list[dict[str, Any]] = field(default_factory=list)  # each training source's name, rows, label tokens
+    # Where a non-finite loss, gradient norm or update stopped the run (hfdist.train.nonfinite.Diverged.record)
+    diverged: dict[str, Any] | None = None
 
 
 def source_figures(sources: list[dict[str, Any]]) -> dict[str, float]:
@@ -128,6 +132,7 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "config": asdict(cfg),
         "losses": run.losses,
         "loss_steps": run.loss_steps,
+        "grad_norms": run.grad_norms,
         "resumed_from": str(resume_from) if resume_from else None,
         "check_batch_loss": check_loss,
         "check_blocks": run.check_blocks,
@@ -139,6 +144,7 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "data": {"sources": [{k: s[k] for k in ("name", "format", "rows", "label_tokens")} for s in run.sources]},
         "checkpoints": run.checkpoints,
         "preempted": preempted,
+        "diverged": run.diverged,
     }
     peaks = {f"peak/{k}": max(r.get(k, 0) for r in ranks)
              for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "load_peak_memory_bytes")
@@ -148,7 +154,7 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
     if preempted is not None:
         run.sink.set_summary({"preempted_at_step": preempted["step"]})
     where = {sink.label: sink.location for sink in run.sink.sinks.values() if sink.location}
-    records = run.sink.finish(PREEMPTED_EXIT_CODE if preempted else 0)
+    records = run.sink.finish(PREEMPTED_EXIT_CODE if preempted else DIVERGED_EXIT_CODE if run.diverged else 0)
     summary["wandb"] = records.pop("wandb", {"mode": "disabled", "run_dir": None, "error": None})
     summary["trackers"] = records
     _write_json_atomically(Path(cfg.output_dir) / SUMMARY_NAME, summary)
@@ -159,6 +165,10 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
                               preempted["checkpoint"])
         print(line, flush=True)
         leave_preempted_note(line)
+    elif run.diverged is not None:
+        print(f"hfdist: {run.strategy['name']} stopped at step {run.diverged['step']}: the "
+              f"{run.diverged['what'].replace('_', ' ')} was {run.diverged['value']}; losses "
+              f"{', '.join(f'{x:.4f}' for x in losses[-4:])}", flush=True)
     else:
         print(f"hfdist: {run.strategy['name']} done: loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} "
               f"steps", flush=True)

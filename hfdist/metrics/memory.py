@@ -101,7 +101,11 @@ def rank_state_bytes(model: torch.nn.Module, optimizer=None) -> dict[str, int]:
     optimizer_bytes = master_bytes = 0
     inner = innermost_optimizer(optimizer)
     if inner is not None:
-        opt_params = [p for group in inner.param_groups for p in group["params"]]
+        # DeepSpeed steps its torch optimizer one parameter group (ZeRO-1/2) or sub-group (ZeRO-3) at a time and
+        # swaps the groups' params in and out around each of those steps, so inside one (where the memory meter's
+        # hooks read this) the groups hold a single partition: the params the optimizer keeps state for are the rest.
+        opt_params = [p for group in inner.param_groups for p in group["params"]] + \
+            [p for p in inner.state if torch.is_tensor(p)]
         master_bytes = _storage_bytes(opt_params, set(seen_params))
         grad_bytes += _storage_bytes((p.grad for p in opt_params), seen_grads)
         state_tensors = (v for state in inner.state.values() for v in state.values() if torch.is_tensor(v))

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from hfdist.models.moe import MoeLayer, causal_lm_of, moe_layers
 from hfdist.models.moe_facts import MoeFacts
 from hfdist.models.registry import ModelFacts
+from hfdist.parallel.dtensors import local_tensor
 from hfdist.parallel.expert_check import ExpertParallelError, check_ep_degree
 from hfdist.parallel.expert_dispatch import routed_experts
 
@@ -60,11 +61,6 @@ def expert_meshes(mesh: DeviceMesh, ep: int, tp: int) -> tuple[DeviceMesh | None
     return (sparse["ep"] if ep > 1 else None), fsdp
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
-    """A stacked weight as this rank computes with it: its experts (a DTensor's local shard, gradient Shard(0))."""
-    return param.to_local() if isinstance(param, DTensor) else param
-
-
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; backward multiplies the gradient by `scale`."""
 
@@ -81,7 +77,7 @@ class _ScaleGrad(torch.autograd.Function):
 def _weights(experts: nn.Module, name: str) -> torch.Tensor:
     """A stacked weight as this rank computes with it (its experts), its gradient scaled so that FSDP2's average
     over the experts' mesh is the dense parameters' (`shard_experts`)."""
-    local = _local(getattr(experts, name))
+    local = local_tensor(getattr(experts, name))
     scale = getattr(experts, "hfdist_grad_scale", 1.0)
     return _ScaleGrad.apply(local, scale) if scale != 1.0 else local
 
@@ -174,7 +170,7 @@ def shard_experts(model: nn.Module, mesh: DeviceMesh, divide_factor: int, **fsdp
         # FSDP2 splits dim 0 (the experts) unless a rank's experts do not divide over the mesh (Llama 4 Scout: 16
         # experts, ep 8, 8 ranks left: 2 experts over 8 ranks), where whole rows would leave most ranks empty and a
         # few holding whole experts; there it splits dim 1 (2I or H wide), as torchtitan does.
-        local = _local(layer.experts.gate_up_proj).shape[0]
+        local = local_tensor(layer.experts.gate_up_proj).shape[0]
         dim = 0 if local % mesh.size() == 0 else 1
         fully_shard(layer.experts, mesh=mesh, shard_placement_fn=lambda param, d=dim: Shard(d), **fsdp_kwargs)
         layer.experts.hfdist_grad_scale = mesh.size() / divide_factor

@@ -9,7 +9,7 @@
     cost.py     predicted step time of a layout: FLOPs over the matmul rate, collectives over the bandwidth, bubble
     planner.py  walks the ladder, picks the fastest predicted layout that fits (a near tie goes to the simpler
                 rung), says what to change when nothing fits
-    render.py   the plan as a table or JSON
+    render.py   the plan itself (Plan, RungPlan) and how it reads: a table or JSON
     simulate.py the real parallelize recipe on the meta device and a fake process group, at any scale
 
     plan = plan_rungs(load_config("llama-3.1-70b"), gpus_per_node=8, nodes=4, gpu_mem_bytes=80 * GB)
@@ -25,7 +25,8 @@ from hfdist.plan.bytes import (
     Workload,
     rung_rank_bytes,
 )
-from hfdist.plan.planner import Plan, RungPlan, plan_order, plan_rungs
+from hfdist.plan.planner import plan_order, plan_rungs
+from hfdist.plan.render import Plan, RungPlan
 from hfdist.plan.state_bytes import StateBytes, predict_state_bytes
 
 __all__ = ["Plan", "RungPlan", "plan_rungs", "plan_order", "PlanError", "Workload", "RankBytes", "StateBytes",

@@ -25,90 +25,14 @@ from hfdist.models.attention import AUTO, uses_dense_mask
 from hfdist.models.registry import LORA_TARGETS
 from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import check_fp8, float8_params_per_layer
-from hfdist.plan import render
 from hfdist.plan.bytes import GB, PlanError, RankBytes, Workload, offload_device, rung_rank_bytes
 from hfdist.plan.cost import NOMINAL_HARDWARE, Hardware, StepCost, step_cost
 from hfdist.plan.expert_bytes import moe_note
 from hfdist.plan.layouts import Cluster, Layout, Pins, rung_layouts
+from hfdist.plan.render import SPEED_TIE, Plan, RungPlan
 
 __all__ = ["Plan", "RungPlan", "Assessment", "plan_rungs", "plan_layout", "assess_layouts", "plan_order", "Cluster",
            "Pins", "SPEED_TIE"]
-
-# Predicted speeds this close are a tie (the cost model leaves out overheads of this order), which the simpler rung
-# wins.
-SPEED_TIE = 0.03
-
-
-@dataclass(frozen=True)
-class RungPlan:
-    """One rung on this cluster: its best layout, that layout's predicted bytes and step time and its launch command
-    (bytes None if no layout of the rung can run here, with the reason in `note`)."""
-
-    name: str
-    layout: Layout | None
-    bytes: RankBytes | None
-    fits: bool
-    command: str
-    offload: str = "none"
-    note: str = ""
-    cost: StepCost | None = None
-    layouts: int = 0  # the layouts considered
-    fitting: int = 0  # of which fit
-
-    @property
-    def dims(self):
-        """The best layout's degrees (None when the rung cannot run here)."""
-        return self.layout.dims if self.layout is not None else None
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Every rung's best layout for one model, cluster and workload; the recommendation is the fastest that fits."""
-
-    model: str
-    shape: ModelShape
-    trainable_params: int
-    gpus_per_node: int
-    nodes: int
-    gpu_mem_bytes: int
-    workload: Workload
-    rungs: tuple[RungPlan, ...]
-    hardware: Hardware = NOMINAL_HARDWARE
-    hint: str = ""
-
-    @property
-    def world(self) -> int:
-        """GPUs in the cluster."""
-        return self.gpus_per_node * self.nodes
-
-    @property
-    def recommended(self) -> RungPlan | None:
-        """The fastest predicted rung that fits without offload (else with it), or None; of rungs predicted within
-        SPEED_TIE of the fastest, the simplest (the plan's order): the cost model cannot tell them apart."""
-        fitting = [r for r in self.rungs if r.fits]
-        candidates = [r for r in fitting if r.offload == "none"] or fitting
-        if not candidates:
-            return None
-        fastest = max(r.cost.tokens_per_second for r in candidates)
-        return next(r for r in candidates if r.cost.tokens_per_second >= (1 - SPEED_TIE) * fastest)
-
-    def assumptions(self) -> list[str]:
-        """The accounting behind the numbers, one line each (shown under the table and in the JSON)."""
-        return render.assumptions(self)
-
-    def table(self) -> str:
-        """The human-readable plan: one row per rung (its best layout), the recommendation and its command."""
-        return render.table(self)
-
-    def to_json(self) -> dict[str, Any]:
-        """{"rungs": [{"name", "fits", "layout", "per_rank_bytes", "predicted", ...}, ...], "recommended": {"name",
-        "command"} | None} plus the inputs, the assumptions and any hint."""
-        return render.to_json(self)
-
-    def failure_message(self) -> str:
-        """One paragraph for when no rung fits: what is too big, and the fix."""
-        return render.failure_message(self)
-
 
 def plan_order(rungs: Iterable[Rung]) -> list[Rung]:
     """Rungs in the order the plan lists them: the rung table's plan_order ((single,) ddp, zero1, zero2,

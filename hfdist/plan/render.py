@@ -1,17 +1,93 @@
-"""A plan as a person reads it (the table `hfdist plan` prints, with its assumptions and the failure paragraph) and as
-JSON (`hfdist plan --json`)."""
+"""A plan: what it holds (Plan, RungPlan: each rung's best layout and the recommendation, which hfdist.plan.planner
+makes) and how it reads, as a person reads it (the table `hfdist plan` prints, with its assumptions and the failure
+paragraph) and as JSON (`hfdist plan --json`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass
+from typing import Any
 
-from hfdist.plan.bytes import GB
+from hfdist.models.shape import ModelShape
+from hfdist.plan.bytes import GB, RankBytes, Workload
+from hfdist.plan.cost import NOMINAL_HARDWARE, Hardware, StepCost
+from hfdist.plan.layouts import Layout
 
-if TYPE_CHECKING:
-    from hfdist.plan.planner import Plan, RungPlan
+__all__ = ["Plan", "RungPlan", "SPEED_TIE", "assumptions", "table", "to_json", "failure_message"]
 
-__all__ = ["assumptions", "table", "to_json", "failure_message"]
+# Predicted speeds this close are a tie (the cost model leaves out overheads of this order), which the simpler rung
+# wins.
+SPEED_TIE = 0.03
+
+
+@dataclass(frozen=True)
+class RungPlan:
+    """One rung on this cluster: its best layout, that layout's predicted bytes and step time and its launch command
+    (bytes None if no layout of the rung can run here, with the reason in `note`)."""
+
+    name: str
+    layout: Layout | None
+    bytes: RankBytes | None
+    fits: bool
+    command: str
+    offload: str = "none"
+    note: str = ""
+    cost: StepCost | None = None
+    layouts: int = 0  # the layouts considered
+    fitting: int = 0  # of which fit
+
+    @property
+    def dims(self):
+        """The best layout's degrees (None when the rung cannot run here)."""
+        return self.layout.dims if self.layout is not None else None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every rung's best layout for one model, cluster and workload; the recommendation is the fastest that fits."""
+
+    model: str
+    shape: ModelShape
+    trainable_params: int
+    gpus_per_node: int
+    nodes: int
+    gpu_mem_bytes: int
+    workload: Workload
+    rungs: tuple[RungPlan, ...]
+    hardware: Hardware = NOMINAL_HARDWARE
+    hint: str = ""
+
+    @property
+    def world(self) -> int:
+        """GPUs in the cluster."""
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def recommended(self) -> RungPlan | None:
+        """The fastest predicted rung that fits without offload (else with it), or None; of rungs predicted within
+        SPEED_TIE of the fastest, the simplest (the plan's order): the cost model cannot tell them apart."""
+        fitting = [r for r in self.rungs if r.fits]
+        candidates = [r for r in fitting if r.offload == "none"] or fitting
+        if not candidates:
+            return None
+        fastest = max(r.cost.tokens_per_second for r in candidates)
+        return next(r for r in candidates if r.cost.tokens_per_second >= (1 - SPEED_TIE) * fastest)
+
+    def assumptions(self) -> list[str]:
+        """The accounting behind the numbers, one line each (shown under the table and in the JSON)."""
+        return assumptions(self)
+
+    def table(self) -> str:
+        """The human-readable plan: one row per rung (its best layout), the recommendation and its command."""
+        return table(self)
+
+    def to_json(self) -> dict[str, Any]:
+        """{"rungs": [{"name", "fits", "layout", "per_rank_bytes", "predicted", ...}, ...], "recommended": {"name",
+        "command"} | None} plus the inputs, the assumptions and any hint."""
+        return to_json(self)
+
+    def failure_message(self) -> str:
+        """One paragraph for when no rung fits: what is too big, and the fix."""
+        return failure_message(self)
 
 
 def assumptions(plan: Plan) -> list[str]:

@@ -209,15 +209,10 @@ def _fake_rank(rank: int, world_size: int, local_world_size: int):
             dist.destroy_process_group()
 
 
-def _local(t):
-    """This rank's piece of `t`: a DTensor's local shard, a plain tensor whole."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _local_bytes(t) -> int:
-    return _local(t).numel() * _local(t).element_size()
+    from hfdist.parallel.dtensors import local_tensor
+
+    return local_tensor(t).numel() * local_tensor(t).element_size()
 
 
 def _state_bytes(params: list, optimizer, extra: list = ()) -> tuple[int, int, int]:
@@ -241,6 +236,8 @@ def _meta_state_bytes(model) -> tuple[int, int, int]:
     import torch
     from torch import nn
 
+    from hfdist.parallel.dtensors import local_tensor
+
     params = _rank_params(model)
     trainable = [p for p in params if p.requires_grad]
     for p in trainable:
@@ -248,9 +245,9 @@ def _meta_state_bytes(model) -> tuple[int, int, int]:
     # The Trainer's AdamW keeps the same state (fused or not): exp_avg and exp_avg_sq like the parameter, for a
     # DTensor a DTensor whose local tensor is shaped like the local shard. Stepped on the local shards here: the
     # same tensors, without DTensor's per-op dispatch (a third of a 70B simulation's time).
-    local = [nn.Parameter(_local(p)) for p in trainable]
+    local = [nn.Parameter(local_tensor(p)) for p in trainable]
     for p, shard in zip(local, trainable):
-        p.grad = _local(shard.grad)
+        p.grad = local_tensor(shard.grad)
     optimizer = torch.optim.AdamW(local, lr=1e-5, foreach=False)
     optimizer.step()
     from hfdist.models.quantize import quant_state_tensors

@@ -48,8 +48,8 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
 
     Unlike the planner's accounting this follows what hfdist's code allocates: the model is built in fp32, so DDP
     and FSDP2 keep fp32 params and grads (bf16 is only the compute dtype) and Adam's fp32 moments, with no master
-    copy; DeepSpeed casts the model to bf16 under bf16 and keeps an fp32 master partition (except an fp32 full
-    fine-tune without offload, which steps the weights' own fp32 buffer), plus an fp32 grad partition under bf16. Averages over ranks: FSDP2 splits each tensor's dim 0 and
+    copy; DeepSpeed casts the model to bf16 under bf16 and keeps an fp32 master partition (in fp32 too: a clone),
+    plus an fp32 grad partition under bf16. Averages over ranks: FSDP2 splits each tensor's dim 0 and
     DeepSpeed pads partitions, so single ranks differ by up to a row per tensor / an alignment pad; Adam's step
     counters (a few bytes per tensor) are left out.
 
@@ -94,10 +94,8 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
     else:
         param_bytes = stored + whole
         grads = trainable * (weight + fp32_grad) / n if zero >= 2 else trainable * weight + trainable * fp32_grad / n
-    # Measured (tests/e2e/test_finetune_ladder.py): in an fp32 full fine-tune without offload DeepSpeed steps its fp32
-    # flat buffer in place (stage3.py: "we don't need another copy"; ZeRO-1/2 end up sharing it too), while LoRA
-    # and offload runs keep a separate fp32 partition.
-    shares_master = ds and dtype == "fp32" and not lora and rung.offload_optimizer == "none"
-    master = trainable * 4 / shard_opt if ds and not shares_master else 0
+    # DeepSpeed clones its fp32 partition even of fp32 weights: ZeRO-1/2 always (stage_1_and_2.py), ZeRO-3 because
+    # its "no other copy" test compares a torch.device with the accelerator's device name, a str, and fails.
+    master = trainable * 4 / shard_opt if ds else 0
     moments = trainable * 8 / shard_opt
     return StateBytes(int(param_bytes), int(grads), int(moments + master), int(master))

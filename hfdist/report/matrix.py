@@ -20,7 +20,7 @@ COLUMNS = ("strategy", "world_size", "dp_replicate", "dp_shard", "tp", "pp", "ze
            "micro_batch", "global_batch", "seq_len", "attn_implementation", "tokens_per_s_per_device",
            "tflops_per_device", "mfu",
            "peak_mem_max_mb", "peak_mem_min_mb", "param_mb_per_rank", "grad_mb_per_rank", "optimizer_mb_per_rank",
-           "final_loss", "eval_loss")
+           "final_loss", "final_grad_norm", "eval_loss", "same_math")
 _MB = 1e6
 
 
@@ -61,22 +61,59 @@ def matrix_row(summary: dict[str, Any]) -> dict[str, Any]:
         row[f"{key}_mb_per_rank"] = round(max(r[f"{key}_bytes"] for r in ranks) / _MB, 3)
     row["optimizer_mb_per_rank"] = round(max(r["optimizer_bytes"] + r["master_bytes"] for r in ranks) / _MB, 3)
     row["final_loss"] = round(summary["losses"][-1], 4)
+    norms = summary.get("grad_norms") or [None]  # summaries before gradient norms were recorded have none
+    row["final_grad_norm"] = round(norms[-1], 4) if norms[-1] is not None else None
     evaluated = summary.get("eval")  # held-out data: the last evaluation's loss
     row["eval_loss"] = round(evaluated["loss"], 4) if evaluated else None
     return row
 
 
 def load_rows(summary_paths: Iterable[Path]) -> list[dict[str, Any]]:
-    """Rows for every summary file, in the order given.
+    """Rows for every summary file, in the order given, each with its `same_math` verdict (`_same_math`).
 
     Raises:
         MatrixError: no summary file among the paths.
     """
-    rows = [matrix_row(json.loads(Path(p).read_text())) for p in summary_paths if Path(p).is_file()]
-    if not rows:
+    summaries = [json.loads(Path(p).read_text()) for p in summary_paths if Path(p).is_file()]
+    if not summaries:
         raise MatrixError("No hfdist_summary.json found: run scripts/compare.py (or scripts/finetune.py) first, "
                           "and point the matrix at the folders they wrote.")
+    rows = [matrix_row(s) for s in summaries]
+    for row, verdict in zip(rows, _same_math(summaries)):
+        row["same_math"] = verdict
     return rows
+
+
+def _same_math(summaries: list[dict[str, Any]]) -> list[str]:
+    """Each run against the reference of the runs of its job (model, adapters, precision, batch, steps): the run of
+    the simplest rung (the rung table's plan order). "reference", "yes", or "NO (x)" with the largest relative
+    difference of a step's loss or gradient norm (hfdist.report.same_math)."""
+    from hfdist.config.rungs import RUNG_INFO
+    from hfdist.report.same_math import largest_difference, numerics, same_math
+
+    def job(s: dict[str, Any]) -> tuple:
+        st = s["strategy"]
+        return (s["config"].get("model"), st.get("lora"), st.get("qlora"), numerics(st), st.get("global_batch"),
+                st.get("seq_len"), len(s["losses"]))
+
+    def simplicity(s: dict[str, Any]) -> int:
+        info = RUNG_INFO.get(s["strategy"]["name"])
+        return info.plan_order if info is not None else 10**6
+
+    references: dict[tuple, dict[str, Any]] = {}
+    for s in summaries:
+        key = job(s)
+        if key not in references or simplicity(s) < simplicity(references[key]):
+            references[key] = s
+    out = []
+    for s in summaries:
+        ref = references[job(s)]
+        if s is ref:
+            out.append("reference")
+        else:
+            out.append("yes" if same_math(s, ref, numerics(s["strategy"])) else
+                       f"NO ({largest_difference(s, ref):.1e} vs {ref['strategy']['name']})")
+    return out
 
 
 def _markdown(rows: list[dict[str, Any]], title: str, notes: list[str]) -> str:

@@ -1,56 +1,64 @@
 """Faults a test injects into a real run, through the environment, to show that hfdist notices them.
 
-    HFDIST_INJECT_GRAD_SCALE=RANK:FACTOR[:RUNG]   rank RANK multiplies its gradients by FACTOR before every
-                                                  optimizer step (only in runs of the rung RUNG, when given): a
-                                                  layout that is not the same math as the others (hfdist tune must
-                                                  flag its losses and never choose it; under Adam a
-                                                  negative FACTOR shows in the first update, a positive one not:
-                                                  its first step, m / sqrt(v), is the same for g and c g)
+    HFDIST_INJECT_GRAD_SCALE=RANK:FACTOR[:RUNG[:NAME]]
+        rank RANK (`*`: every rank) multiplies its gradients by FACTOR after every backward, before their norm and
+        the optimizer step; only in runs of the rung RUNG when given (empty: any), only the parameters whose names
+        contain NAME when given (e.g. `experts`). A layout that is not the same math as the others: one rank's
+        expert gradients x 2, or every rank's x 0.5 as a wrong average over data-parallel ranks would make them.
+        Under Adam a positive factor leaves the losses nearly as they were (its update, m / sqrt(v), is the same for
+        g and c g); the gradient norm shows it (hfdist.report.same_math, tests/e2e/test_cells.py).
 
-Nothing here runs unless the variable is set; the job adds the callback only then (hfdist.job.run).
+Nothing here runs unless the variable is set; the job hands the hooks to its trainer only then (hfdist.job.run,
+hfdist.train.trainer.StrategyMixin.gradient_hooks).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
-from transformers import TrainerCallback
+import torch
+from torch import nn
 
-__all__ = ["GRAD_SCALE_ENV", "InjectedFaults", "injected_faults"]
+__all__ = ["GRAD_SCALE_ENV", "GradientScale", "injected_faults"]
 
 GRAD_SCALE_ENV = "HFDIST_INJECT_GRAD_SCALE"
 
 
-class InjectedFaults(TrainerCallback):
-    """Scales this rank's gradients by `factor` before each optimizer step."""
+class GradientScale:
+    """Multiplies this rank's gradients (of the parameters whose names contain `name`, all when empty) by
+    `factor`."""
 
-    def __init__(self, factor: float) -> None:
+    def __init__(self, factor: float, name: str = "") -> None:
         self.factor = factor
+        self.name = name
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        import torch
-
+    def __call__(self, model: nn.Module) -> None:
         with torch.no_grad():
-            for p in model.parameters():
-                if p.grad is not None:
+            for param_name, p in model.named_parameters():
+                if p.grad is not None and self.name in param_name:
                     p.grad.mul_(self.factor)
 
 
-def injected_faults(rank: int, rung: str) -> list[TrainerCallback]:
-    """The callbacks the environment asks this rank of a run of `rung` to run (none unless a HFDIST_INJECT_*
+def injected_faults(rank: int, rung: str) -> list[Callable[[nn.Module], None]]:
+    """The gradient hooks the environment asks this rank of a run of `rung` to run (none unless a HFDIST_INJECT_*
     variable is set).
 
     Raises:
-        ValueError: a variable that is not RANK:FACTOR[:RUNG].
+        ValueError: a variable that is not RANK:FACTOR[:RUNG[:NAME]].
     """
     spec = os.environ.get(GRAD_SCALE_ENV)
     if not spec:
         return []
     try:
-        target, factor, *only = spec.split(":")
-        target_rank, scale = int(target), float(factor)
-        if len(only) > 1:
+        target, factor, *rest = spec.split(":")
+        scale = float(factor)
+        if len(rest) > 2 or (target != "*" and not target.isdigit()):
             raise ValueError(spec)
     except ValueError as exc:
-        raise ValueError(f"{GRAD_SCALE_ENV}={spec!r} is not RANK:FACTOR[:RUNG] (e.g. 1:2.0:fsdp_tp).") from exc
-    return [InjectedFaults(scale)] if rank == target_rank and (not only or only[0] == rung) else []
+        raise ValueError(f"{GRAD_SCALE_ENV}={spec!r} is not RANK:FACTOR[:RUNG[:NAME]] (e.g. 1:2.0:fsdp_tp, or "
+                         "*:0.5:fsdp_cp, or 0:2.0:fsdp_ep:experts).") from exc
+    only, name = (rest + ["", ""])[:2]
+    if (target != "*" and int(target) != rank) or (only and only != rung):
+        return []
+    return [GradientScale(scale, name)]

@@ -40,7 +40,9 @@ class PipelineMixin:
             self.precision.note_loss(loss)
         # The Trainer logs the mean of this over all ranks. Only the last stage's ranks (1 in pp) hold a loss, and
         # it is already scaled by dp like any Trainer loss, so scaling it by pp makes that mean the batch loss.
-        return loss.detach() * self.rung.dims.pp
+        loss = loss.detach() * self.rung.dims.pp
+        self.nonfinite.note_loss(loss)
+        return loss
 
     def score(self, model: nn.Module, batch: dict[str, torch.Tensor], num_items_in_batch: float | None = None) -> float:
         """The batch's mean token loss (its sum over `num_items_in_batch` when given) through the schedule's

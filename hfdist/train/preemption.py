@@ -40,7 +40,8 @@ from transformers.trainer_callback import TrainerCallback
 
 from hfdist.config.preemption import DEFAULT_SIGNALS, Grace, advertised_grace, grace_lines
 
-__all__ = ["Preempted", "PreemptionWatch", "PreemptionCallback", "PreemptionMixin", "TEST_PREEMPT_ENV"]
+__all__ = ["Preempted", "PreemptionWatch", "PreemptionCallback", "PreemptionMixin", "TEST_PREEMPT_ENV",
+           "agreement_group"]
 
 TEST_PREEMPT_ENV = "HFDIST_TEST_PREEMPT_AT"
 
@@ -61,6 +62,19 @@ class Preempted:
         return asdict(self)
 
 
+def agreement_group() -> dist.ProcessGroup | None:
+    """The group of the step boundary's small agreements (preemption's, the non-finite guard's): the world group
+    where it has a CPU backend (gloo), else a gloo group of its own (a CUDA tensor under NCCL would synchronise the
+    device every step); None without a process group. Collective where a group is made: every rank calls it at the
+    same point."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from hfdist.checkpoint.background import world_timeout
+
+    return dist.group.WORLD if "gloo" in str(dist.get_backend()) else dist.new_group(
+        backend="gloo", timeout=world_timeout(), group_desc="hfdist_agreement")
+
+
 class PreemptionWatch:
     """This rank's preemption signals (handlers installed while it trains) and the step boundary's agreement.
 
@@ -73,7 +87,7 @@ class PreemptionWatch:
         self.received: tuple[str, float] | None = None  # the first signal this rank got, and when (time.time())
         self.armed = False
         self._previous: dict[signal.Signals, Any] = {}
-        self._group = None
+        self.group: dist.ProcessGroup | None = None  # the agreement's (agreement_group); made by arm() if not set
 
     def _on_signal(self, signum: int, frame) -> None:
         if self.received is None:
@@ -82,14 +96,8 @@ class PreemptionWatch:
     def arm(self) -> None:
         """Catch the signals (main thread only: Python runs handlers there) and make the agreement's group. Collective
         where a group is made: every rank arms at the same point (the start of training)."""
-        if dist.is_available() and dist.is_initialized() and self._group is None and self.signals:
-            # The agreement reduces a CPU tensor: on the world group where it has a CPU backend (gloo), else on a gloo
-            # group of its own (a CUDA tensor under NCCL would synchronise the device every step).
-            from hfdist.checkpoint.background import world_timeout
-
-            backend = str(dist.get_backend())
-            self._group = dist.group.WORLD if "gloo" in backend else dist.new_group(
-                backend="gloo", timeout=world_timeout(), group_desc="hfdist_preemption")
+        if self.group is None and self.signals:
+            self.group = agreement_group()
         if threading.current_thread() is not threading.main_thread():
             return
         for name in self.signals:
@@ -97,10 +105,12 @@ class PreemptionWatch:
             self._previous[sig] = signal.signal(sig, self._on_signal)
         self.armed = bool(self.signals)
 
-    def disarm(self) -> None:
-        """Give the signals back to their previous handlers (the end of training)."""
+    def disarm(self, preempted: bool = False) -> None:
+        """Give the signals back to their previous handlers (the end of training); a preempted run ignores them
+        instead until it exits: a repeated notice (Slurm signals every process of a job) is the same preemption, and
+        must not end the rank while it writes its summary and leaves."""
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if preempted else handler)
         self._previous.clear()
         self.armed = False
 
@@ -108,13 +118,13 @@ class PreemptionWatch:
         """(signal, lowest rank that received it) when any rank received a preemption signal, else None; the same on
         every rank. Collective: one all_reduce (max) of two integers."""
         own = signal.Signals[self.received[0]].value if self.received else 0
-        rank = dist.get_rank() if self._group is not None else 0
-        if self._group is None:
+        rank = dist.get_rank() if self.group is not None else 0
+        if self.group is None:
             flags = [own, -rank if own else -1]
         else:
             world = dist.get_world_size()
             tensor = torch.tensor([own, -rank if own else -world], dtype=torch.int64)
-            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self._group)
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group)
             flags = tensor.tolist()
         return (signal.Signals(flags[0]).name, -flags[1]) if flags[0] else None
 
@@ -188,7 +198,7 @@ class PreemptionCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
-        self.trainer.preemption.disarm()
+        self.trainer.preemption.disarm(preempted=self.trainer.preempted is not None)
         return control
 
 

@@ -16,6 +16,7 @@ hfdist.api.strategy.placed_by_hfdist).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,8 +31,9 @@ from hfdist.models.router_stats import router_recorder
 from hfdist.parallel.parallelize import verify_compiled
 from hfdist.parallel.verify import verify_strategy
 from hfdist.train.evaluation import EvaluationMixin
+from hfdist.train.nonfinite import NonFiniteGuard
 from hfdist.train.precision import PrecisionProbe, check_precision
-from hfdist.train.preemption import PreemptionMixin
+from hfdist.train.preemption import PreemptionMixin, agreement_group
 
 __all__ = ["StrategyMixin", "CausalLMLossMixin", "HfdistTrainer", "PRIVATE_OVERRIDES", "PRIVATE_CALLS"]
 
@@ -40,8 +42,8 @@ __all__ = ["StrategyMixin", "CausalLMLossMixin", "HfdistTrainer", "PRIVATE_OVERR
 PRIVATE_OVERRIDES: dict[str, tuple[str, ...]] = {
     "_prepare_for_training": ("max_steps", "train_dataloader", "resume_from_checkpoint"),
     "_sync_replicated_trainable_parameters": ("model",),  # pipeline only
-    "_clip_grad_norm": ("model",),  # pipeline only
-    "_get_grad_norm": ("model", "grad_norm"),  # pipeline only
+    "_clip_grad_norm": ("model",),
+    "_get_grad_norm": ("model", "grad_norm"),
     "_defer_fsdp_gradient_reduction": (),
     "_save": ("output_dir", "state_dict"),
     "_save_checkpoint": ("model", "trial"),
@@ -56,7 +58,9 @@ PRIVATE_CALLS = ("_prepare_inputs", "_get_output_dir", "_save_rng_state", "_save
 class StrategyMixin(PreemptionMixin, CheckpointingMixin):
     """Mixed in before a transformers.Trainer (subclass): trains a model hfdist prepared for `rung`, verified before
     the first step; atomic, layout-free checkpoints (hfdist.checkpoint.trainer_hooks); a checkpoint and a stop on a
-    preemption signal (hfdist.train.preemption: `preempt_signals=`, `preempted`); streamed fp32 saves.
+    preemption signal (hfdist.train.preemption: `preempt_signals=`, `preempted`); a stop on every rank, with nothing
+    written, at a non-finite loss, gradient norm or update (hfdist.train.nonfinite: TrainingDiverged); streamed fp32
+    saves.
 
     Args:
         rung: the strategy asked for.
@@ -83,6 +87,10 @@ class StrategyMixin(PreemptionMixin, CheckpointingMixin):
         self.checkpoint_identity = checkpoint_identity or {}
         self.mixed_precision = mixed_precision
         self.precision = PrecisionProbe()
+        self.nonfinite = NonFiniteGuard()
+        # Run on the model after each step's backward, before the gradients' norm (tests plant faults here:
+        # hfdist.train.injected_faults).
+        self.gradient_hooks: list[Callable[[nn.Module], None]] = []
         self.skeleton = skeleton
         self.compile = compile
         self.fp8 = fp8
@@ -124,7 +132,35 @@ class StrategyMixin(PreemptionMixin, CheckpointingMixin):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         with self.loss_context():  # backward too must run inside loss_parallel()
-            return super().training_step(model, inputs, num_items_in_batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        self.nonfinite.note_loss(loss)
+        return loss
+
+    def _clip_grad_norm(self, model):
+        """The gradient norm over every mesh (hfdist.parallel.grad_norm), clipped to max_grad_norm, on the rungs whose
+        sharding hfdist applies; the Trainer's own (accelerate's, DeepSpeed's) elsewhere."""
+        for hook in self.gradient_hooks:
+            hook(self.model)
+        if not self.rung.owns_sharding:
+            return super()._clip_grad_norm(model)
+        from hfdist.parallel.grad_norm import clip_grad_norm
+
+        return clip_grad_norm(model.parameters(), self.args.max_grad_norm, device=self.args.device)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        # The Trainer norms the gradients for its log even without clipping (max_grad_norm 0): the same way.
+        if grad_norm is None:
+            for hook in self.gradient_hooks:
+                hook(self.model)
+        if grad_norm is None and self.rung.owns_sharding:
+            from hfdist.parallel.grad_norm import grad_norm as global_norm
+
+            grad_norm = global_norm(model.parameters(), device=self.args.device)
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        # Before the optimizer step (on DeepSpeed, after its own, inside the backward): a non-finite loss or norm on
+        # any rank stops every rank here (hfdist.train.nonfinite).
+        self.nonfinite.check_step(self.state.global_step + 1, grad_norm)
+        return grad_norm
 
     def create_optimizer(self, model=None):
         optimizer = super().create_optimizer(model)
@@ -142,6 +178,8 @@ class StrategyMixin(PreemptionMixin, CheckpointingMixin):
             model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader,
                                                                     resume_from_checkpoint)
         verify_strategy(self.rung, model, self.model, self.lora, self.attention, self.qlora)
+        # The step boundary's agreements (preemption's, the non-finite guard's) share one small CPU group.
+        self.nonfinite.group = self.preemption.group = agreement_group()
         if self.compile:
             verify_compiled(self.rung, self.model)
         check_precision(self.rung, self.mixed_precision, self.accelerator, model, self.model, self.fp8)
@@ -175,6 +213,14 @@ class StrategyMixin(PreemptionMixin, CheckpointingMixin):
         the names already are the full model's), as hfdist.models.load.local_tensors takes them."""
         return [(self.model, None)]
 
+    def _held_parameters(self) -> list[torch.Tensor]:
+        """The parameter values this rank holds: its shards (a DTensor's local piece, ZeRO-3's partition)."""
+        return [getattr(p, "ds_tensor", p) for p in self.model.parameters()]
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.nonfinite.check_weights(self.state.global_step, self._held_parameters())  # nothing non-finite is written
+        return super()._save_checkpoint(model, trial)
+
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         self._save(output_dir)
 
@@ -186,6 +232,7 @@ class StrategyMixin(PreemptionMixin, CheckpointingMixin):
         from hfdist.train.watchdog import solo_phase
 
         output_dir = output_dir or self.args.output_dir
+        self.nonfinite.check_weights(self.state.global_step, self._held_parameters())
         with solo_phase("saving the model", "SAVE"):  # rank 0 writes every tensor while the others wait on it
             save_hf_checkpoint(output_dir, self.skeleton, local_tensors(self.save_modules()), adapter_only=self.lora)
             if self.args.should_save and self.processing_class is not None:

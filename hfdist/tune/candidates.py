@@ -20,7 +20,8 @@ from hfdist.plan.cost import Hardware, StepCost
 from hfdist.plan.layouts import Cluster, Layout, Pins, rung_layouts
 from hfdist.tune.options import TuneOptions
 
-__all__ = ["Candidate", "Skipped", "default_rungs", "tune_candidates", "workload_of"]
+__all__ = ["Candidate", "Skipped", "default_rungs", "tune_candidates", "tiebreak_candidates", "simplicity",
+           "workload_of"]
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,13 @@ def default_rungs(on_gpu: bool) -> list[str]:
             continue
         out.append(name)
     return out
+
+
+def simplicity(rung: str) -> int:
+    """The rung's place in the rung table's plan order: the simplest and most tested first (the single process,
+    ddp, zero1, ...); a rung the table does not list after them all."""
+    info = RUNG_INFO.get(rung)
+    return info.plan_order if info is not None else 10**6
 
 
 def workload_of(cfg: FinetuneConfig, mixed_precision: str, hardware: Hardware, fp8: str | None = None) -> Workload:
@@ -155,3 +163,28 @@ def _feature_refusal(rung: Rung, compile_: bool, fp8: str | None, cfg: FinetuneC
     if fp8 is not None and cfg.lora:
         return "--fp8 is refused with --lora (docs/fp8.md)"
     return ""
+
+
+def tiebreak_candidates(cfg: FinetuneConfig, opts: TuneOptions, config, cluster: Cluster, candidates: list[Candidate],
+                        *, memory_bytes: int, single_memory_bytes: int, hardware: Hardware,
+                        on_gpu: bool) -> list[Candidate]:
+    """The layouts that may break a tie between probes that disagree (hfdist.tune.session), simplest rung first:
+    of each rung and precision, the fastest predicted layout that fits with tune's margin, without --compile. The
+    rungs are the single process (on one device of `single_memory_bytes`, the same global batch accumulated), every
+    default rung and those of `candidates` (the rungs asked for, already assessed): a tie-break may need a rung
+    --configs left out, and is never chosen unless it is a candidate itself."""
+    plain = replace(opts, consider=tuple(c for c in opts.consider if c != "compile"))
+    found = [c for c in candidates if not c.compile]
+    asked = {c.layout.rung.name for c in candidates}
+    found += tune_candidates(cfg, replace(plain, configs=("single",)), config, Cluster(1),
+                             memory_bytes=single_memory_bytes, hardware=hardware, on_gpu=on_gpu)[0]
+    rest = tuple(name for name in default_rungs(on_gpu) if name not in asked)
+    if rest:
+        found += tune_candidates(cfg, replace(plain, configs=rest), config, cluster, memory_bytes=memory_bytes,
+                                 hardware=hardware, on_gpu=on_gpu)[0]
+    best: dict[tuple[str, str], Candidate] = {}
+    for c in found:
+        kind = (c.layout.rung.name, c.numerics)
+        if kind not in best or c.predicted.tokens_per_second > best[kind].predicted.tokens_per_second:
+            best[kind] = c
+    return sorted(best.values(), key=lambda c: simplicity(c.layout.rung.name))

@@ -70,7 +70,7 @@ def tune(cfg: FinetuneConfig, opts: TuneOptions, command: str) -> int:
     import torch
 
     from hfdist.models.presets import DEFAULT_PRESET, load_config
-    from hfdist.tune.candidates import tune_candidates
+    from hfdist.tune.candidates import tiebreak_candidates, tune_candidates
     from hfdist.tune.report import probe_table, write_report
     from hfdist.tune.session import measure_hardware, run_session
 
@@ -98,12 +98,16 @@ def tune(cfg: FinetuneConfig, opts: TuneOptions, command: str) -> int:
     hardware = measure_hardware(out, cluster.world, int(config.hidden_size), int(config.intermediate_size), dtype)
     candidates, skipped = tune_candidates(cfg, opts, config, cluster, memory_bytes=memory, hardware=hardware,
                                           on_gpu=on_gpu)
-    result = run_session(cfg, opts, candidates, skipped, hardware, on_gpu=on_gpu,
+    tiebreaks = tiebreak_candidates(cfg, opts, config, cluster, candidates, memory_bytes=memory,
+                                    single_memory_bytes=_memory_bytes(cfg, Cluster(1), on_gpu), hardware=hardware,
+                                    on_gpu=on_gpu)
+    result = run_session(cfg, opts, candidates, skipped, hardware, on_gpu=on_gpu, tiebreaks=tiebreaks,
                          say=lambda line: print(line, flush=True))
     written = write_report(cfg, result, out, command)
     print("\n" + probe_table(result), flush=True)
     if result.winner is None:
-        print(f"hfdist tune: no probe both ran and agreed with the others; see {out / 'tune.md'}", flush=True)
+        print(f"hfdist tune: nothing chosen: no probe both ran and was checked by another layout that agrees with it"
+              f"{f' ({result.unsettled})' if result.unsettled else ''}; see {out / 'tune.md'}", flush=True)
         return 1
     print(f"\nhfdist tune: chosen: {result.winner.describe} ({result.winner.tokens_per_second:,.0f} tokens/s); run "
           f"it with `hfdist finetune {out / 'tune.yaml'}`", flush=True)

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.multiproc
 STEPS = 3
 # (example, config) -> processes; config "single" runs without a launcher.
 # 3d is not among them: through hfdist.api it is pp's staged loss on fsdp_tp's surgery (the same functions, composed
-# as tests/e2e/test_finetune_ladder.py and test_architectures.py train it), and its 8 ranks each import TRL.
+# as tests/e2e/test_finetune_ladder.py and test_cells.py train it), and its 8 ranks each import TRL.
 LAUNCHES = {("sft", "single"): 1, ("sft", "fsdp_tp"): 4, ("sft", "pp"): 4, ("sft", "fsdp_cp"): 4,
             ("dpo", "single"): 1, ("dpo", "fsdp_full_shard"): 2, ("dpo", "fsdp_tp"): 4, ("dpo", "fsdp_cp"): 4,
             ("dpo", "pp"): 2, ("ray", "fsdp_full_shard"): 2}

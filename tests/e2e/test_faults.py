@@ -94,7 +94,7 @@ def test_two_nodes_on_loopback_shard_inside_and_replicate_across(tmp_path, refer
     s = summary["strategy"]
     assert (s["nodes"], s["world_size"], s["dp_replicate"], s["dp_shard"]) == (2, 4, 2, 2)
     # Another layout than one process: the 512-token gradient sums and the 1024-term softmax reordered, order_rtol(1024)
-    # per reduction carried through 3 AdamW updates (depth 2): 1.5e-5, as in tests/e2e/test_architectures.py.
+    # per reduction carried through 3 AdamW updates (depth 2): 1.5e-5, as tests/tolerances.py derives it.
     assert summary["losses"] == pytest.approx(references["single"]["losses"], rel=order_rtol(1024, depth=2))
 
 

@@ -1,17 +1,19 @@
-"""End-to-end: `--fp8` trains every rung the rung table says takes it, with torchao's float8 matmuls verified in
-effect on every rank, on llama-tiny (all 28 decoder projections convert; lm_head does not).
+"""End-to-end: `--fp8` in composition with the options around it, as a user launches it, with torchao's float8
+matmuls verified in effect on every rank, on llama-tiny (all 28 decoder projections convert; lm_head does not). Every
+rung that takes --fp8 (3d and fsdp_hybrid too) is also trained alone against the single-process --fp8 run, its
+float8 all-gather checked, in tests/e2e/test_cells.py.
 
 What must hold:
-- fsdp_full_shard, fsdp_hybrid, fsdp_tp and 3d with --fp8 (fp32 elsewhere) give the single-process --fp8 run's
-  losses within 1e-3 relative. Float8's activation scales are per matmul, so the reference computes each sequence in
-  a matmul of its own, as these runs do (--micro-batch-size 1; 3d: 4 pipeline micro-batches of a rank's 4).
-- fsdp_full_shard, fsdp_tp, 3d and pp with --fp8 give the same rung's bf16 run's losses within 5e-2 (the bf16 runs
-  are the session's shared ones that tests/e2e/test_bf16.py checks); ddp with --fp8 rowwise over bf16 the single
-  bf16 run's.
+- fsdp_full_shard and fsdp_tp with --fp8 (fp32 elsewhere) give the single-process --fp8 run's losses within 1e-3
+  relative. Float8's activation scales are per matmul, so the reference computes each sequence in a matmul of its
+  own, as these runs do (--micro-batch-size 1).
+- fsdp_full_shard, fsdp_tp and pp with --fp8 give the same rung's bf16 run's losses within 5e-2 (the bf16 runs are
+  the session's shared ones that tests/e2e/test_bf16.py checks); ddp with --fp8 rowwise over bf16 the single bf16
+  run's.
 - Compositions: fsdp_full_shard also compiles its layers and recomputes them (--compile --activation-checkpointing),
   pp runs over bf16 with activation checkpointing, ddp runs rowwise over accelerate's bf16 autocast.
 - Every rank's record: its float8 linears, the recipe, and FSDP2 gathering them in float8 exactly where it shards
-  (tensorwise: fsdp_full_shard, fsdp_hybrid, fsdp_tp, 3d; not ddp, pp, single).
+  (tensorwise: fsdp_full_shard, fsdp_tp; not ddp, pp, single).
 - The saved model is an ordinary fp32 HF checkpoint.
 - --fp8 with --lora, or on a DeepSpeed rung, is refused in one paragraph (exit 2) before any process starts.
 """
@@ -31,21 +33,19 @@ pytestmark = pytest.mark.multiproc
 
 SAME_RUN_RTOL = 1e-3  # against the single-process float8 run, matmuls of the same sequences
 BF16_RTOL = 5e-2  # against the same rung in bf16
-RUNGS = [n for n in table_rungs(option="fp8") if n != "single"]  # the rung table: ddp, the FSDP2 / TP / PP rungs
+RUNGS = [n for n in table_rungs(option="fp8") if n != "single"]  # the rung table: ddp, fsdp_full_shard, pp, fsdp_tp
 ONE_SEQUENCE = ("--micro-batch-size", "1")
-# Each rung's options besides --fp8 (3d: a rank's 4 sequences in 4 pipeline micro-batches of one).
+# Each rung's options besides --fp8.
 OPTIONS = {
     "ddp": ("--fp8", "rowwise", "--mixed-precision", "bf16"),
     "fsdp_full_shard": ("--fp8", *ONE_SEQUENCE, "--compile", "--activation-checkpointing"),
-    "fsdp_hybrid": ("--fp8", *ONE_SEQUENCE),
     "pp": ("--fp8", "--mixed-precision", "bf16", "--activation-checkpointing"),
     "fsdp_tp": ("--fp8", *ONE_SEQUENCE),
-    "3d": ("--fp8",),
 }
-SAME_RUN = ["fsdp_full_shard", "fsdp_hybrid", "fsdp_tp", "3d"]  # fp32 + float8, as the single-process reference
-BF16_OF = {"fsdp_full_shard": "bf16_fsdp_full_shard", "fsdp_tp": "bf16_fsdp_tp", "3d": "bf16_3d", "pp": "bf16_pp",
+SAME_RUN = ["fsdp_full_shard", "fsdp_tp"]  # fp32 + float8, as the single-process reference
+BF16_OF = {"fsdp_full_shard": "bf16_fsdp_full_shard", "fsdp_tp": "bf16_fsdp_tp", "pp": "bf16_pp",
            "ddp": "bf16_single"}
-GATHERED_IN_FLOAT8 = {"fsdp_full_shard", "fsdp_hybrid", "fsdp_tp", "3d"}
+GATHERED_IN_FLOAT8 = {"fsdp_full_shard", "fsdp_tp"}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def runs(shared_runs, tmp_path_factory) -> dict[str, dict]:
 
 
 def test_the_suite_trains_every_rung_that_takes_fp8():
-    assert set(RUNGS) == set(OPTIONS) == {"ddp", "fsdp_full_shard", "fsdp_hybrid", "pp", "fsdp_tp", "3d"}
+    assert set(RUNGS) == set(OPTIONS) == {"ddp", "fsdp_full_shard", "pp", "fsdp_tp"}
 
 
 @pytest.mark.parametrize("name", SAME_RUN)
@@ -101,7 +101,7 @@ def test_compiled_and_recomputed_layers_run_in_float8(runs):
     assert summary["config"]["activation_checkpointing"] is True
 
 
-@pytest.mark.parametrize("name", ["single", "fsdp_tp", "3d"])
+@pytest.mark.parametrize("name", ["single", "fsdp_tp"])
 def test_the_saved_model_is_a_plain_fp32_checkpoint(runs, name):
     from safetensors import safe_open
 

@@ -23,9 +23,13 @@ measured while it trains (hfdist.metrics.memory.LiveTensorBytes, and the longest
 - long_cp4: cp=4 (Ulysses) at LONG_SEQ = 32,768 tokens: nothing S x S;
 - long_ring: cp=4 by ring at RING_SEQ = 65,536 tokens: nothing longer than S / cp along any dimension.
 Each trains STEPS AdamW steps on packed rows holding several documents, against the same model trained in one
-process (every rank computes the reference itself; for the long cases rank 0 does and shares it), and compares
-per-document logits under cp with each document run alone. A case that raises is recorded with its traceback
-instead of aborting the launch.
+process (every rank computes the reference itself; for the long cases rank 0 does and shares it), recording per step
+the loss and the global gradient norm before the optimizer step (hfdist.parallel.grad_norm over every mesh, the
+pipeline's over its stages; the reference's by torch), and compares per-document logits under cp with each document
+run alone. Adam's update is the same for g and c g, so losses alone miss a wrong gradient scale: a planted case,
+fsdp_cp's layout with every rank's gradients halved after each backward (the wrong dp x cp average: cp left out of
+the factor that undoes FSDP2's), trains PLANTED_STEPS steps for the test to show the norms catch it. A case that
+raises is recorded with its traceback instead of aborting the launch.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import sys
 import traceback
 from contextlib import nullcontext
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -51,12 +56,14 @@ from hfdist.models.attention import DOCUMENT_ATTENTION
 from hfdist.models.build import inject_lora, materialize, meta_model
 from hfdist.models.load import load_weights, weight_plan
 from hfdist.parallel.context import CP_ATTENTIONS, cp_group_of, cp_spec_of, shard_batch
+from hfdist.parallel.grad_norm import grad_norm
 from hfdist.parallel.parallelize import parallelize
 from hfdist.parallel.tensor import tp_causal_lm_loss
 from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy
 
 SEQ, ROWS, STEPS, LR, VOCAB = 512, 4, 3, 3e-3, 512
 LONG_SEQ, RING_SEQ, LONG_STEPS = 32768, 65536, 2
+PLANTED_STEPS, PLANTED_GRAD_SCALE = 2, 0.5
 
 
 def _row_positions(g: torch.Generator, seq: int, cuts: list[int]) -> torch.Tensor:
@@ -137,17 +144,27 @@ def loss_of(model, inputs, n, tp: int) -> torch.Tensor:
     return tp_causal_lm_loss(model, inputs, n) if tp > 1 else model(**inputs, num_items_in_batch=n).loss
 
 
-def train(model, batch, rows: slice, cp_rank: int, dims: ParallelDims | None = None, steps: int = STEPS) -> list[float]:
-    """`steps` AdamW steps; the loss of each is the sum of the ranks' partial sums over the global label count.
-    Under pipeline stages the model's forward runs the schedule (forward and backward) and returns, on the last
-    stage, its partial sum scaled by dp x cp (the FSDP2 average it undoes)."""
+def global_grad_norm(model, dims: ParallelDims) -> float:
+    """The norm of every gradient of the model before the step: one process's by torch (no communication), a
+    layout's by hfdist.parallel.grad_norm over every mesh (a pipeline's over its stages too, its tied weight once)."""
+    if dims.world_size == 1:
+        return float(torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None]))
+    return float(model.clip_grad_norm_(float("inf")) if dims.pp > 1 else grad_norm(model.parameters()))
+
+
+def train(model, batch, rows: slice, cp_rank: int, dims: ParallelDims | None = None, steps: int = STEPS,
+          grad_scale: float = 1.0) -> dict[str, list[float]]:
+    """`steps` AdamW steps: per step the loss, the sum of the ranks' partial sums over the global label count, and
+    the global gradient norm before the optimizer step, after every gradient is scaled by `grad_scale` (a planted
+    fault when not 1). Under pipeline stages the model's forward runs the schedule (forward and backward) and
+    returns, on the last stage, its partial sum scaled by dp x cp (the FSDP2 average it undoes)."""
     dims = dims or ParallelDims()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     n = count(batch)
     local = local_rows(batch, rows)
     spec = cp_spec_of(model)
     inputs = shard_batch(local, cp_rank, spec.plan, row_positions=dims.pp > 1) if dims.cp > 1 else local
-    losses = []
+    losses, norms = [], []
     for _ in range(steps):
         opt.zero_grad()
         if dims.pp > 1:
@@ -159,9 +176,15 @@ def train(model, batch, rows: slice, cp_rank: int, dims: ParallelDims | None = N
             total = loss.detach().clone()
         if dims.world_size > 1:
             dist.all_reduce(total)  # tp ranks hold the same partial sum (under pp: only the last stage's ranks)
+        if grad_scale != 1.0:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(grad_scale)
+        norms.append(global_grad_norm(model, dims))
         opt.step()
         losses.append(float(total) / dims.tp)
-    return losses
+    return {"losses": losses, "grad_norms": norms}
 
 
 def document_logit_error(model, reference, batch, rows: slice, cp_rank: int) -> float:
@@ -216,14 +239,18 @@ def cp_rung(name: str, dims: ParallelDims, method: str):
                    context=ContextSettings(method))
 
 
+def dp_rows(dims: ParallelDims) -> slice:
+    """This rank's rows of the global batch: its data-parallel rank's share."""
+    per_dp = ROWS // dims.dp
+    dp_rank = dist.get_rank() // dims.ranks_per_batch
+    return slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
+
+
 def case(name: str, dims: ParallelDims, lora: bool, implementation: str, preset: str, method: str,
          recompute: bool = False) -> dict:
-    rank = dist.get_rank()
     rung = cp_rung(name, dims, method)
     batch = packed_batch(implementation)
-    dp_rank = rank // dims.ranks_per_batch
-    per_dp = ROWS // dims.dp
-    rows = slice(dp_rank * per_dp, (dp_rank + 1) * per_dp)
+    rows = dp_rows(dims)
     model = build(lora, implementation, rung, preset, recompute)
     reference = build(lora, implementation, preset=preset)
     verify_strategy(rung, model, model, lora, implementation)  # the run-time check passes on the real layout...
@@ -246,10 +273,20 @@ def case(name: str, dims: ParallelDims, lora: bool, implementation: str, preset:
         # A forward without backward leaves FSDP2's root (embedding, norm, lm_head) unsharded: the optimizer must
         # be made on the sharded parameters.
         model.reshard()
-    out["losses"] = train(model, batch, rows, cp_rank, dims)
-    out["ref_losses"] = train(reference, batch, slice(0, ROWS), 0)
+    out["run"] = train(model, batch, rows, cp_rank, dims)
+    out["reference"] = train(reference, batch, slice(0, ROWS), 0)
     out["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return out
+
+
+def planted_case(name: str, dims: ParallelDims, grad_scale: float) -> dict:
+    """`dims` (Ulysses on llama-tiny) with every rank's gradients x `grad_scale` after each backward, PLANTED_STEPS
+    steps, against the reference's."""
+    batch = packed_batch(DOCUMENT_ATTENTION)
+    model = build(False, DOCUMENT_ATTENTION, cp_rung(name, dims, "auto"))
+    run = train(model, batch, dp_rows(dims), dist.get_rank(cp_group_of(model)), dims, PLANTED_STEPS, grad_scale)
+    reference = train(build(False, DOCUMENT_ATTENTION), batch, slice(0, ROWS), 0, steps=PLANTED_STEPS)
+    return {"run": run, "reference": reference, "grad_scale": grad_scale}
 
 
 class LongestDim(LiveTensorBytes):
@@ -280,14 +317,14 @@ def long_case(name: str, seq: int, method: str) -> dict:
     model = build(False, DOCUMENT_ATTENTION, rung)
     verify_strategy(rung, model, model, False, DOCUMENT_ATTENTION)
     with LongestDim() as created:
-        losses = train(model, batch, slice(0, 1), dist.get_rank(cp_group_of(model)), dims, LONG_STEPS)
+        run = train(model, batch, slice(0, 1), dist.get_rank(cp_group_of(model)), dims, LONG_STEPS)
     box = [train(build(False, DOCUMENT_ATTENTION), batch, slice(0, 1), 0, steps=LONG_STEPS)
            if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
     largest = [None] * dist.get_world_size()
     dist.all_gather_object(largest, (created.largest, created.largest_op, created.longest, created.longest_op))
     config = model.config
-    return {"losses": losses, "ref_losses": box[0], "largest": largest, "seq": seq,
+    return {"run": run, "reference": box[0], "largest": largest, "seq": seq,
             "width": max(config.intermediate_size, config.hidden_size, VOCAB),
             "batch_keys": sorted(local_rows(batch, slice(0, 1))), "method": cp_spec_of(model).plan.method,
             "documents": int((batch["position_ids"] == 0).sum()), "attn": config._attn_implementation}
@@ -306,20 +343,17 @@ def main(out_path: str) -> None:
              "hybrid_cp4_lora": (ParallelDims(cp=4), True, doc, six, "auto"),
              "tp_cp_ring": (ParallelDims(cp=2, tp=2), False, doc, six, "auto"),
              "pp_cp_ring": (ParallelDims(cp=2, pp=2), False, doc, six, "ring")}
+    runs = {name: partial(case, name, *args) for name, args in cases.items()}
+    runs["planted_fsdp_cp_grads_x0.5"] = partial(planted_case, "fsdp_cp", ParallelDims(dp_shard=2, cp=2),
+                                                 PLANTED_GRAD_SCALE)
+    runs["long_cp4"] = partial(long_case, "long_cp4", LONG_SEQ, "ulysses")
+    runs["long_ring"] = partial(long_case, "long_ring", RING_SEQ, "ring")
     only = sys.argv[2:]  # a subset of the cases, by name (for a quick look; the suite runs them all)
-    for name, args in cases.items():
+    for name, run in runs.items():
         if only and name not in only:
             continue
         try:
-            results[name] = case(name, *args)
-        except Exception:
-            results[name] = {"error": traceback.format_exc()}
-        dist.barrier()
-    for name, seq, method in (("long_cp4", LONG_SEQ, "ulysses"), ("long_ring", RING_SEQ, "ring")):
-        if only and name not in only:
-            continue
-        try:
-            results[name] = long_case(name, seq, method)
+            results[name] = run()
         except Exception:
             results[name] = {"error": traceback.format_exc()}
         dist.barrier()

@@ -10,9 +10,12 @@ own MoE blocks under FSDP2) and on ddp (under DistributedDataParallel); Llama 4'
 interleaved dense layers) on fsdp_ep and, with LoRA on its attention, dense and shared-expert projections, on fsdp_tp
 x ep. Per step (AdamW, 2 steps: the second's losses show the first's gradients): the cross-entropy and the router's
 aux loss over the global batch as the ranks' shares add up (all-reduced, as the Trainer's logged loss averages them),
-and the tokens routed to each expert; after building, the experts each rank holds (its E / ep, equal to the
-reference's rows). Every rank computes the single-process reference itself (no communication). Rank 0 writes the
-results; a case that raises is recorded with its traceback.
+the tokens routed to each expert, and the global gradient norm before the optimizer step (every mesh's gradients,
+the experts' `efsdp` x `ep` included: hfdist.parallel.grad_norm; the reference's by torch); after building, the
+experts each rank holds (its E / ep, equal to the reference's rows). Losses alone cannot tell a gradient's scale (Adam's
+update is the same for g and c g), so one case plants a fault the norms must show: Qwen3-MoE on fsdp_ep at ep 2 with
+rank 0's expert gradients doubled after every backward. Every rank computes the single-process reference itself (no
+communication). Rank 0 writes the results; a case that raises is recorded with its traceback.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from hfdist.models.chunked_loss import causal_lm_loss
 from hfdist.models.load import load_weights, weight_plan
 from hfdist.models.moe import moe_layers
 from hfdist.models.router_stats import RouterRecorder
+from hfdist.parallel.grad_norm import grad_norm
 from hfdist.parallel.parallelize import parallelize
 
 VOCAB, SEQ, ROWS, STEPS, LR = 1024, 32, 8, 2, 1e-3
@@ -67,14 +71,25 @@ def build(spec: str, lora: bool, rung=None, ac: bool = False):
                        weights=plan)
 
 
-def train(model, batch: dict, recorder: RouterRecorder, *, scale: int, tp: bool) -> list[dict]:
-    """STEPS AdamW steps on `batch` (this rank's rows): per step the summed CE / aux / total over the ranks' shares
-    and the global tokens per expert (summed over the MoE layers)."""
+def scale_expert_grads(model: torch.nn.Module, factor: float) -> None:
+    """The planted fault: this rank's gradients of the experts (parameters named `experts`) x `factor`, the shards of
+    the other ranks left as they are."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name and p.grad is not None:
+                p.grad.mul_(factor)  # a DTensor's local shard: no communication, the other ranks' shards untouched
+
+
+def train(model, batch: dict, recorder: RouterRecorder, *, scale: int, tp: bool, expert_grad_scale: float = 1.0
+          ) -> list[dict]:
+    """STEPS AdamW steps on `batch` (this rank's rows; all of the global batch when `scale` is 1: the reference): per
+    step the summed CE / aux / total over the ranks' shares, the global tokens per expert (summed over the MoE layers)
+    and the global gradient norm before the step, after this rank's expert gradients are scaled by
+    `expert_grad_scale` (a planted fault when not 1)."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
-    count = int((batch["labels"][:, 1:] != -100).sum()) if scale == 1 else None
-    if count is None:  # the global target count, as the Trainer's num_items_in_batch
-        whole = make_batch()
-        count = int((whole["labels"][:, 1:] != -100).sum())
+    reference = scale == 1
+    # the global target count, as the Trainer's num_items_in_batch
+    count = int(((batch if reference else make_batch())["labels"][:, 1:] != -100).sum())
     steps = []
     for _ in range(STEPS):
         with loss_parallel() if tp else nullcontext():
@@ -86,21 +101,27 @@ def train(model, batch: dict, recorder: RouterRecorder, *, scale: int, tp: bool)
         counts = recorder._global.clone()
         recorder._local.zero_()
         recorder._global.zero_()
+        if expert_grad_scale != 1.0:
+            scale_expert_grads(model, expert_grad_scale)
+        # the reference's by torch, without communication (every rank computes it); the layout's over every mesh
+        norm = (torch.nn.utils.get_total_norm([p.grad for p in model.parameters() if p.grad is not None])
+                if reference else grad_norm(model.parameters()))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         steps.append({"ce": float(ce.detach()), "aux": float(aux.detach()) if aux is not None else 0.0,
-                      "counts": counts.tolist()})
+                      "counts": counts.tolist(), "grad_norm": float(norm)})
     return steps
 
 
 def shares_summed(steps: list[dict], tp: int) -> list[dict]:
     """The ranks' CE shares summed over the data-parallel ranks (tp ranks hold the same), and the aux values
-    (already the global aux / scale on every rank: summed over all ranks, divided by tp)."""
+    (already the global aux / scale on every rank: summed over all ranks, divided by tp); the counts and the gradient
+    norm are already global."""
     out = []
     for step in steps:
         t = torch.tensor([step["ce"], step["aux"]], dtype=torch.float64)
         dist.all_reduce(t)
-        out.append({"ce": float(t[0]) / tp, "aux": float(t[1]) / tp, "counts": step["counts"]})
+        out.append({**step, "ce": float(t[0]) / tp, "aux": float(t[1]) / tp})
     return out
 
 
@@ -132,7 +153,8 @@ def recorder_of(model, coef: float | None, distributed: bool = True) -> RouterRe
 
 
 def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: dict, coef: float | None = None,
-         ac: bool = False) -> dict:
+         ac: bool = False, rank0_expert_grad_scale: float = 1.0) -> dict:
+    """One case against its single-process reference (trained once per model and shared by the cases)."""
     rank = dist.get_rank()
     rung = load_rung(rung_name).with_num_processes(WORLD, ep=ep if ep > 1 else None, tp=tp if tp > 1 else None)
     key = (spec, lora, coef)
@@ -146,13 +168,15 @@ def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: di
     dp = WORLD // tp
     mine = {k: v.chunk(dp)[rank // tp] for k, v in make_batch().items()}
     recorder = recorder_of(model.module if hasattr(model, "module") else model, coef)
-    steps = shares_summed(train(model, mine, recorder, scale=dp, tp=tp > 1), tp)
+    steps = shares_summed(train(model, mine, recorder, scale=dp, tp=tp > 1,
+                                expert_grad_scale=rank0_expert_grad_scale if rank == 0 else 1.0), tp)
     return {"steps": steps, "reference": ref_steps, "experts": experts, "layout": rung.dims.describe(),
             "num_experts": moe_layers(ref_model)[0].facts.num_experts(ref_model.config), "ep": ep}
 
 
 # name -> (preset, rung, ep, tp, LoRA[, the aux loss's coefficient: 1.0 makes its gradient show in two steps,
-# activation checkpointing: every layer's forward, its all-to-alls included, run again in backward]).
+# activation checkpointing: every layer's forward, its all-to-alls included, run again in backward, a planted fault:
+# rank 0's expert gradients times this after each backward]).
 CASES = {
     "qwen3_moe/ddp": ("qwen3-moe-tiny", "ddp", 1, 1, False),
     "qwen3_moe/fsdp": ("qwen3-moe-tiny", "fsdp_full_shard", 1, 1, False),
@@ -166,6 +190,7 @@ CASES = {
     "mixtral/tp2_ep2": ("mixtral-tiny", "fsdp_tp", 2, 2, False),
     "llama4/ep2": ("llama4-tiny", "fsdp_ep", 2, 1, False),
     "llama4/tp2_ep2_lora": ("llama4-tiny", "fsdp_tp", 2, 2, True),
+    "planted/qwen3_moe/ep2_rank0_experts_x2": ("qwen3-moe-tiny", "fsdp_ep", 2, 1, False, None, False, 2.0),
 }
 
 

@@ -161,7 +161,9 @@ def test_setup_peak_survives_deepspeeds_resets_of_the_peak(fake_cuda, monkeypatc
     from hfdist.callbacks.memory import MemoryMeter
     from hfdist.config.ladder import load_rung
     from hfdist.metrics.memory import peak_memory_bytes
+    from hfdist.train.nonfinite import NonFiniteGuard
     from hfdist.train.precision import PrecisionProbe
+    from hfdist.train.preemption import PreemptionWatch
 
     model = build_model("llama-tiny", vocab_size=1024)
     fake_cuda.current = GB
@@ -180,6 +182,7 @@ def test_setup_peak_survives_deepspeeds_resets_of_the_peak(fake_cuda, monkeypatc
     trainer.model, trainer.rung, trainer.lora, trainer.compile = model, load_rung("zero2"), False, False
     trainer.fp8, trainer.attention, trainer.qlora = None, None, False  # not checked here
     trainer.mixed_precision, trainer.accelerator, trainer.precision = "bf16", None, PrecisionProbe()
+    trainer.nonfinite, trainer.preemption = NonFiniteGuard(), PreemptionWatch(())
     trainer._prepare_for_training(10, None, None)
     assert fake_cuda.peak == GB  # DeepSpeed did reset the allocator's peak
 
@@ -299,6 +302,7 @@ def test_cpu_count_includes_what_the_first_step_allocates_outside_the_model():
         outside["bytes"] = 10**6  # a pipeline's buffers appear in its first step's forward and backward
         optimizer.step()
         optimizer.zero_grad()
+        meter.step_end()  # the Trainer's on_step_end
 
     step()
     meter.take_window()
@@ -337,3 +341,50 @@ def test_cpu_count_holds_fsdp2s_unsharded_parameters_while_they_are_allocated(wo
     activations = 2 * 2 * 256 * 4  # each layer's output
     layers_held = (2 if world > 1 else 1) + (0 if reshard else 1)
     assert layers_held * full_layer <= counted.peak <= layers_held * full_layer + activations
+
+
+def test_state_bytes_hold_every_master_partition_while_deepspeed_steps_one_group():
+    """DeepSpeed steps its torch optimizer once per parameter group, with `param_groups` cut to that group (ZeRO-1/2,
+    stage_1_and_2.py `_optimizer_step`; ZeRO-3 swaps each group's params in and out): read from the step's hooks, as
+    the memory meter reads them, the master bytes are still every fp32 partition the optimizer keeps state for."""
+    from hfdist.metrics.memory import rank_state_bytes
+
+    model = torch.nn.Linear(8, 8)
+    masters = [p.detach().clone().requires_grad_() for p in model.parameters()]  # DeepSpeed clones its partitions
+    optimizer = torch.optim.AdamW([{"params": [masters[0]]}, {"params": [masters[1]]}])
+    read = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: read.append(rank_state_bytes(model, opt)))
+    for master in masters:
+        master.grad = torch.ones_like(master)
+    groups = optimizer.param_groups
+    for group in groups:
+        optimizer.param_groups = [group]
+        optimizer.step()
+        optimizer.param_groups = groups
+    last = read[-1]  # after the last group's step: every partition has its state
+    assert last["master_bytes"] == sum(m.numel() * 4 for m in masters)
+    assert last["param_bytes"] == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_cpu_count_spans_the_second_trainer_step_when_deepspeed_steps_one_group_at_a_time():
+    """DeepSpeed calls the torch optimizer's step once per parameter group: the count still opens when the Trainer's
+    first step ends and holds the second step's forward and backward."""
+    from hfdist.callbacks.memory import MemoryMeter
+
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.SGD([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    meter = MemoryMeter()
+    meter.start(model, optimizer, torch.device("cpu"))
+    x = torch.randn(1024, 64)
+    for _ in range(3):
+        (model(x) ** 2).sum().backward()
+        groups = optimizer.param_groups
+        for group in groups:  # as DeepSpeed's ZeRO-1/2 step
+            optimizer.param_groups = [group]
+            optimizer.step()
+            optimizer.param_groups = groups
+        optimizer.zero_grad()
+        meter.step_end()
+    figures = meter.finish()
+    activations = 2 * x.numel() * 4  # the output and its square, both alive until backward
+    assert figures["training_peak_bytes"] >= sum(p.numel() * 4 for p in model.parameters()) + activations

@@ -1,5 +1,5 @@
 """--compile's recipe in one process: which rungs take it (refused before launch elsewhere), every decoder layer
-compiled in place and the run-time check that it is in effect (numerics: tests/e2e/test_compile.py)."""
+compiled in place and the run-time check that it is in effect (numerics: tests/e2e/test_cells.py)."""
 
 from __future__ import annotations
 

@@ -92,7 +92,8 @@ def test_the_cycle_check_counts_imports_inside_functions_not_type_checking_block
 # never one of its own layer or above. config/ is torch-free settings every library package may read; job/ only
 # orchestrates (config -> launch -> run) and only cli/ sits above it.
 LAYERS = (
-    {"errors", "console", "torch_private"},  # the one-paragraph errors; the screen and OUTPUT_DIR/logs; torch internals
+    {"errors", "console", "torch_private", "processes"},  # the one-paragraph errors; the screen and OUTPUT_DIR/logs;
+    # torch internals; a launch's processes found and ended
     {"dependencies"},  # the dependency floors, checked at `import hfdist` (its errors are HfdistErrors)
     {"config"},  # FinetuneConfig, the ladder of rungs, degrees, precision rules
     {"models"},  # model facts, building, weights into local shards

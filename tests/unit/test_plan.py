@@ -458,15 +458,15 @@ def test_predict_state_bytes_fp32_cpu_runs():
     assert (ddp.param_bytes, ddp.grad_bytes, ddp.optimizer_bytes, ddp.master_bytes) == (4 * p, 4 * p, 8 * p, 0)
     fsdp = predict_state_bytes(config, load_rung("fsdp_full_shard"), 2)
     assert (fsdp.param_bytes, fsdp.grad_bytes, fsdp.optimizer_bytes) == (2 * p, 2 * p, 4 * p)
-    # An fp32 full fine-tune without offload: DeepSpeed steps the weights' own fp32 buffer (no master copy) ...
+    # DeepSpeed keeps an fp32 master partition (a clone even of fp32 weights) beside the Adam moments ...
     zero1 = predict_state_bytes(config, load_rung("zero1"), 2)
     assert (zero1.param_bytes, zero1.grad_bytes, zero1.optimizer_bytes, zero1.master_bytes) == \
-        (4 * p, 4 * p, 4 * p, 0)
+        (4 * p, 4 * p, 6 * p, 2 * p)
     zero2 = predict_state_bytes(config, load_rung("zero2"), 2)
-    assert (zero2.param_bytes, zero2.grad_bytes, zero2.optimizer_bytes) == (4 * p, 2 * p, 4 * p)
+    assert (zero2.param_bytes, zero2.grad_bytes, zero2.optimizer_bytes) == (4 * p, 2 * p, 6 * p)
     zero3 = predict_state_bytes(config, load_rung("zero3"), 4)
-    assert (zero3.param_bytes, zero3.grad_bytes, zero3.optimizer_bytes) == (p, p, 2 * p)
-    # ... while offload keeps an fp32 master partition beside the Adam moments.
+    assert (zero3.param_bytes, zero3.grad_bytes, zero3.optimizer_bytes) == (p, p, 3 * p)
+    # ... and so does offload.
     offload = predict_state_bytes(config, load_rung("zero3_offload_cpu"), 2)
     assert (offload.optimizer_bytes, offload.master_bytes) == (6 * p, 2 * p)
     tp = predict_state_bytes(config, load_rung("fsdp_tp"), 4)  # 2 x 2: every weight split over dp and tp

@@ -1,5 +1,5 @@
 """Preemption's pieces in one process: the signals and their refusals, the grace each environment advertises, the
-grace lines, the agreement without a process group, the hand-over's forwarding, and the Ray launcher's refusals
+grace lines, the agreement without a process group, the hand-over's relay, and the Ray launcher's refusals
 (tests/e2e/test_preemption_job.py and test_ray.py launch the real thing)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from hfdist.config.preemption import (
     PREEMPTED_EXIT_CODE,
     advertised_grace,
-    elastic_forwarding_env,
+    elastic_env,
     grace_lines,
     preempt_signals,
     signal_name,
@@ -77,12 +77,66 @@ def test_grace_lines_warn_when_the_checkpoint_does_not_fit():
     assert "printed after the first one" in grace_lines(None, None, None, ("SIGTERM",), "")[0]
 
 
-def test_the_hand_over_makes_torch_elastic_forward_every_preemption_signal():
-    env = elastic_forwarding_env(("SIGTERM", "SIGUSR1", "SIGUSR2"), {})
-    assert env["PET_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2"
+def test_the_hand_over_keeps_the_preemption_signals_from_torch_elastic():
+    """The hand-over relays them (hfdist.job.signal_relay); the agent handles the rest and waits for the ranks."""
+    env = elastic_env(("SIGTERM", "SIGUSR1", "SIGUSR2"), {})
+    assert env["PET_SIGNALS_TO_HANDLE"] == "SIGINT,SIGHUP,SIGQUIT"
     assert int(env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"]) >= 3600
-    assert elastic_forwarding_env(("SIGTERM",), {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}).keys() == {
+    assert elastic_env(("SIGTERM",), {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}).keys() == {
         "PET_SIGNALS_TO_HANDLE"}  # a user's own value wins
+
+
+def test_the_relay_sends_the_first_signal_once_to_every_child_and_ignores_the_rest(tmp_path):
+    """Children that count the SIGUSR1s they get: after three signals to the relaying process each child got one, and
+    the relay's handlers stay ignoring (not the default action, which would end the process) after it is left."""
+    from hfdist.job.signal_relay import SignalRelay
+
+    counter = ("import signal, sys, time\n"
+               "got = []\n"
+               "signal.signal(signal.SIGUSR1, lambda *a: got.append(1))\n"
+               "print('ready', flush=True)\n"
+               "time.sleep(3)\n"
+               "print(len(got), flush=True)\n")
+    kids = [subprocess.Popen([sys.executable, "-c", counter], stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    for kid in kids:
+        assert kid.stdout.readline().strip() == "ready"
+    before = signal.getsignal(signal.SIGUSR1)
+    try:
+        with SignalRelay(("SIGUSR1", "SIGUSR2"), targets=lambda: [k.pid for k in kids]) as relay:
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGUSR1)
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGUSR2)
+        assert relay.received == "SIGUSR1"
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN and signal.getsignal(signal.SIGUSR2) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR1)  # after the relay: still ignored, the test process lives on
+        assert [int(k.communicate()[0].strip()) for k in kids] == [1, 1]
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_a_relay_that_saw_no_signal_gives_the_handlers_back():
+    from hfdist.job.signal_relay import SignalRelay
+
+    before = signal.getsignal(signal.SIGUSR2)
+    with SignalRelay(("SIGUSR2",), targets=list):
+        assert signal.getsignal(signal.SIGUSR2) is not before
+    assert signal.getsignal(signal.SIGUSR2) is before
+
+
+def test_a_preempted_rank_ignores_later_notices_once_it_stops_training():
+    from hfdist.train.preemption import PreemptionWatch
+
+    before = signal.getsignal(signal.SIGUSR1)
+    watch = PreemptionWatch(("SIGUSR1",))
+    watch.arm()
+    try:
+        watch.disarm(preempted=True)
+        assert signal.getsignal(signal.SIGUSR1) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGUSR1)  # ignored
+    finally:
+        signal.signal(signal.SIGUSR1, before)
 
 
 def test_watch_agrees_alone_and_gives_the_signal_back():
@@ -101,8 +155,9 @@ def test_watch_agrees_alone_and_gives_the_signal_back():
     assert signal.getsignal(signal.SIGUSR1) == before
 
 
-def test_hand_over_forwards_the_signal_and_exits_75_on_the_ranks_note():
-    """The launch command stands in for accelerate: it leaves rank 0's note once it has the forwarded SIGTERM."""
+def test_hand_over_relays_the_signal_and_exits_75_on_the_ranks_note():
+    """The launch command stands in for accelerate: it signals the hand-over twice (as Slurm signals every process of
+    a job) and leaves rank 0's note once it has the relayed SIGTERM, which comes once."""
     from hfdist.errors import ERROR_DIR_ENV
     from hfdist.job.launch import _hand_over, _in_a_process
 
@@ -112,12 +167,34 @@ def test_hand_over_forwards_the_signal_and_exits_75_on_the_ranks_note():
              "    sys.exit(143)\n"
              "signal.signal(signal.SIGTERM, stop)\n"
              "os.kill(os.getppid(), signal.SIGTERM)\n"  # as Kubernetes signals the container's first process
+             "os.kill(os.getppid(), signal.SIGTERM)\n"
              "time.sleep(60)\n"
              "sys.exit(1)\n")
     before = signal.getsignal(signal.SIGTERM)
-    start = _in_a_process([sys.executable, "-c", child], ("SIGTERM",))
-    assert _hand_over(start, dict(os.environ), "test") == PREEMPTED_EXIT_CODE
-    assert signal.getsignal(signal.SIGTERM) == before  # given back after the launch
+    try:
+        start = _in_a_process([sys.executable, "-c", child])
+        assert _hand_over(start, dict(os.environ), "test", ("SIGTERM",)) == PREEMPTED_EXIT_CODE
+        # Ignored from then on: the hand-over is leaving with 75, and a later notice must not make it a kill's 143.
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_hand_over_reports_a_relayed_signal_that_ended_the_ranks_outside_training(capsys):
+    """A rank with the default SIGTERM action (loading, or saving the final model) dies of the relayed signal: no
+    note, so the hand-over exits 128 + 15, as docs/clusters.md says, with a line saying no checkpoint was written."""
+    from hfdist.job.launch import _hand_over, _in_a_process
+
+    child = ("import os, signal, time\n"
+             "os.kill(os.getppid(), signal.SIGTERM)\n"
+             "time.sleep(60)\n")
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        code = _hand_over(_in_a_process([sys.executable, "-c", child]), dict(os.environ), "test", ("SIGTERM",))
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert code == 128 + signal.SIGTERM
+    assert "got SIGTERM outside training" in capsys.readouterr().err
 
 
 def test_max_failures_without_ray_is_refused(tmp_path, capsys):

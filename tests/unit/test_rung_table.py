@@ -114,7 +114,7 @@ def test_a_layout_no_rung_has_is_refused():
 FAKE = "fsdp_fake"
 FAKE_INFO = RungInfo(2, "a rung added by a test", "params + grads + optimizer state", "never: it is a test's",
                      "--lora", plan_order=45, compile=True, qlora=True, fp8="fp8 is not wired to this test rung",
-                     tested_with=frozenset({"lora", "compile", "qlora"}))
+                     tested_with=frozenset({"lora", "qlora"}))
 
 
 @pytest.fixture
@@ -158,6 +158,19 @@ def test_a_rung_added_as_yaml_plus_entry_is_seen_everywhere(fake_rung, capsys):
     # the tests' rung lists
     ladder_module = _module(TESTS / "e2e" / "test_finetune_ladder.py")
     assert FAKE in ladder_module.FULL and FAKE in ladder_module.LORA and FAKE in ladder_module.FULL_SHARDING
-    assert FAKE in _module(TESTS / "e2e" / "test_compile.py").RUNGS
+    from hfdist.config.cells import Cell, accepted_cells
+
+    assert {Cell(FAKE, "plain"), Cell(FAKE, "compile"), Cell(FAKE, "qlora")} <= set(accepted_cells())  # test_cells.py
+    assert Cell(FAKE, "fp8") not in accepted_cells()
     assert FAKE in _module(TESTS / "unit" / "test_compile_recipe.py").TAKE
     assert FAKE in table_rungs(option="qlora")
+
+
+def test_the_ladder_page_shows_the_tables_current_cell_matrix():
+    """docs/ladder.md's option and architecture matrix is rendered from the table (hfdist.report.cell_matrix): a
+    verdict changed in the table without `python -m hfdist.report.cell_matrix --write docs/ladder.md` fails here."""
+    from hfdist.report.cell_matrix import BEGIN, END, render_cell_matrix
+
+    page = (TESTS.parent / "docs" / "ladder.md").read_text()
+    block = page[page.index(BEGIN):page.index(END) + len(END) + 1]
+    assert block == render_cell_matrix(), "run: python -m hfdist.report.cell_matrix --write docs/ladder.md"

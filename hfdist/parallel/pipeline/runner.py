@@ -28,6 +28,7 @@ from torch import nn
 
 from hfdist.models.chunked_loss import DEFAULT_LOSS_CHUNK_SIZE
 from hfdist.models.loss import IGNORE_INDEX, shift_labels
+from hfdist.parallel.dtensors import local_tensor
 from hfdist.parallel.pipeline.plan import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -59,12 +60,6 @@ def _stage_device(device_type: str) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.get_device_module(device_type).current_device())
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class PipelineRunner:
@@ -364,7 +359,7 @@ class PipelineRunner:
             return
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        mine = _local(p.grad)
+        mine = local_tensor(p.grad)
         theirs = torch.empty_like(mine)
         ops = [dist.P2POp(dist.isend, mine, group=self.pp_group, group_peer=self._tie_peer),
                dist.P2POp(dist.irecv, theirs, group=self.pp_group, group_peer=self._tie_peer)]
@@ -375,27 +370,10 @@ class PipelineRunner:
             p.grad.add_(earlier)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip the gradients of all stages by their global L2 norm; return that norm (same on every pp rank).
+        """Clip the gradients of all stages by their global L2 norm (hfdist.parallel.grad_norm, summed over the pp
+        ranks); return that norm (same on every rank). A tied weight counts once."""
+        from hfdist.parallel.grad_norm import clip_grad_norm
 
-        The norm is sqrt of the pp all-reduce of each rank's squared local norm. DTensor gradients (FSDP, TP) are
-        normed per (mesh, placements) group and reduced over their mesh first; a tied weight counts once.
-        """
-        from torch.distributed.tensor import DTensor
-
-        groups: dict[object, list[torch.Tensor]] = {}
-        params = [p for p in self.parameters() if p.grad is not None]
-        for p in params:
-            if p is self._tied_param and not self.has_first_stage:
-                continue  # the first stage's copy carries the same gradient into the norm
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p.grad)
-        squared = torch.zeros((), dtype=torch.float32, device=self.device)
-        for grads in groups.values():
-            norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-            if isinstance(norm, DTensor):
-                norm = norm.full_tensor()
-            squared += norm.float() ** 2
-        dist.all_reduce(squared, group=self.pp_group)
-        total = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-        return total
+        params = list(self.parameters())
+        counted = [p for p in params if not (p is self._tied_param and not self.has_first_stage)]
+        return clip_grad_norm(params, max_norm, group=self.pp_group, device=self.device, counted=counted)

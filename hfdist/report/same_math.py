@@ -1,0 +1,57 @@
+"""Whether two runs of one job on different layouts are the same math: every step's loss and gradient norm (before
+clipping) within what their precision allows. The one comparison `hfdist compare`'s matrix and `hfdist tune`'s
+agreement make (the test suite states its own bounds: tests/tolerances.py).
+
+Why the gradient norms too: under Adam a gradient off by a constant factor (a wrong average over ranks, one rank's
+experts counted twice) moves no loss, since Adam's update divides the factor out; the norm shows it at once.
+
+Tolerances: the layouts sum the same products in other orders (sharded, reduced over ranks, accumulated over
+micro-batches, split over tensor-parallel ranks), which the end-to-end suite measures well below 1e-5 relative in
+fp32 after a few steps (tests/e2e/test_cells.py: every rung against one process); bf16 rounds every product to 8 bits,
+2e-2 after a step; float8 recipes are bf16's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+__all__ = ["RTOL", "numerics", "largest_difference", "same_math"]
+
+RTOL = {"fp32": 1e-5, "bf16": 2e-2}
+
+
+def numerics(strategy: Mapping[str, Any]) -> str:
+    """The precision a run trained in, from its summary's strategy: "fp8" (its recipe), "bf16" or "fp32"."""
+    if strategy.get("fp8"):
+        return f"fp8-{strategy['fp8']}"
+    return "bf16" if strategy.get("mixed_precision") == "bf16" else "fp32"
+
+
+def _relative(x: float | None, y: float | None) -> float:
+    if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)):
+        return 0.0 if x == y or (x is not None and y is not None and math.isnan(x) and math.isnan(y)) else math.inf
+    return abs(x - y) / max(abs(x), abs(y), 1e-30)
+
+
+def largest_difference(a: Mapping[str, Any], b: Mapping[str, Any], steps: int | None = None) -> float:
+    """The largest relative difference between two runs' first `steps` (default: all) losses and gradient norms
+    (inf where their lengths differ or one has a value the other lacks); `a` and `b` hold "losses" and, when the
+    runs recorded them, "grad_norms"."""
+    worst = 0.0
+    for key in ("losses", "grad_norms"):
+        xs: Sequence[float | None] = list(a.get(key) or [])[:steps]
+        ys: Sequence[float | None] = list(b.get(key) or [])[:steps]
+        if key == "grad_norms" and not xs and not ys:
+            continue  # neither recorded them (a summary of an older hfdist)
+        if len(xs) != len(ys):
+            return math.inf
+        worst = max([worst, *(_relative(x, y) for x, y in zip(xs, ys))])
+    return worst
+
+
+def same_math(a: Mapping[str, Any], b: Mapping[str, Any], precision: str, steps: int | None = None) -> bool:
+    """Whether `a` and `b` (as `largest_difference` takes them) agree within `precision`'s tolerance (fp8 recipes:
+    bf16's)."""
+    return largest_difference(a, b, steps) <= RTOL.get(precision, RTOL["bf16"])

@@ -1,0 +1,60 @@
+"""The same-math comparison `hfdist compare`'s matrix and `hfdist tune` make (hfdist.report.same_math): losses and
+gradient norms, so a gradient off by a constant factor, which Adam hides from the losses, is caught."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from hfdist.report.same_math import largest_difference, numerics, same_math
+
+LOSSES = [6.95, 6.84, 6.66]
+NORMS = [2.44, 1.97, 1.59]
+
+
+def test_equal_runs_agree_and_a_scaled_gradient_does_not():
+    run = {"losses": LOSSES, "grad_norms": NORMS}
+    rounded = {"losses": [x * (1 + 3e-7) for x in LOSSES], "grad_norms": [x * (1 - 2e-7) for x in NORMS]}
+    assert same_math(run, rounded, "fp32")
+    doubled = {"losses": LOSSES, "grad_norms": [2 * x for x in NORMS]}  # the same losses: Adam divides the 2 out
+    assert not same_math(run, doubled, "fp32") and largest_difference(run, doubled) == 0.5
+    assert same_math(run, {"losses": [x * 1.01 for x in LOSSES], "grad_norms": NORMS}, "bf16")
+
+
+def test_missing_or_non_finite_values_never_agree():
+    run = {"losses": LOSSES, "grad_norms": NORMS}
+    assert largest_difference(run, {"losses": LOSSES}) == math.inf  # one run lacks the norms
+    assert largest_difference(run, {"losses": LOSSES[:2], "grad_norms": NORMS[:2]}) == math.inf
+    assert largest_difference(run, {"losses": LOSSES[:2], "grad_norms": NORMS[:2]}, steps=2) == 0.0
+    assert largest_difference({"losses": [float("nan")]}, {"losses": [6.9]}) == math.inf
+    assert same_math({"losses": LOSSES}, {"losses": LOSSES}, "fp32")  # neither recorded norms (older summaries)
+
+
+def test_numerics_reads_the_strategy():
+    assert numerics({"mixed_precision": "no", "fp8": None}) == "fp32"
+    assert numerics({"mixed_precision": "bf16", "fp8": None}) == "bf16"
+    assert numerics({"mixed_precision": "bf16", "fp8": "rowwise"}) == "fp8-rowwise"
+
+
+def _summary(name: str, norms: list[float]) -> dict:
+    strategy = {"name": name, "world_size": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "zero_stage": None,
+                "lora": False, "qlora": False, "micro_batch": 4, "global_batch": 8, "seq_len": 64,
+                "mixed_precision": "no", "fp8": None}
+    rank = {"tokens_per_second": 100.0, "tflops_per_device": 0.01, "mfu": 0.01, "peak_memory_bytes": 10**8,
+            "param_bytes": 10**6, "grad_bytes": 10**6, "optimizer_bytes": 2 * 10**6, "master_bytes": 0}
+    return {"strategy": strategy, "config": {"model": "llama-tiny"}, "ranks": [rank, rank], "losses": LOSSES,
+            "grad_norms": norms, "eval": None}
+
+
+def test_the_matrix_marks_each_run_against_the_simplest_rung(tmp_path):
+    from hfdist.report.matrix import load_rows
+
+    paths = []
+    for name, norms in (("fsdp_tp", NORMS), ("ddp", NORMS), ("zero3", [2 * x for x in NORMS])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(_summary(name, norms)))
+        paths.append(path)
+    rows = {r["strategy"]: r for r in load_rows(paths)}
+    assert rows["ddp"]["same_math"] == "reference"  # the lowest plan order of the three
+    assert rows["fsdp_tp"]["same_math"] == "yes" and rows["fsdp_tp"]["final_grad_norm"] == NORMS[-1]
+    assert rows["zero3"]["same_math"].startswith("NO (5.0e-01 vs ddp)")
