@@ -192,7 +192,7 @@ SHARED_RUNS: dict[str, tuple[tuple[str, ...], str | None, str]] = {
     "pp_Interleaved1F1B": (("--config", "pp", "--pp-schedule", "Interleaved1F1B", *LOSS_CHUNKS), None, "python"),
     # The bf16 runs test_bf16.py checks and test_fp8.py compares its float8 runs with (BF16_SHARED).
     **{f"bf16_{name}": ((*(("--config", name) if name != "single" else ()), *BF16_ARGS), None, "python")
-       for name in ("single", "fsdp_full_shard", "fsdp_tp", "pp")},
+       for name in ("single", "fsdp_full_shard")},
 }
 # Background checkpoints asked for explicitly (a CPU run saves synchronously by default): test_resume.py and
 # test_resume_reshard.py resume from these, so resuming from background-written checkpoints stays tested.

@@ -141,12 +141,12 @@ RUNG_INFO: dict[str, RungInfo] = {
                    "decoder layers over pp ranks (pipeline stages, 1F1B schedule)",
                    "stages fit one device each; only point-to-point activations cross links, so pp spans nodes",
                    plan_order=70, fp8=True, compile=_COMPILE_PP, qlora=True, e2e="pipeline",
-                   tested_with=frozenset({"bf16", "fp8", "lora", "qlora"}), moe=_MOE_PP),
+                   tested_with=frozenset({"fp8", "lora", "qlora"}), moe=_MOE_PP),
     "fsdp_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs", "params + grads + optimizer state "
                         "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
                         "sharding alone is not enough or its all-gathers dominate; tp inside a node",
                         plan_order=80, fp8=True, compile=True, qlora=_QLORA_TP,
-                        tested_with=frozenset({"bf16", "fp8", "lora"}), moe=True, takes_ep=True),
+                        tested_with=frozenset({"fp8", "lora"}), moe=True, takes_ep=True),
     "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
                          "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
                          "the DeepSpeed stack and TP; ZeRO-3 does not compose with AutoTP in DeepSpeed 0.19",
@@ -161,7 +161,7 @@ RUNG_INFO: dict[str, RungInfo] = {
                         "over dp_shard x cp (FSDP2)", "activations do not fit even with checkpointing; cp inside "
                         "a node", "--seq-len 32768",
                         plan_order=110, compile=_COMPILE_CP, fp8=_FP8_CP, qlora=True, e2e="context_parallel",
-                        tested_with=frozenset({"lora", "qlora"}), moe=_MOE_CP),
+                        tested_with=frozenset({"qlora"}), moe=_MOE_CP),
     "fsdp_tp_cp": RungInfo(4, "long-context fine-tune of a model that needs TP (70B at 32K-128K tokens)",
                            "every matrix over tp (Megatron TP, sequence parallel) x every sequence's tokens over cp "
                            "(Ulysses, ring or hybrid attention) x params + grads + optimizer state over dp_shard x cp "

@@ -14,7 +14,7 @@ fp32 after a few steps (tests/e2e/test_cells.py: every rung against one process)
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 __all__ = ["RTOL", "numerics", "largest_difference", "same_math"]
@@ -29,26 +29,23 @@ def numerics(strategy: Mapping[str, Any]) -> str:
     return "bf16" if strategy.get("mixed_precision") == "bf16" else "fp32"
 
 
-def _relative(x: float | None, y: float | None) -> float:
-    if x is None or y is None or not (math.isfinite(x) and math.isfinite(y)):
-        return 0.0 if x == y or (x is not None and y is not None and math.isnan(x) and math.isnan(y)) else math.inf
+def _relative(x: float, y: float) -> float:
+    if not (math.isfinite(x) and math.isfinite(y)):
+        return 0.0 if x == y else math.inf  # nan never agrees, not even with nan
     return abs(x - y) / max(abs(x), abs(y), 1e-30)
 
 
 def largest_difference(a: Mapping[str, Any], b: Mapping[str, Any], steps: int | None = None) -> float:
-    """The largest relative difference between two runs' first `steps` (default: all) losses and gradient norms
-    (inf where their lengths differ or one has a value the other lacks); `a` and `b` hold "losses" and, when the
-    runs recorded them, "grad_norms"."""
-    worst = 0.0
-    for key in ("losses", "grad_norms"):
-        xs: Sequence[float | None] = list(a.get(key) or [])[:steps]
-        ys: Sequence[float | None] = list(b.get(key) or [])[:steps]
-        if key == "grad_norms" and not xs and not ys:
-            continue  # neither recorded them (a summary of an older hfdist)
-        if len(xs) != len(ys):
-            return math.inf
-        worst = max([worst, *(_relative(x, y) for x, y in zip(xs, ys))])
-    return worst
+    """The largest relative difference between two runs' first `steps` (default: all) losses and gradient norms;
+    `a` and `b` hold "losses" and "grad_norms". Infinite where their numbers of losses differ; the gradient norms are
+    compared at the steps where both runs have one (a summary of an older hfdist has none: its losses alone)."""
+    xs, ys = list(a.get("losses") or [])[:steps], list(b.get("losses") or [])[:steps]
+    if len(xs) != len(ys):
+        return math.inf
+    pairs = list(zip(xs, ys))
+    norms = zip(list(a.get("grad_norms") or [])[:steps], list(b.get("grad_norms") or [])[:steps])
+    pairs += [(x, y) for x, y in norms if x is not None and y is not None]
+    return max((_relative(x, y) for x, y in pairs), default=0.0)
 
 
 def same_math(a: Mapping[str, Any], b: Mapping[str, Any], precision: str, steps: int | None = None) -> bool:

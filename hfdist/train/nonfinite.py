@@ -11,7 +11,7 @@ Two checks, each one collective agreement (a max over [code, -rank] on a gloo gr
   micro-batch's) and the global gradient norm before clipping (the same number on every rank). DeepSpeed steps its
   optimizer inside the backward, so on its rungs the update of the non-finite step is already applied: the weights
   are never saved afterwards.
-- before every save (checkpoint or final model): every parameter this rank holds (its shards) is finite, because a
+- before every save (checkpoint or final model): every trained parameter this rank holds (its shards) is finite: a
   finite step can still make an infinite update (a huge gradient times the learning rate).
 A check that fails raises `TrainingDiverged` on every rank at once; the job writes the summary (the step's loss or
 gradient norm as nan / inf), leaves the checkpoints it has (all finite, the last one not rotated out by any later
@@ -131,7 +131,8 @@ class NonFiniteGuard:
         raise TrainingDiverged(Diverged(step, what, value, rank, loss=loss, grad_norm=norm))
 
     def check_weights(self, step: int, params: list[torch.Tensor]) -> None:
-        """Every parameter this rank holds is finite; collective. Run before every save.
+        """Every one of `params` (the trained parameters this rank holds) is finite; collective. Run before every
+        save.
 
         Raises:
             TrainingDiverged: on every rank, when any rank holds a non-finite value.
@@ -142,9 +143,13 @@ class NonFiniteGuard:
         with torch.no_grad():
             for p in params:
                 local = local_tensor(p)
-                if local.is_floating_point() and not bool(torch.isfinite(local).all()):
-                    bad = local[~torch.isfinite(local)]
-                    code = _kind(float(bad.reshape(-1)[0]))
+                if not local.is_floating_point() or local.numel() == 0:
+                    continue
+                # Two reductions and no temporary the size of the tensor (a save's memory is measured): a nan
+                # propagates to both, an inf to one of them.
+                extremes = (float(local.amax()), float(local.amin()))
+                code = next((_kind(x) for x in extremes if not math.isfinite(x)), 0)
+                if code:
                     break
         code, rank = self._agree(code)
         if code:

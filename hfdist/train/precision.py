@@ -136,6 +136,13 @@ class PrecisionProbe:
         def name(dtype):
             return str(dtype).removeprefix("torch.") if dtype is not None else None
 
+        from torch.distributed.fsdp import FSDPModule
+
+        # FSDP2 leaves the root's parameters unsharded after a forward that does not reshard (an evaluation at the
+        # end of training): reshard, so the dtype read is the stored one, not the bf16 compute copy.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         trainable = next((p for p in model.parameters() if p.requires_grad), None)
         param = getattr(trainable, "_local_tensor", trainable)
         for hook in self._hooks:

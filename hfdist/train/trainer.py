@@ -213,12 +213,13 @@ class StrategyMixin(PreemptionMixin, CheckpointingMixin):
         the names already are the full model's), as hfdist.models.load.local_tensors takes them."""
         return [(self.model, None)]
 
-    def _held_parameters(self) -> list[torch.Tensor]:
-        """The parameter values this rank holds: its shards (a DTensor's local piece, ZeRO-3's partition)."""
-        return [getattr(p, "ds_tensor", p) for p in self.model.parameters()]
+    def _trained_parameters(self) -> list[torch.Tensor]:
+        """The values of the parameters training changes that this rank holds: its shards (a DTensor's local piece,
+        ZeRO-3's partition). Frozen ones cannot turn non-finite, and a QLoRA base's packed codes are no floats."""
+        return [getattr(p, "ds_tensor", p) for p in self.model.parameters() if p.requires_grad]
 
     def _save_checkpoint(self, model, trial) -> None:
-        self.nonfinite.check_weights(self.state.global_step, self._held_parameters())  # nothing non-finite is written
+        self.nonfinite.check_weights(self.state.global_step, self._trained_parameters())  # nothing non-finite is written
         return super()._save_checkpoint(model, trial)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -232,7 +233,7 @@ class StrategyMixin(PreemptionMixin, CheckpointingMixin):
         from hfdist.train.watchdog import solo_phase
 
         output_dir = output_dir or self.args.output_dir
-        self.nonfinite.check_weights(self.state.global_step, self._held_parameters())
+        self.nonfinite.check_weights(self.state.global_step, self._trained_parameters())
         with solo_phase("saving the model", "SAVE"):  # rank 0 writes every tensor while the others wait on it
             save_hf_checkpoint(output_dir, self.skeleton, local_tensors(self.save_modules()), adapter_only=self.lora)
             if self.args.should_save and self.processing_class is not None:

@@ -10,42 +10,30 @@ measured against; every probe outside it disagrees. Only a reference of two or m
 probes of a group agree (one probe, or two that differ), its probes are unchecked, and hfdist tune runs a
 tie-breaking probe (hfdist.tune.session) rather than choose one of them.
 
-Gradient norms are compared where both probes have them (a summary before they were recorded has none).
-
-Tolerances: the layouts sum the same products in other orders (sharded, reduced over ranks, accumulated over
-micro-batches, split over tensor-parallel ranks), which the end-to-end suite measures well below 1e-5 relative in
-fp32 after a step (tests/e2e: every rung against one process); bf16 rounds every product to 8 bits, 2e-2 after a step.
+The comparison and its tolerances are hfdist.report.same_math's, the one `hfdist compare`'s matrix makes too.
 """
 
 from __future__ import annotations
 
+from hfdist.report.same_math import RTOL, largest_difference
 from hfdist.tune.candidates import simplicity
 from hfdist.tune.probe import OK, ProbeResult
 
-__all__ = ["LOSS_RTOL", "AGREES", "DISAGREES", "UNCHECKED", "tolerance", "difference", "judge_agreement"]
+__all__ = ["AGREES", "DISAGREES", "UNCHECKED", "tolerance", "difference", "judge_agreement"]
 
-LOSS_RTOL = {"fp32": 1e-5, "bf16": 2e-2}  # fp8 recipes: bf16's
 AGREES, DISAGREES, UNCHECKED = "agrees", "disagrees", "unchecked"
 
 
 def tolerance(numerics: str) -> float:
-    """The relative tolerance of probes training in `numerics` (module docstring)."""
-    return LOSS_RTOL.get(numerics, LOSS_RTOL["bf16"])
-
-
-def _relative(x: float, y: float) -> float:
-    scale = max(abs(x), abs(y))
-    return abs(x - y) / scale if scale else 0.0
+    """The relative tolerance of probes training in `numerics` (fp8 recipes: bf16's)."""
+    return RTOL.get(numerics, RTOL["bf16"])
 
 
 def difference(a: ProbeResult, b: ProbeResult) -> float:
-    """The largest relative difference between the losses and gradient norms of `a` and `b` (infinite when they
-    recorded different numbers of steps' losses)."""
-    if len(a.losses) != len(b.losses):
-        return float("inf")
-    pairs = list(zip(a.losses, b.losses))
-    pairs += [(x, y) for x, y in zip(a.grad_norms, b.grad_norms) if x is not None and y is not None]
-    return max((_relative(x, y) for x, y in pairs), default=0.0)
+    """The largest relative difference between the losses and gradient norms of `a` and `b` (infinite where one
+    recorded a value the other did not)."""
+    return largest_difference({"losses": a.losses, "grad_norms": a.grad_norms},
+                              {"losses": b.losses, "grad_norms": b.grad_norms})
 
 
 def _simplicity(result: ProbeResult) -> int:

@@ -62,35 +62,36 @@ def _set_launcher_env(rung) -> None:
         os.environ.update(launcher_env(rung))
 
 
-def _reset_between_cases() -> None:
-    """What a fresh process would not hold: DeepSpeed's NVMe swap buffers (2 GB of page-locked host memory per rank
-    per NVMe-offload case: its engine outlives the case, held in reference cycles through hooks torch keeps outside
-    Python's collector, about 45 MB a case without the buffers), its stack of modules in forward, its record of its
-    AutoTP initialisation, accelerate's singletons, transformers' DeepSpeed config, dynamo's compiled graphs, the last
-    case's garbage."""
-    import gc
-
+def _reset_between_cases(nvme: bool) -> None:
+    """What a fresh process would not hold: accelerate's singletons, transformers' DeepSpeed config, DeepSpeed's stack
+    of modules in forward and its record of its AutoTP initialisation, dynamo's compiled graphs; after an NVMe-offload
+    case (`nvme`), DeepSpeed's swap buffers: 2 GB of page-locked host memory per rank, which its engine keeps alive
+    past the case (held in reference cycles through hooks torch keeps outside Python's collector; about 45 MB a case
+    without the buffers). No collection of the whole heap here: the Trainer's own free_memory makes one per case."""
     import deepspeed.runtime.tensor_parallel.init_utils as autotp_init
     import deepspeed.runtime.zero.parameter_offload as zero3_offload
     import torch._dynamo
     from accelerate.state import AcceleratorState
-    from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
     from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-    # type(), not isinstance(): gc also lists weak proxies, whose isinstance raises once their object is gone.
-    for swapper in [o for o in gc.get_objects() if type(o) is AsyncPartitionedParameterSwapper]:
-        # DeepSpeed's page-locked buffers are process-wide: only their handle frees them (as its own
-        # SwapBufferManager.__del__ does for the optimizer's).
-        for name, handle in (("buffers", "aio_read_handle"), ("partitioned_swap_buffer", "aio_write_handle")):
-            if getattr(swapper, name, None) is not None:
-                getattr(swapper, handle).free_cpu_locked_tensor(getattr(swapper, name))
-                setattr(swapper, name, None)
+    if nvme:
+        import gc
+
+        from deepspeed.runtime.swap_tensor.partitioned_param_swapper import AsyncPartitionedParameterSwapper
+
+        # type(), not isinstance(): gc also lists weak proxies, whose isinstance raises once their object is gone.
+        for swapper in [o for o in gc.get_objects() if type(o) is AsyncPartitionedParameterSwapper]:
+            # DeepSpeed's page-locked buffers are process-wide: only their handle frees them (as its own
+            # SwapBufferManager.__del__ does for the optimizer's).
+            for name, handle in (("buffers", "aio_read_handle"), ("partitioned_swap_buffer", "aio_write_handle")):
+                if getattr(swapper, name, None) is not None:
+                    getattr(swapper, handle).free_cpu_locked_tensor(getattr(swapper, name))
+                    setattr(swapper, name, None)
     zero3_offload.FWD_MODULE_STACK.clear()
     AcceleratorState._reset_state(reset_partial_state=True)
     unset_hf_deepspeed_config()
     autotp_init._TP_MODEL_INIT_ARGS = None
     torch._dynamo.reset()
-    gc.collect()
 
 
 def _resident_mib() -> float:
@@ -137,7 +138,7 @@ def main(cases_path: str, out_path: str) -> None:
             error = traceback.format_exc()
         for key in case.get("env", {}):
             del os.environ[key]
-        _reset_between_cases()
+        _reset_between_cases(nvme="--nvme-path" in case["args"])
         if launched:
             dist.barrier()
         results[case["id"]] = {"error": error, "seconds": round(time.perf_counter() - started, 2),

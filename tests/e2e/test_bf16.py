@@ -1,7 +1,7 @@
 """End-to-end: what `--mixed-precision bf16` saves, by one mechanism per rung, on llama-tiny, as a user launches it.
 
-ddp (accelerate's CPU autocast over fp32 weights), fsdp_full_shard / fsdp_tp / pp (FSDP2's MixedPrecisionPolicy:
-bf16 compute, fp32 parameters and gradient reduction; the pipeline on its 1-rank dp mesh too) and zero3 / zero2_tp
+ddp (accelerate's CPU autocast over fp32 weights), fsdp_full_shard (FSDP2's MixedPrecisionPolicy: bf16 compute, fp32
+parameters and gradient reduction; fsdp_tp and pp save through the same streamed export) and zero3 / zero2_tp
 (DeepSpeed's bf16 section, gradients accumulated and reduced in fp32; the saved weights are its fp32 masters). What
 must hold: the saved model in the one documented dtype, fp32, DeepSpeed's its fp32 masters (its checkpoint exported
 the same). The ddp launch also runs with a 3 s collective timeout and rank 0 held alone past it wherever it works

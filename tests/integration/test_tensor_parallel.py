@@ -3,7 +3,10 @@ TP=2 on Qwen2 and Qwen3, TP=2 + LoRA and FSDP2 x TP = 2 x 2 against the single-p
 checkpoints.
 
 Tolerances (fp32): losses and pre-clip gradient norms within a relative 1e-5 of one process (observed <= 3e-7);
-first-step gradients within 1e-5 relative to each tensor's largest entry (observed <= 2e-6). Parameters after the
+first-step gradients relative to each tensor's largest entry within order_rtol(1024, depth=2) = 1.5e-5
+(tests/tolerances.py): a bias's gradient sums every token's gradient of its projection, reduced over the tp ranks in
+another order, and reaches k/v through the attention's backward (observed <= 2e-6 on most CPUs, 1.07e-5 on
+llama-biases' k_proj.bias on an AVX-512 one). Parameters after the
 3 AdamW steps within 1e-4 absolute (= 0.1 lr; observed 7e-6): Adam divides each entry by its own gradient scale,
 so the 1e-6 rounding differences of near-zero gradient entries become update differences far above 1e-6.
 """
@@ -17,8 +20,10 @@ import pytest
 from hfdist.models.registry import REGISTRY
 
 from helpers import torchrun_json
+from tolerances import order_rtol
 
 RTOL, PARAM_ATOL = 1e-5, 1e-4
+GRAD_RTOL = order_rtol(1024, depth=2)
 
 
 # ---------------------------------------------------------------- four ranks, gloo: one launch for every case
@@ -38,7 +43,7 @@ def _case(results: dict, name: str) -> dict:
 def _assert_matches_reference(run: dict, max_norm: float) -> None:
     assert run["loss_rel_err"] < RTOL, (run["losses"], run["ref_losses"])
     assert run["norm_rel_err"] < RTOL
-    assert run["grad_rel_err"][0] < RTOL, run["grad_rel_err"]  # [error, worst tensor]
+    assert run["grad_rel_err"][0] < GRAD_RTOL, run["grad_rel_err"]  # [error, worst tensor]
     assert run["param_abs_err"] < PARAM_ATOL
     assert min(run["norms"]) > max_norm  # clipping really happened at every step
     assert run["losses"][-1] < run["losses"][0]  # and training moved the weights
@@ -62,7 +67,7 @@ def test_tp_matches_single_process_on_every_architecture(tp_results, preset):
     if preset != "llama-biases-lora":
         _assert_matches_reference(run, tp_results["max_norm"])
     else:  # the adapters' gradient norm (0.13) stays under max_norm: no clipping to check; fp64 (see tp_worker)
-        assert run["loss_rel_err"] < RTOL and run["grad_rel_err"][0] < RTOL and run["param_abs_err"] < PARAM_ATOL
+        assert run["loss_rel_err"] < RTOL and run["grad_rel_err"][0] < GRAD_RTOL and run["param_abs_err"] < PARAM_ATOL
         assert run["losses"][-1] < run["losses"][0]
 
 

@@ -21,13 +21,14 @@ def test_equal_runs_agree_and_a_scaled_gradient_does_not():
     assert same_math(run, {"losses": [x * 1.01 for x in LOSSES], "grad_norms": NORMS}, "bf16")
 
 
-def test_missing_or_non_finite_values_never_agree():
+def test_missing_steps_and_non_finite_values_never_agree_and_older_summaries_compare_losses():
     run = {"losses": LOSSES, "grad_norms": NORMS}
-    assert largest_difference(run, {"losses": LOSSES}) == math.inf  # one run lacks the norms
     assert largest_difference(run, {"losses": LOSSES[:2], "grad_norms": NORMS[:2]}) == math.inf
     assert largest_difference(run, {"losses": LOSSES[:2], "grad_norms": NORMS[:2]}, steps=2) == 0.0
     assert largest_difference({"losses": [float("nan")]}, {"losses": [6.9]}) == math.inf
-    assert same_math({"losses": LOSSES}, {"losses": LOSSES}, "fp32")  # neither recorded norms (older summaries)
+    assert largest_difference({"losses": [float("nan")]}, {"losses": [float("nan")]}) == math.inf
+    assert largest_difference(run, {"losses": LOSSES}) == 0.0  # a summary without norms: its losses alone
+    assert largest_difference(run, {"losses": LOSSES, "grad_norms": [None, 2 * NORMS[1], NORMS[2]]}) == 0.5
 
 
 def test_numerics_reads_the_strategy():
