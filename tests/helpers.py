@@ -58,7 +58,23 @@ def run_cmd(cmd: list[str], timeout: int = 900, cwd: Path = REPO,
     # A W&B service started by an in-process test (WANDB_SERVICE and friends) would adopt the child's runs.
     for key in [k for k in env if k.startswith("WANDB_") and k != "WANDB_MODE"]:
         del env[key]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_tree(cmd, timeout, cwd=cwd, env=env)
+
+
+def run_tree(cmd: list[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout), except that a timeout ends every process
+    `cmd` started (hfdist.processes.end_process_tree), not only `cmd`: a launcher killed alone leaves its ranks
+    running, or waiting in a collective, through the rest of the suite."""
+    from hfdist.processes import end_process_tree
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        end_process_tree(proc, grace=10)
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def torchrun_json(worker: Path, nproc: int, out: Path, timeout: int) -> dict:
@@ -67,7 +83,7 @@ def torchrun_json(worker: Path, nproc: int, out: Path, timeout: int) -> dict:
            "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
            str(worker), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    proc = run_tree(cmd, timeout, env=env, cwd=REPO)
     assert proc.returncode == 0, f"{worker.name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return json.loads(out.read_text())
 

@@ -22,8 +22,8 @@ from hfdist.parallel.context_check import check_cp_attention
 from hfdist.parallel.fit import check_context_parallel, check_model_fits, plan_context
 from hfdist.parallel.pipeline.plan import check_pipeline
 
-__all__ = ["plan_context_parallel", "check_deepspeed_json", "plan_check", "check_nvme_offload", "check_qlora", "check_attention",
-           "check_dense_mask", "check_evaluation", "check_lora", "check_trackers", "preflight"]
+__all__ = ["plan_context_parallel", "check_deepspeed_json", "plan_check", "check_nvme_offload",
+           "check_deepspeed_build_locks", "check_qlora", "check_attention", "check_dense_mask", "check_evaluation", "check_lora", "check_trackers", "preflight"]
 
 
 def plan_context_parallel(cfg: FinetuneConfig, rung: Rung) -> Rung:
@@ -323,6 +323,41 @@ def check_nvme_offload(rung: Rung) -> None:
                           "offload to CPU memory instead (--config zero3_offload_cpu).")
 
 
+# A build of every DeepSpeed op a host uses takes minutes (6.5 on 2 cores, scripts/prebuild_deepspeed_ops.py): a
+# lock older than this belongs to no build still running.
+STALE_BUILD_LOCK_SECONDS = 1800
+
+
+def check_deepspeed_build_locks(rung: Rung, now: float | None = None) -> None:
+    """Refuse a DeepSpeed rung while one of torch's extension build locks is stale.
+
+    DeepSpeed loads its ops (the CPU Adam, async I/O, the CPU shared-memory collectives) through
+    torch.utils.cpp_extension, which takes a lock file in the op's build folder for every load, built or not, and
+    waits for it without a limit while another process holds it. A process killed in that moment (a preempted or
+    timed-out run, a killed rank) leaves the file behind, and every later run's ranks would wait on it forever, their
+    collectives never reached, so no timeout names it.
+
+    Raises:
+        ConfigError: naming the stale lock files and the fix (remove them), before any process starts.
+    """
+    if not rung.uses_deepspeed:
+        return
+    import time
+
+    import torch.utils.cpp_extension as cpp
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp.get_default_build_root())
+    now = time.time() if now is None else now
+    stale = sorted(str(lock) for lock in root.glob("*/*/lock") if now - lock.stat().st_mtime > STALE_BUILD_LOCK_SECONDS)
+    if stale:
+        raise ConfigError(f"{rung.name} loads DeepSpeed ops through torch's extension builds, and "
+                          f"{'these lock files are' if len(stale) > 1 else 'this lock file is'} older than "
+                          f"{STALE_BUILD_LOCK_SECONDS // 60} minutes: {', '.join(stale)}. A process killed while "
+                          "loading the op left it, and every rank would wait on it forever. If no build is running "
+                          "on this machine, remove the file(s) and run again (the built op stays; it is only "
+                          "checked again).")
+
+
 def check_attention(cfg: FinetuneConfig, rung: Rung) -> str:
     """The attention implementation the run will use (hfdist.models.attention.resolve_attention).
 
@@ -407,6 +442,7 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     check_pipeline(rung, micro, config.num_hidden_layers)
     check_deepspeed_json(rung, cfg, micro, batch_layout(cfg.global_batch_size, cfg.micro_batch_size, rung.dims.dp)[1])
     check_nvme_offload(rung)
+    check_deepspeed_build_locks(rung)
     check_checkpoint_weights(cfg.model, config)
     check_dense_mask(cfg, rung, micro, attention)
     plan_check(cfg, rung, micro, attention)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FINETUNE, REPO, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, pid_of_rank, run_cmd
+from helpers import FINETUNE, REPO, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, pid_of_rank, run_cmd, run_tree
 
 pytestmark = pytest.mark.multiproc
 
@@ -199,10 +199,8 @@ def test_failed_save_keeps_the_previous_checkpoint(runs, tmp_path):
     shutil.copytree(full / "checkpoint-2", tmp_path / "checkpoint-2")
     files = {p: p.read_bytes() for p in (tmp_path / "checkpoint-2").rglob("*") if p.is_file()}
     env = {**os.environ, "WANDB_MODE": "disabled", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    import subprocess
-
-    proc = subprocess.run(_resume_cmd(tmp_path, "--config", "fsdp_full_shard"), cwd=FINETUNE.parent.parent, env=env,
-                          capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size)
+    proc = run_tree(_resume_cmd(tmp_path, "--config", "fsdp_full_shard"), 600, cwd=FINETUNE.parent.parent, env=env,
+                    preexec_fn=_limit_file_size)
     assert proc.returncode != 0
     assert "Could not write checkpoint checkpoint-4" in proc.stderr and "intact" in proc.stderr
     assert not (tmp_path / "checkpoint-4").exists()

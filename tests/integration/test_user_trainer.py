@@ -11,12 +11,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, finished_offline_run
+from helpers import REPO, finished_offline_run, run_tree
 
 pytestmark = pytest.mark.multiproc
 
@@ -69,7 +68,7 @@ def runs(tmp_path_factory, model_and_data):
         (work / "wandb_root").mkdir()
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), name,
                str(model), str(data), str(work / "out")]
-        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
+        proc = run_tree(cmd, 600, cwd=work, env=env)
         assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         state = json.loads((work / "out" / "trainer_state.json").read_text())
         out[name] = (work / "out", work / "wandb_root", state, proc.stdout + proc.stderr)

@@ -222,3 +222,27 @@ def test_evaluation_settings_without_held_out_data(tmp_path):
                                                              "has none")
     said = refused(tmp_path, "--eval-fraction", "0.1", "--load-best", "--save-steps", "0")
     assert said.startswith("--load-best saves the best checkpoint as the model, and --save-steps 0 writes no")
+
+
+def test_a_stale_deepspeed_build_lock_is_refused_and_left(tmp_path, monkeypatch):
+    """A lock file in a torch extension build folder older than any build (a process killed while DeepSpeed loaded
+    its op) would keep every rank of a DeepSpeed rung waiting forever: refused, naming the file, which is left as it
+    is; a recent one (a build under way) and a rung without DeepSpeed go on."""
+    import os
+    import time
+
+    from hfdist.config.ladder import load_rung
+    from hfdist.job.preflight import STALE_BUILD_LOCK_SECONDS, check_deepspeed_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    check_deepspeed_build_locks(load_rung("zero3"))  # a build may be running
+    old = time.time() - STALE_BUILD_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    with pytest.raises(HfdistError) as err:
+        check_deepspeed_build_locks(load_rung("zero3"))
+    assert str(lock) in str(err.value) and "remove the file" in str(err.value)
+    assert lock.is_file()
+    check_deepspeed_build_locks(load_rung("fsdp_full_shard"))
