@@ -17,13 +17,14 @@ from hfdist.config.finetune import ConfigError, FinetuneConfig, holds_out
 from hfdist.config.job_file import JOB_FILE_NAME
 from hfdist.config.ladder import Rung, StrategyKind, load_rung
 from hfdist.config.precision import effective_fp8, effective_mixed_precision
+from hfdist.job.op_builds import check_deepspeed_build_locks
 from hfdist.job.world import Node
 from hfdist.parallel.context_check import check_cp_attention
 from hfdist.parallel.fit import check_context_parallel, check_model_fits, plan_context
 from hfdist.parallel.pipeline.plan import check_pipeline
 
 __all__ = ["plan_context_parallel", "check_deepspeed_json", "plan_check", "check_nvme_offload",
-           "check_deepspeed_build_locks", "check_qlora", "check_attention", "check_dense_mask", "check_evaluation", "check_lora", "check_trackers", "preflight"]
+           "check_qlora", "check_attention", "check_dense_mask", "check_evaluation", "check_lora", "check_trackers", "preflight"]
 
 
 def plan_context_parallel(cfg: FinetuneConfig, rung: Rung) -> Rung:
@@ -321,41 +322,6 @@ def check_nvme_offload(rung: Rung) -> None:
                           f"and cannot be built here: missing {'; '.join(missing)}. Install what is missing, or "
                           "install DeepSpeed with the op pre-built (DS_BUILD_AIO=1 pip install deepspeed), or "
                           "offload to CPU memory instead (--config zero3_offload_cpu).")
-
-
-# A build of every DeepSpeed op a host uses takes minutes (6.5 on 2 cores, scripts/prebuild_deepspeed_ops.py): a
-# lock older than this belongs to no build still running.
-STALE_BUILD_LOCK_SECONDS = 1800
-
-
-def check_deepspeed_build_locks(rung: Rung, now: float | None = None) -> None:
-    """Refuse a DeepSpeed rung while one of torch's extension build locks is stale.
-
-    DeepSpeed loads its ops (the CPU Adam, async I/O, the CPU shared-memory collectives) through
-    torch.utils.cpp_extension, which takes a lock file in the op's build folder for every load, built or not, and
-    waits for it without a limit while another process holds it. A process killed in that moment (a preempted or
-    timed-out run, a killed rank) leaves the file behind, and every later run's ranks would wait on it forever, their
-    collectives never reached, so no timeout names it.
-
-    Raises:
-        ConfigError: naming the stale lock files and the fix (remove them), before any process starts.
-    """
-    if not rung.uses_deepspeed:
-        return
-    import time
-
-    import torch.utils.cpp_extension as cpp
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp.get_default_build_root())
-    now = time.time() if now is None else now
-    stale = sorted(str(lock) for lock in root.glob("*/*/lock") if now - lock.stat().st_mtime > STALE_BUILD_LOCK_SECONDS)
-    if stale:
-        raise ConfigError(f"{rung.name} loads DeepSpeed ops through torch's extension builds, and "
-                          f"{'these lock files are' if len(stale) > 1 else 'this lock file is'} older than "
-                          f"{STALE_BUILD_LOCK_SECONDS // 60} minutes: {', '.join(stale)}. A process killed while "
-                          "loading the op left it, and every rank would wait on it forever. If no build is running "
-                          "on this machine, remove the file(s) and run again (the built op stays; it is only "
-                          "checked again).")
 
 
 def check_attention(cfg: FinetuneConfig, rung: Rung) -> str:

@@ -17,9 +17,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["RTOL", "numerics", "largest_difference", "same_math"]
+__all__ = ["RTOL", "LATER_GRAD_NORM_RTOL", "numerics", "largest_difference", "same_math"]
 
 RTOL = {"fp32": 1e-5, "bf16": 2e-2}
+# The gradient norms after the first step, in fp32: AdamW divides each gradient entry by its own root mean square
+# (+ eps 1e-8), so an entry that sums to rounding noise moves its weight by a different fraction of the learning rate
+# in each layout, and the next gradient norm, unlike the loss, feels it (measured up to 1.9e-5 at step 3 on ring
+# attention, 1.5e-5 on 3d: tests/e2e/test_cells.py, which allows the same). A planted factor moves a norm by 2e-4 or
+# more.
+LATER_GRAD_NORM_RTOL = {"fp32": 5e-5}
 
 
 def numerics(strategy: Mapping[str, Any]) -> str:
@@ -50,5 +56,13 @@ def largest_difference(a: Mapping[str, Any], b: Mapping[str, Any], steps: int | 
 
 def same_math(a: Mapping[str, Any], b: Mapping[str, Any], precision: str, steps: int | None = None) -> bool:
     """Whether `a` and `b` (as `largest_difference` takes them) agree within `precision`'s tolerance (fp8 recipes:
-    bf16's)."""
-    return largest_difference(a, b, steps) <= RTOL.get(precision, RTOL["bf16"])
+    bf16's): every loss and the first gradient norm within RTOL, the later gradient norms within
+    LATER_GRAD_NORM_RTOL (RTOL where it has none)."""
+    rtol = RTOL.get(precision, RTOL["bf16"])
+    later = LATER_GRAD_NORM_RTOL.get(precision, rtol)
+    xs, ys = list(a.get("losses") or [])[:steps], list(b.get("losses") or [])[:steps]
+    if len(xs) != len(ys) or any(_relative(x, y) > rtol for x, y in zip(xs, ys)):
+        return False
+    norms = zip(list(a.get("grad_norms") or [])[:steps], list(b.get("grad_norms") or [])[:steps])
+    return all(_relative(x, y) <= (rtol if step == 0 else later)
+               for step, (x, y) in enumerate(norms) if x is not None and y is not None)

@@ -15,11 +15,11 @@ The comparison and its tolerances are hfdist.report.same_math's, the one `hfdist
 
 from __future__ import annotations
 
-from hfdist.report.same_math import RTOL, largest_difference
+from hfdist.report.same_math import RTOL, largest_difference, same_math
 from hfdist.tune.candidates import simplicity
 from hfdist.tune.probe import OK, ProbeResult
 
-__all__ = ["AGREES", "DISAGREES", "UNCHECKED", "tolerance", "difference", "judge_agreement"]
+__all__ = ["AGREES", "DISAGREES", "UNCHECKED", "tolerance", "difference", "agree", "judge_agreement"]
 
 AGREES, DISAGREES, UNCHECKED = "agrees", "disagrees", "unchecked"
 
@@ -36,6 +36,12 @@ def difference(a: ProbeResult, b: ProbeResult) -> float:
                               {"losses": b.losses, "grad_norms": b.grad_norms})
 
 
+def agree(a: ProbeResult, b: ProbeResult) -> bool:
+    """Whether `a` and `b` (of one precision) are the same math (hfdist.report.same_math)."""
+    return same_math({"losses": a.losses, "grad_norms": a.grad_norms},
+                     {"losses": b.losses, "grad_norms": b.grad_norms}, a.numerics)
+
+
 def _simplicity(result: ProbeResult) -> int:
     return simplicity(str(result.options.get("config", "")).removesuffix(".yaml"))
 
@@ -47,13 +53,12 @@ def judge_agreement(results: list[ProbeResult]) -> None:
     for r in results:
         if r.status == OK:
             groups.setdefault(r.numerics, []).append(r)
-    for numerics, members in groups.items():
-        rtol = tolerance(numerics)
-        sizes = [sum(difference(m, seed) <= rtol for m in members) for seed in members]
+    for members in groups.values():
+        sizes = [sum(agree(m, seed) for m in members) for seed in members]
         size, _, seed = max(zip(sizes, (-_simplicity(s) for s in members), members), key=lambda t: t[:2])
         for m in members:
             if size < 2:
                 m.agreement, m.reference, m.difference = UNCHECKED, "", None
             else:
                 m.difference = difference(m, seed)
-                m.agreement, m.reference = AGREES if m.difference <= rtol else DISAGREES, seed.key
+                m.agreement, m.reference = AGREES if agree(m, seed) else DISAGREES, seed.key

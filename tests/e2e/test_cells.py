@@ -94,25 +94,36 @@ def _launch(cases: list[dict], world: int, root: Path) -> dict:
     return results
 
 
+def _selected(session: pytest.Session) -> tuple[list[Cell], list[str]]:
+    """The cells and planted faults this session's selected tests read (all of them in the suite; `pytest -k
+    "zero3 and lora"` trains that subset, and its references, only)."""
+    here = [item for item in session.items if item.path == Path(__file__)]
+    params = [item.callspec.params for item in here if hasattr(item, "callspec")]
+    cells = {p["cell"] for p in params if "cell" in p}
+    return [c for c in CELLS if c in cells], [n for n in PLANTED if any(p.get("name") == n for p in params)]
+
+
 @pytest.fixture(scope="module")
-def cells(tmp_path_factory) -> dict[str, dict]:
-    """{cell name or reference key: {"error", "summary"}} for every accepted cell and every reference."""
+def cells(request, tmp_path_factory) -> dict[str, dict]:
+    """{cell name or reference key: {"error", "summary"}} for every selected cell, planted fault and reference."""
     root = tmp_path_factory.mktemp("cells")
     nvme = root / "nvme"
     nvme.mkdir()
+    selected, planted = _selected(request.session)
     by_world: dict[int, list[dict]] = defaultdict(list)
-    references = {reference_of(cell) for cell in CELLS}
+    references = {reference_of(cell) for cell in [*selected, *(PLANTED[n][0] for n in planted)]}
     for ref, long in sorted(references, key=lambda r: (r[0].name, r[1])):
         key = f"{ref.name}{'@512' if long else ''}"
         by_world[1].append({"id": key, "output_dir": str(root / key.replace("/", "-")),
                             "args": [*BASE, *(LONG if long else []), *ref.option_args()]})
-    for cell in CELLS:
+    for cell in selected:
         by_world[world_size(cell)].append({"id": cell.name, "output_dir": str(root / cell.name.replace("/", "-")),
                                            "args": cell_args(cell, nvme)})
-    for name, (cell, fault) in PLANTED.items():
+    for name in planted:
+        cell, fault = PLANTED[name]
         by_world[world_size(cell)].append({"id": name, "output_dir": str(root / name.replace("/", "-")),
                                            "args": cell_args(cell, nvme), "env": {GRAD_SCALE_ENV: fault}})
-    print(f"cells: {len(CELLS)} accepted cells of the rung table and {len(references)} single-process references, "
+    print(f"cells: {len(selected)} of the rung table's {len(CELLS)} accepted cells and {len(references)} single-process references, "
           f"in launches of {', '.join(f'{w} process(es): {len(c)}' for w, c in sorted(by_world.items()))}")
     results: dict[str, dict] = {}
     for found in side_by_side({w: (lambda w=w: _launch(by_world[w], w, root)) for w in by_world}).values():

@@ -17,7 +17,7 @@ import sys
 import pytest
 import yaml
 
-from helpers import REPO, eval_args, evaluate_saved, finetune_all, run_cmd
+from helpers import REPO, assert_same_grad_norms, eval_args, evaluate_saved, finetune_all, run_cmd
 
 LOSS_RTOL = 1e-5
 CP_ARGS = ["--seq-len", "512", "--global-batch-size", "4", "--max-steps", "3", "--no-wandb"]
@@ -44,6 +44,7 @@ def test_cp_losses_match_single_process(cp_runs, name):
     ref = cp_runs["single"]
     got = cp_runs[name]
     assert got["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)
+    assert_same_grad_norms(got, ref, what=name)
     assert got["check_batch_loss"] == pytest.approx(ref["check_batch_loss"], rel=LOSS_RTOL)
     assert got["losses"][-1] < got["losses"][0]
     assert got["eval"]["steps"] == ref["eval"]["steps"] == [2, 3] and got["eval"]["tokens"] == ref["eval"]["tokens"]

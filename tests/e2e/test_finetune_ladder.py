@@ -2,7 +2,8 @@
 
 Each run trains llama-tiny for 4 steps on the same global batch (8 sequences) and seed, attending with the CPU
 default, hfdist's document attention (packed documents kept apart by their boundaries). What must hold:
-- losses equal the single-process losses within LOSS_RTOL (fp32; only the order of reductions differs);
+- losses equal the single-process losses within LOSS_RTOL (fp32; only the order of reductions differs), and so do
+  the gradient norms (helpers.assert_same_grad_norms);
 - per-rank bytes show the sharding the rung promises;
 - the saved model (or LoRA adapter) loads in a fresh process and reproduces the trained model's loss on a batch.
 """
@@ -17,6 +18,7 @@ from hfdist.config.ladder import load_rung
 from helpers import (
     REPO,
     SHARED_RUNS,
+    assert_same_grad_norms,
     check_batch,
     eval_args,
     finished_offline_run,
@@ -74,6 +76,7 @@ def test_losses_match_single_process(runs, name):
     assert len(got) == len(ref) == 4
     assert got == pytest.approx(ref, rel=LOSS_RTOL), f"{name}: {got} vs single {ref}"
     assert got[-1] < got[0], f"{name}: the loss did not fall: {got}"
+    assert_same_grad_norms(runs[name], reference, what=name)
     # The same held-out conversations, evaluated at steps 2 and 4 (tests/e2e/test_evaluation.py says more).
     assert runs[name]["eval"]["steps"] == reference["eval"]["steps"] == [2, 4]
     assert runs[name]["eval"]["losses"] == pytest.approx(reference["eval"]["losses"], rel=LOSS_RTOL)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import check_batch, finetune_all, tensorboard_series
+from helpers import assert_same_grad_norms, check_batch, finetune_all, tensorboard_series
 
 pytestmark = pytest.mark.multiproc
 
@@ -45,6 +45,7 @@ def test_losses_equal_the_single_process(runs):
     assert len(got) == len(ref) == 4
     assert got == pytest.approx(ref, rel=LOSS_RTOL), f"fsdp_ep {got} vs single {ref}"
     assert got[-1] < got[0]
+    assert_same_grad_norms(runs["fsdp_ep"], runs["single"], what="fsdp_ep")
 
 
 def test_the_layout_ran_and_each_rank_holds_a_quarter(runs):

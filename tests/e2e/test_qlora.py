@@ -26,7 +26,14 @@ import torch
 
 from hfdist.config.ladder import load_rung
 
-from helpers import check_batch, finetune, finetune_all, run_cmd, table_rungs
+from helpers import (
+    assert_same_grad_norms,
+    check_batch,
+    finetune,
+    finetune_all,
+    run_cmd,
+    table_rungs,
+)
 
 pytestmark = pytest.mark.multiproc
 
@@ -78,6 +85,8 @@ def test_losses_match_single_process(runs, name):
     assert len(got) == len(ref) == 4
     assert got == pytest.approx(ref, rel=BF16_RTOL if name == BF16_RUNG else LOSS_RTOL), f"{name}: {got} vs {ref}"
     assert got[-1] < got[0], f"{name}: the loss did not fall: {got}"
+    if name != BF16_RUNG:  # bf16 compute against fp32: its gradients, against bf16 ones, in test_cells.py
+        assert_same_grad_norms(runs[name], runs["single"], what=name)
 
 
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))

@@ -232,7 +232,7 @@ def test_a_stale_deepspeed_build_lock_is_refused_and_left(tmp_path, monkeypatch)
     import time
 
     from hfdist.config.ladder import load_rung
-    from hfdist.job.preflight import STALE_BUILD_LOCK_SECONDS, check_deepspeed_build_locks
+    from hfdist.job.op_builds import STALE_BUILD_LOCK_SECONDS, check_deepspeed_build_locks
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"

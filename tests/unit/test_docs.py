@@ -594,3 +594,14 @@ def test_layout_tree_names_every_module():
     unnamed = sorted(modules - named)
     assert not missing and not unnamed, (f"docs/architecture.md's layout names modules that do not exist: {missing}; "
                                          f"leaves out: {unnamed}")
+
+
+def test_every_page_states_the_meshs_own_order_for_where_each_axis_goes():
+    """The rule for where each axis goes on a cluster is the mesh hfdist builds (ParallelDims.mesh_shape: the last axis
+    varies fastest, so it fills a node first), stated in the same words on the README and the multi-node page."""
+    from hfdist.config.dims import ParallelDims
+
+    names, _ = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, pp=2, tp=2).mesh_shape()
+    rule = f"hfdist lays the ranks out as {' x '.join(names)}, {names[-1]} varying fastest"
+    for page in (REPO / "README.md", REPO / "docs" / "multi-node.md"):
+        assert rule in " ".join(page.read_text().split()), f"{page.name} does not state: {rule}"

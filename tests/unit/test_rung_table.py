@@ -174,3 +174,13 @@ def test_the_ladder_page_shows_the_tables_current_cell_matrix():
     page = (TESTS.parent / "docs" / "ladder.md").read_text()
     block = page[page.index(BEGIN):page.index(END) + len(END) + 1]
     assert block == render_cell_matrix(), "run: python -m hfdist.report.cell_matrix --write docs/ladder.md"
+
+
+def test_the_readme_shows_the_tables_current_summary():
+    """README.md's one-table summary of what each rung takes is rendered from the same verdicts: a verdict changed in
+    the table without `python -m hfdist.report.cell_matrix --write README.md` fails here."""
+    from hfdist.report.cell_matrix import SUMMARY_BEGIN, SUMMARY_END, render_summary
+
+    page = (TESTS.parent / "README.md").read_text()
+    block = page[page.index(SUMMARY_BEGIN):page.index(SUMMARY_END) + len(SUMMARY_END) + 1]
+    assert block == render_summary(), "run: python -m hfdist.report.cell_matrix --write README.md"

@@ -59,3 +59,15 @@ def test_the_matrix_marks_each_run_against_the_simplest_rung(tmp_path):
     assert rows["ddp"]["same_math"] == "reference"  # the lowest plan order of the three
     assert rows["fsdp_tp"]["same_math"] == "yes" and rows["fsdp_tp"]["final_grad_norm"] == NORMS[-1]
     assert rows["zero3"]["same_math"].startswith("NO (5.0e-01 vs ddp)")
+
+
+def test_later_gradient_norms_get_adams_rounding_room_and_no_more():
+    """After the first step an fp32 gradient norm may differ by AdamW's rounding of near-zero entries (5e-5), the
+    first step's and every loss by reduction order only (1e-5); a planted factor is far outside both."""
+    run = {"losses": LOSSES, "grad_norms": NORMS}
+    later = {"losses": LOSSES, "grad_norms": [NORMS[0], NORMS[1] * (1 + 3e-5), NORMS[2]]}
+    assert same_math(run, later, "fp32")
+    first = {"losses": LOSSES, "grad_norms": [NORMS[0] * (1 + 3e-5), *NORMS[1:]]}
+    assert not same_math(run, first, "fp32")
+    assert not same_math(run, {"losses": [LOSSES[0], LOSSES[1] * (1 + 3e-5), LOSSES[2]], "grad_norms": NORMS}, "fp32")
+    assert not same_math(run, {"losses": LOSSES, "grad_norms": [NORMS[0], NORMS[1] * (1 + 2e-4), NORMS[2]]}, "fp32")
