@@ -105,6 +105,35 @@ def torchrun_json(worker: Path, nproc: int, out: Path, timeout: int) -> dict:
     return json.loads(out.read_text())
 
 
+CASES_WORKER = REPO / "tests" / "e2e" / "cells_worker.py"
+
+
+def run_cases(cases: list[dict], world: int, root: Path, tag: str = "") -> dict[str, dict]:
+    """Train `cases` one after the other in one world of `world` processes (tests/e2e/cells_worker.py, each through
+    the job's own path; one process runs without a launcher): {case id: {"error", "seconds", "summary"}}.
+
+    Args:
+        cases: {"id", "args" (the job's command line), "output_dir"[, "env"]} each, in the order they run.
+        tag: tells this launch's case and result files apart from another launch's of the same world in `root`.
+    """
+    cases_file, out = root / f"cases{tag}-{world}.json", root / f"results{tag}-{world}.json"
+    cases_file.write_text(json.dumps(cases))
+    env = {"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]), "OMP_NUM_THREADS": "1"}
+    launcher = [] if world == 1 else ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world)]
+    proc = run_cmd([sys.executable, *launcher, str(CASES_WORKER), str(cases_file), str(out)], timeout=2400, env=env)
+    log = proc.stdout[-6000:] + proc.stderr[-6000:]
+    results = json.loads(out.read_text()) if out.is_file() else {}
+    started = [line.split("cell: start ", 1)[1] for line in proc.stdout.splitlines() if "cell: start " in line]
+    for case in cases:
+        if case["id"] not in results:  # the world ended before it finished: name where
+            last = started[-1] if started else None
+            results[case["id"]] = {"error": f"the {world}-process launch exited {proc.returncode} "
+                                            f"{'while running ' + last if last else 'before its first case'}:\n{log}"}
+        summary = Path(case["output_dir"]) / "hfdist_summary.json"
+        results[case["id"]]["summary"] = json.loads(summary.read_text()) if summary.is_file() else None
+    return results
+
+
 def accelerate(*args: str) -> list[str]:
     """`accelerate launch ...` through this interpreter (the venv's accelerate, whatever PATH says)."""
     return [sys.executable, "-m", "accelerate.commands.launch", *args]

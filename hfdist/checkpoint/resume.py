@@ -15,8 +15,9 @@ from typing import Any
 from hfdist.config.finetune import ConfigError, FinetuneConfig
 from hfdist.config.ladder import Rung
 from hfdist.config.precision import effective_fp8, effective_mixed_precision
+from hfdist.models.fingerprint import base_fingerprint, fingerprint_difference
 
-__all__ = ["checkpoint_identity", "resume_point", "resume_line", "LAYOUT_KEYS", "WORKLOAD_KEYS"]
+__all__ = ["adapter_checkpoints", "checkpoint_identity", "resume_point", "resume_line", "LAYOUT_KEYS", "WORKLOAD_KEYS"]
 
 LAYOUT_KEYS = ("strategy", "world_size", "dims", "pp_schedule")  # may change on resume (DCP formats only)
 WORKLOAD_KEYS = ("model", "lora", "qlora", "lora_r", "lora_alpha", "lora_target_modules", "global_batch_size",
@@ -34,6 +35,12 @@ _DEEPSPEED_CONVERTER = (
     "and start a new run from them (--model OUT; the optimizer state starts afresh)")
 
 
+def adapter_checkpoints(cfg: FinetuneConfig) -> bool:
+    """Whether the run's checkpoints hold its adapters without the frozen base: every LoRA / QLoRA run unless
+    --checkpoint-base (QLoRA always: its 4-bit base is quantised anew from --model by every run)."""
+    return cfg.lora and not cfg.checkpoint_base
+
+
 def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
     """What a checkpoint records about itself: the layout that wrote it (may change on resume for DCP checkpoints),
     the workload (may not), the precision and device it trained in (DeepSpeed's bf16 and fp32 states differ in
@@ -44,12 +51,15 @@ def checkpoint_identity(cfg: FinetuneConfig, rung: Rung) -> dict[str, Any]:
 
     on_gpu = torch.cuda.is_available()
     fmt = DEEPSPEED_FORMAT if rung.uses_deepspeed else DCP_FORMAT
-    holds = ("DeepSpeed's per-rank ZeRO partitions (model + optimizer), the Trainer's model files" if rung.uses_deepspeed
-             else f"{'adapter (the 4-bit base is quantised anew from --model)' if cfg.qlora else 'model'} + optimizer "
-                  "state (DCP, keyed by the full model's parameter names, any layout loads it)")
+    adapters_only = adapter_checkpoints(cfg)
+    weights = ("the adapters (the base is rebuilt from --model, checked against `base`)" if adapters_only
+               else "the adapters and the frozen base" if cfg.lora else "the model")
+    holds = (f"DeepSpeed's per-rank ZeRO partitions of {weights} + optimizer state" if rung.uses_deepspeed
+             else f"{weights} + optimizer state (DCP, keyed by the full model's parameter names, any layout loads it)")
     return {"strategy": rung.name, "world_size": rung.num_processes, "dims": rung.dims.to_dict(),
             "pp_schedule": rung.pipeline.schedule if rung.pipeline else None, "format": fmt,
             "holds": f"{holds}; LR scheduler; data position (trainer_state.json); RNG streams per rank",
+            "adapters_only": adapters_only, "base": base_fingerprint(cfg.model, cfg.seed) if cfg.lora else None,
             "lora": cfg.lora, "qlora": cfg.qlora, "lora_r": cfg.lora_r if cfg.lora else None,
             "lora_alpha": cfg.lora_alpha if cfg.lora else None,
             "lora_target_modules": list(cfg.lora_target_modules) if cfg.lora and cfg.lora_target_modules else None,
@@ -99,6 +109,23 @@ def _check_workload(checkpoint: Path, saved: dict[str, Any], identity: dict[str,
             "--output-dir.")
 
 
+def _check_base(checkpoint: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
+    """Refuse adapters trained on another base than the one --model gives now (overwritten weights, another
+    revision, another seed's preset), naming both fingerprints (hfdist.models.fingerprint)."""
+    from hfdist.checkpoint.format import CheckpointError
+
+    before, now = saved.get("base"), identity["base"]
+    if before is None or now is None:  # a full fine-tune's checkpoint holds its weights; older records: no base
+        return
+    differ = fingerprint_difference(before, now)
+    if differ:
+        raise CheckpointError(
+            f"Checkpoint {checkpoint} holds LoRA adapters trained on another base than --model {now['model']} gives "
+            f"now: checkpoint {before}, this run {now} ({'; '.join(differ)}). Adapters resumed onto other weights "
+            "would not continue the same optimisation. Resume with the base the run started from (the same folder "
+            "contents, hub revision or preset --seed), or start a new --output-dir.")
+
+
 def _check_layout(checkpoint: Path, saved: dict[str, Any], identity: dict[str, Any]) -> None:
     """DCP checkpoints reshard onto any layout; DeepSpeed's resume only onto their own (refused naming the
     converter); a checkpoint without a format record is of an older hfdist and is refused."""
@@ -125,8 +152,8 @@ def resume_point(cfg: FinetuneConfig, rung: Rung) -> Path | None:
     resumable by this run (on its layout, or resharded onto it). Without --resume: None.
 
     Raises:
-        CheckpointError: the checkpoint is of another workload, precision or device, a DeepSpeed one of another
-            layout, or lacks shard files.
+        CheckpointError: the checkpoint is of another workload, precision or device, holds adapters of another
+            base, is a DeepSpeed one of another layout, or lacks shard files.
         ConfigError: the checkpoint is already at --max-steps (the Trainer would train one step past it).
     """
     if not cfg.resume:
@@ -139,6 +166,7 @@ def resume_point(cfg: FinetuneConfig, rung: Rung) -> Path | None:
     saved, identity = read_marker(latest), checkpoint_identity(cfg, rung)
     _check_precision_and_device(latest, saved, identity)
     _check_workload(latest, saved, identity)
+    _check_base(latest, saved, identity)
     _check_layout(latest, saved, identity)
     if saved.get("format") == DCP_FORMAT:
         check_shard_files(latest)

@@ -56,29 +56,45 @@ class CheckpointCost:
         held_s: seconds the step loop waited for it: its save call (a background save's copy, or the whole
             synchronous write) and any later wait for its background write to land (the next save's, the end's).
         write_s: seconds its model and optimizer files took to write (background: from the copy to the landing).
+        bytes: the landed checkpoint folder's size on disk, every file (rank 0 measures it; 0 elsewhere).
     """
 
     step: int
     background: bool
     held_s: float = 0.0
     write_s: float = 0.0
+    bytes: int = 0
 
     def slowest(self) -> CheckpointCost:
-        """The cost with the slowest rank's held and write seconds (collective: one all_gather_object)."""
+        """The cost with the slowest rank's held and write seconds, and rank 0's bytes (collective: one
+        all_gather_object)."""
         costs = [self]
         if dist.is_available() and dist.is_initialized():
             costs = [None] * dist.get_world_size()
             dist.all_gather_object(costs, self)
         return CheckpointCost(self.step, self.background, max(c.held_s for c in costs),
-                              max(c.write_s for c in costs))
+                              max(c.write_s for c in costs), max(c.bytes for c in costs))
+
+
+def folder_bytes(folder: Path) -> int:
+    """The size of every file under `folder`."""
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
 
 
 class CheckpointingMixin:
-    """Mixed into hfdist's trainers (needs `self.rung`, `self.checkpoint_identity` and `self.qlora`).
+    """Mixed into hfdist's trainers (needs `self.rung`, `self.checkpoint_identity`, `self.lora` and `self.qlora`).
+
+    A LoRA / QLoRA run's checkpoints hold the trainable parameters (the adapters), their optimizer state, the
+    scheduler, RNG and data position; not the frozen base, which every run rebuilds from its --model (the identity
+    record's `base` fingerprint lets --resume refuse another base: hfdist.checkpoint.resume). DCP writes and reads the
+    trainables only; DeepSpeed leaves frozen parameters out of its files (exclude_frozen_parameters, as the Trainer
+    asks for a peft model), and the Trainer's model files, which repeat the adapters, are left out.
 
     Args:
         save_async: write the model and optimizer state of DCP checkpoints in the background (DeepSpeed rungs
             always save synchronously); None: where an accelerator trains (background_by_default).
+        checkpoint_base: LoRA: checkpoints hold the frozen base too (--checkpoint-base); resuming still loads the
+            trainables only, onto the base --model gives.
 
     Attributes:
         checkpoint_costs: every landed checkpoint's CheckpointCost as a dict (the slowest rank's figures, the same
@@ -87,15 +103,18 @@ class CheckpointingMixin:
 
     rung: Any
     checkpoint_identity: dict[str, Any]
+    lora: bool
     qlora: bool
 
-    def __init__(self, *args, save_async: bool | None = None, **kwargs) -> None:
+    def __init__(self, *args, save_async: bool | None = None, checkpoint_base: bool = False, **kwargs) -> None:
         self.save_async = save_async
+        self.checkpoint_base = checkpoint_base
         self.checkpoint_costs: list[dict[str, Any]] = []
         self._background = BackgroundSave()
         self._in_flight: str | None = None  # the checkpoint being written in the background
         self._in_flight_cost: CheckpointCost | None = None
         self.last_save: tuple[int, float] | None = None  # rank 0: (step, seconds) of the last checkpoint that landed
+        self._landed_bytes = 0  # rank 0: the size of the checkpoint that landed last, until its cost is recorded
         super().__init__(*args, **kwargs)
 
     def _in_background(self) -> bool:
@@ -108,9 +127,30 @@ class CheckpointingMixin:
         return not self.rung.uses_deepspeed
 
     def _adapters_only(self) -> bool:
-        """Whether checkpoints hold the model's trainables only: QLoRA's (its 4-bit base is rebuilt identically from
-        the model's weights by every run)."""
-        return self.qlora
+        """Whether checkpoints hold the model's trainables only: an adapter run's, unless `checkpoint_base` (QLoRA's
+        always: its 4-bit base is quantised anew, identically, from the model's weights by every run)."""
+        return self.qlora or (self.lora and not self.checkpoint_base)
+
+    def checkpoint_contents(self) -> dict[str, Any]:
+        """What this run's checkpoints hold ("adapters", "adapters and base" or "model") and the bytes of the
+        trained state they must hold, counted from the full model's trainable parameters (None without its
+        structure, `self.skeleton`): each one's fp32 value and AdamW's two fp32 moments, 12 bytes; ZeRO-1/2 also
+        write the module's own copy of the trainables beside their fp32 master partitions (its element size more).
+        The files add the scheduler, RNG streams, trainer state and the format's metadata."""
+        skeleton = getattr(self, "skeleton", None)
+        trainable = None if skeleton is None else sum(p.numel() for p in skeleton.parameters() if p.requires_grad)
+        per_param, counted = 12, "trainable parameters and AdamW's two moments of each, fp32 (12 bytes a parameter)"
+        if self.rung.uses_deepspeed and self.rung.zero_stage < 3:
+            module = next(p for p in self.model.parameters() if p.requires_grad).element_size()
+            per_param += module
+            counted += f", and ZeRO's module copy of the trainables ({module} bytes a parameter)"
+        return {"holds": "adapters" if self._adapters_only() else "adapters and base" if self.lora else "model",
+                "counted": counted, "counted_bytes": None if trainable is None else per_param * trainable}
+
+    def _loads_trainables_only(self) -> bool:
+        """Resuming an adapter run loads its trainables only, whatever its checkpoint holds: the frozen base is the
+        one --model gives (its fingerprint checked before launch), so a checkpoint with or without it resumes."""
+        return self.lora
 
     def _canonical_name(self):
         """Maps this rank's parameter names to the full model's; None where they already are the full model's (DDP,
@@ -163,6 +203,7 @@ class CheckpointingMixin:
     def _record_cost(self, cost: CheckpointCost) -> None:
         """Keep a landed checkpoint's cost (the slowest rank's) and log it, so the trackers and the summary get it.
         Collective: every rank calls it for the same checkpoint."""
+        cost.bytes, self._landed_bytes = self._landed_bytes, 0  # rank 0's measure of the folder (0 elsewhere)
         slowest = asdict(cost.slowest())
         self.checkpoint_costs.append(slowest)
         self.log({f"checkpoint/{key}": float(value) for key, value in slowest.items()})
@@ -177,6 +218,7 @@ class CheckpointingMixin:
 
         seconds = time.perf_counter() - started
         write_marker(staging, {**self.checkpoint_identity, "async_save": background, "save_seconds": seconds}, step)
+        self._landed_bytes = folder_bytes(staging)
         replace_staging(staging, final)
         rotate_checkpoints(output_dir=str(final.parent), save_total_limit=self.args.save_total_limit,
                            best_model_checkpoint=best, use_mtime=False)
@@ -222,8 +264,14 @@ class CheckpointingMixin:
             self.state.save_to_json(str(folder / TRAINER_STATE_NAME))
         started = time.perf_counter()
         if not self._saves_dcp():
-            self.save_model(str(folder), _internal_call=True)
-            self._save_optimizer_and_scheduler(str(folder))
+            if not self._adapters_only():  # DeepSpeed's own files hold the adapters: no second copy of them
+                self.save_model(str(folder), _internal_call=True)
+            if self.lora and self.checkpoint_base:  # the Trainer would leave a peft model's frozen parameters out
+                self.model_wrapped.save_checkpoint(str(folder), exclude_frozen_parameters=False)
+                if self.args.should_save:  # the rest of what the Trainer's own save writes
+                    torch.save(self.lr_scheduler.state_dict(), folder / SCHEDULER_FILE)
+            else:
+                self._save_optimizer_and_scheduler(str(folder))
         elif background:
             state = sharded_state(self.model, self.optimizer, self._canonical_name(), self._adapters_only())
             self._background.start(state, folder, finish)
@@ -241,7 +289,8 @@ class CheckpointingMixin:
         step = int(Path(best).name.rsplit("-", 1)[1])
         if step != self.state.global_step:
             if self._saves_dcp():  # with its optimizer state, which nothing uses after training
-                load_sharded(self.model, self.optimizer, Path(best), self._canonical_name())
+                load_sharded(self.model, self.optimizer, Path(best), self._canonical_name(),
+                             self._loads_trainables_only())
             else:
                 self._load_best_model()  # the Trainer's DeepSpeed load
         return step
@@ -254,7 +303,8 @@ class CheckpointingMixin:
     def _load_optimizer_and_scheduler(self, checkpoint) -> None:
         if checkpoint is None or not self._saves_dcp():
             return super()._load_optimizer_and_scheduler(checkpoint)
-        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name(), self._adapters_only())
+        load_sharded(self.model, self.optimizer, Path(checkpoint), self._canonical_name(),
+                     self._loads_trainables_only())
         state = torch.load(Path(checkpoint) / SCHEDULER_FILE, weights_only=True)
         self.lr_scheduler.load_state_dict(_regrouped(state, len(self.optimizer.param_groups)))
 

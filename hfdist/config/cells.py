@@ -7,18 +7,27 @@ the combination does not hold) and a line the docs print.
 A cell is (rung, option, model). Options: `plain` (the full fine-tune), `lora`, `qlora`, `fp8`, `compile`, `bf16`
 (--mixed-precision bf16), `moe` (a mixture-of-experts architecture at the rung's own degrees), `ep` (the same with
 --ep: expert parallelism where the rung takes it), `cp:<method>` (each context-parallel method on the rungs with
-cp), and `arch` (a dense architecture of the registry other than Llama, whose cells are `plain`'s with its model).
-Each option's model is the architecture's tiny preset (hfdist.models.presets), so a cell runs on a laptop CPU.
+cp), and `arch` (a dense architecture of the registry other than Llama as a full fine-tune: `plain`'s with its
+model). Each option's model is the architecture's tiny preset (hfdist.models.presets), so a cell runs on a laptop CPU.
+
+Every dense architecture is trained on every rung that takes dense models, mostly inside the rung's option cells
+(a case costs its start-up more than its 3 steps): the options other than `plain` that train a dense model
+(CARRIER_OPTIONS) each carry one of the architectures other than Llama (`_assign_architectures`), and only an
+architecture left over on a rung with fewer such options than architectures has an `arch` cell. `plain` stays on
+Llama on every rung, and so does any option the rung has more of than architectures.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import product
 
 from hfdist.config.rungs import FEATURES, RUNG_INFO, RungInfo
 
-__all__ = ["Cell", "OPTIONS", "CP_CELL_METHODS", "accepted_cells", "cell_verdicts", "DENSE_MODELS", "MOE_MODELS"]
+__all__ = ["Cell", "OPTIONS", "CARRIER_OPTIONS", "CP_CELL_METHODS", "CP_REFUSED", "accepted_cells", "cell_verdicts",
+           "DENSE_MODELS", "MOE_MODELS"]
 
 # The registry's architectures as the cells train them (their tiny presets); Llama is the default model of every
 # other option's cells.
@@ -26,6 +35,12 @@ DENSE_MODELS = ("llama-tiny", "mistral-tiny", "qwen2-tiny", "qwen3-tiny", "smoll
 MOE_MODELS = ("qwen3-moe-tiny", "mixtral-tiny", "llama4-tiny")
 CP_CELL_METHODS = ("ulysses", "ring", "hybrid")
 OPTIONS = ("plain", "bf16", *FEATURES, "moe", "ep", *(f"cp:{m}" for m in CP_CELL_METHODS))
+# The options whose cells train an architecture of DENSE_MODELS other than Llama on a rung that takes dense models.
+CARRIER_OPTIONS = tuple(o for o in OPTIONS if o not in ("plain", "moe", "ep"))
+# The cp methods an architecture of DENSE_MODELS cannot take at the cells' degrees, which hfdist refuses before launch
+# (hfdist.parallel.context_check.check_cp; tests/unit/test_rung_table.py holds this to it on every cp rung): those
+# methods' cells stay on another architecture.
+CP_REFUSED = {"mistral-tiny": ("ring", "hybrid")}  # its sliding window (32 tokens): a ring attends whole pieces
 
 
 @dataclass(frozen=True)
@@ -101,23 +116,62 @@ def _verdict(info: RungInfo, option: str) -> bool | str:
     return True if info.e2e == "context_parallel" else "no context parallelism on this rung (fsdp_cp, fsdp_tp_cp)"
 
 
+def _assign_architectures() -> dict[str, tuple[dict[str, str], list[str]]]:
+    """{rung: ({option: model}, leftovers)} for every rung that takes dense models (single aside): which of the
+    architectures other than Llama each of the rung's CARRIER_OPTIONS trains, and those left with an `arch` cell.
+
+    The rungs in table order, each taking the assignment that (1) gives the most architectures an option (fewest
+    `arch` cases), then (2) repeats the fewest earlier meetings: the sum, over its (architecture, option) pairs
+    (a leftover's `arch`, Llama's with each option it keeps, included), of how many earlier rungs made that pair.
+    So each architecture meets many options across rungs (today every one of them bf16, LoRA, QLoRA, FP8, compile),
+    rather than one option always landing on one architecture; ties go to the options fewer rungs take (the table's
+    order reversed: cp methods, compile, fp8 first), so the scarce ones leave Llama first.
+    """
+    others, met, plan = DENSE_MODELS[1:], Counter(), {}
+    for rung, info in RUNG_INFO.items():
+        if rung == "single" or info.dense is not True:
+            continue
+        options = [o for o in reversed(CARRIER_OPTIONS) if _verdict(info, o) is True]
+        allowed = [[o for o in [*options, "arch"] if o not in [f"cp:{x}" for x in CP_REFUSED.get(m, ())]]
+                   for m in others]
+        best: tuple[tuple[int, int], list[tuple[str, str]]] | None = None
+        for choice in product(*allowed):
+            used = [o for o in choice if o != "arch"]
+            if len(set(used)) < len(used):
+                continue
+            pairs = [*zip(others, choice), *((DENSE_MODELS[0], o) for o in options if o not in used)]
+            score = (-len(used), sum(met[pair] for pair in pairs))
+            if best is None or score < best[0]:
+                best = (score, pairs)
+        met.update(best[1])
+        plan[rung] = ({o: m for m, o in best[1] if m != DENSE_MODELS[0] and o != "arch"},
+                      [m for m, o in best[1] if o == "arch"])
+    return plan
+
+
 def cell_verdicts() -> Iterator[tuple[Cell, bool | str]]:
     """Every rung of the table (single included: the references) against every option, with the table's verdict
-    (True, or why not); the architecture rows as (rung, "arch", model) and MoE as one row per MoE architecture. A
-    rung that takes no dense model trains its other options on the first MoE architecture."""
+    (True, or why not), each option's cell on the architecture it trains there (_assign_architectures); the
+    architecture rows as (rung, "arch", model): on a rung that takes dense models only the leftovers' (every
+    other architecture is in an option's cell there), elsewhere every one's, with the refusal (single: every one,
+    the references). MoE as one row per MoE architecture. A rung that takes no dense model trains its other
+    options on the first MoE architecture."""
+    plan = _assign_architectures()
     for rung, info in RUNG_INFO.items():
         default = DENSE_MODELS[0] if info.dense is True else MOE_MODELS[0]
+        carriers, arch_rows = plan.get(rung, ({}, list(DENSE_MODELS)))
         for option in OPTIONS:
             verdict = _verdict(info, option)
-            for model in MOE_MODELS if option in ("moe", "ep") else (default,):
+            for model in MOE_MODELS if option in ("moe", "ep") else (carriers.get(option, default),):
                 yield Cell(rung, option, model), verdict
-        for model in DENSE_MODELS:  # Llama's is `plain`'s on the rungs that take it: kept once by accepted_cells
+        for model in arch_rows:
             yield Cell(rung, "arch", model), info.dense
 
 
 def accepted_cells(include_single: bool = False) -> list[Cell]:
     """The cells the table accepts (table order), the single-process ones only with `include_single`; a cell whose
-    command line another one already has (fsdp_ep's full fine-tune is its first MoE cell) once."""
+    command line another one already has (fsdp_ep's full fine-tune is its first MoE cell, single's Llama row its
+    `plain`) once."""
     cells, seen = [], set()
     for cell, verdict in cell_verdicts():
         key = (cell.rung, *cell.layout_args(), *cell.option_args())

@@ -105,6 +105,15 @@ class ParallelDims:
         names, sizes = zip(*kept)
         return tuple(names), tuple(sizes)
 
+    @staticmethod
+    def placement_rule() -> str:
+        """Where each axis goes on a cluster, from the mesh's own order (mesh_shape: the last axis varies fastest, so
+        consecutive ranks, one node's GPUs, take it first): what the README, docs/multi-node.md and `hfdist plan`'s
+        multi-node note say, in these words."""
+        names, _ = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, pp=2, tp=2).mesh_shape()
+        return (f"hfdist lays the ranks out as {' x '.join(names)}, {names[-1]} varying fastest, so one node's GPUs "
+                f"(consecutive ranks) take {names[-1]} first, then {', then '.join(reversed(names[2:-1]))}, then dp")
+
     def build_mesh(self, device_type: str):
         """Build the DeviceMesh over the current process group (needs torch.distributed initialised)."""
         from torch.distributed.device_mesh import init_device_mesh

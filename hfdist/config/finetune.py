@@ -262,6 +262,10 @@ class FinetuneConfig:
         "checkpoint is written. Default: in the background where training runs on GPUs, synchronously on a "
         "machine without any, whose cores all train (docs/checkpoints.md); DeepSpeed rungs always save "
         "synchronously.", group=OUTPUT)
+    checkpoint_base: bool = option(
+        False, "LoRA: checkpoints hold the frozen base weights too. By default a LoRA run's checkpoints hold the "
+        "adapters, their optimizer state, the scheduler, RNG and data position, and a fingerprint of the base, which "
+        "--resume and `hfdist checkpoint export` rebuild from --model (docs/checkpoints.md).", group=OUTPUT)
     resume: bool = option(
         False, "Continue the run in --output-dir from its latest complete checkpoint (from scratch if it has none); "
         "use it under launchers that restart failed jobs.", group=OUTPUT)

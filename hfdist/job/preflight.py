@@ -78,6 +78,11 @@ def check_lora(cfg: FinetuneConfig, rung: Rung, config) -> None:
     Raises:
         ConfigError: naming the modules the model has, or the rung's tp degree, and the fix.
     """
+    if cfg.checkpoint_base and (cfg.qlora or not cfg.lora):
+        raise ConfigError("--checkpoint-base keeps a LoRA run's frozen base in its checkpoints, and this run "
+                          + ("is a QLoRA run, whose 4-bit base every run quantises anew from --model (its packed codes "
+                             "are not a state to resume)" if cfg.qlora else "trains every weight: its checkpoints "
+                             "hold the whole model already") + ". Drop --checkpoint-base.")
     if not cfg.lora:
         return
     from hfdist.config.features import refuse_unless

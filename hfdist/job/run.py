@@ -149,7 +149,8 @@ class Run:
                          flops_per_token=self.flops_per_token, peak_flops=self.metrics.peak, sink=self.sink,
                          closing_table=self.metrics.closing_table, evaluations=self.losses.evaluations,
                          best_step=self.losses.best_step, sources=self.sources,
-                         checkpoints=self.trainer.checkpoint_costs)
+                         checkpoints=self.trainer.checkpoint_costs,
+                         checkpoint_contents=self.trainer.checkpoint_contents())
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
@@ -225,7 +226,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     trainer = strategy_trainer(Trainer, chosen)(
         model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval, data_collator=collator,
         processing_class=tokenizer, callbacks=callbacks, metrics=False, checkpoint_identity=checkpoint_identity(cfg, rung),
-        loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async,
+        loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async, checkpoint_base=cfg.checkpoint_base,
         preempt_signals=preempt_signals(cfg.preempt_signal),
         preempt_grace=advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get(HANDED_OVER_ENV))))
     trainer.gradient_hooks += injected_faults(int(os.environ.get("RANK", "0")), rung.name)  # tests only: HFDIST_INJECT_*

@@ -42,8 +42,10 @@ class RunRecord:
     closing_table: Callable[[Mapping[str, str]], str]  # every rank's figures, then `outputs`
     evaluations: dict[int, dict[str, float]] = field(default_factory=dict)  # step -> eval loss, perplexity, tokens
     best_step: int | None = None  # under --load-best: the checkpoint saved as the model
-    # Every checkpoint's cost (hfdist.checkpoint.trainer_hooks.CheckpointCost: step, background, held_s, write_s)
+    # Every checkpoint's cost (hfdist.checkpoint.trainer_hooks.CheckpointCost: step, background, held_s, write_s,
+    # bytes) and what they hold (CheckpointingMixin.checkpoint_contents: holds, counted, counted_bytes)
     checkpoints: list[dict[str, Any]] = field(default_factory=list)
+    checkpoint_contents: dict[str, Any] | None = None
     sources: list[dict[str, Any]] = field(default_factory=list)  # each training source's name, rows, label tokens
     # Where a non-finite loss, gradient norm or update stopped the run (hfdist.train.nonfinite.Diverged.record)
     diverged: dict[str, Any] | None = None
@@ -143,6 +145,7 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "eval": _evaluation(run),
         "data": {"sources": [{k: s[k] for k in ("name", "format", "rows", "label_tokens")} for s in run.sources]},
         "checkpoints": run.checkpoints,
+        "checkpoint_contents": run.checkpoint_contents,
         "preempted": preempted,
         "diverged": run.diverged,
     }
@@ -150,6 +153,8 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
              for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "load_peak_memory_bytes")
              if any(k in r for r in ranks)}
     costs = {f"checkpoint/total_{k}": sum(c[k] for c in run.checkpoints) for k in ("held_s", "write_s")}
+    if run.checkpoints:
+        costs["checkpoint/bytes"] = run.checkpoints[-1]["bytes"]
     run.sink.set_summary({**peaks, **(costs if run.checkpoints else {})})
     if preempted is not None:
         run.sink.set_summary({"preempted_at_step": preempted["step"]})

@@ -136,8 +136,11 @@ def _note(rung: Rung, layout: Layout, nodes: int) -> str:
                 f"{rung.name}.yaml (it ships with dp_shard {rung.dims.dp_shard} x dp_replicate "
                 f"{rung.dims.dp_replicate})")
     if nodes > 1:
+        from hfdist.config.dims import ParallelDims
+
         note = "; ".join(x for x in (note, f"run the command on each of the {nodes} nodes with accelerate's "
-                                     "--num_machines/--machine_rank/--main_process_ip") if x)
+                                     f"--num_machines/--machine_rank/--main_process_ip ({ParallelDims.placement_rule()})")
+                         if x)
     return note
 
 

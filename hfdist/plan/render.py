@@ -62,6 +62,13 @@ class Plan:
         return self.gpus_per_node * self.nodes
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """One training checkpoint's trained state: each trainable parameter's fp32 value (or master copy) and
+        AdamW's two fp32 moments, 12 bytes (an adapter run's frozen base is not in it: hfdist.checkpoint); the
+        scheduler, RNG and trainer state add kilobytes, DeepSpeed's bf16 rungs their 2-byte weights."""
+        return 12 * self.trainable_params
+
+    @property
     def recommended(self) -> RungPlan | None:
         """The fastest predicted rung that fits without offload (else with it), or None; of rungs predicted within
         SPEED_TIE of the fastest, the simplest (the plan's order): the cost model cannot tell them apart."""
@@ -131,6 +138,9 @@ def assumptions(plan: Plan) -> list[str]:
         + (f"; --fp8 {w.fp8}: decoder projections in float8, gathered at 1 B/param where FSDP2 shards them "
            "(tensorwise); model states and activations as without" if w.fp8 else ""),
         "offload rungs count GPU bytes only; 1 GB = 1e9 bytes; allocator fragmentation not modelled",
+        f"a checkpoint: {plan.checkpoint_bytes / 1e9:.3g} GB a save (12 B a trainable param: fp32 "
+        + ("adapters + AdamW's two moments; the frozen base is rebuilt from --model" if w.lora else
+           "weights or master + AdamW's two moments") + ")",
         f"speed (hfdist.plan.cost): FLOPs over the matmul rate, collectives' bytes over the bandwidth, the "
         f"optimizer's traffic and the pipeline bubble, on {plan.hardware.source}",
     ]
@@ -191,6 +201,7 @@ def to_json(plan: Plan) -> dict[str, Any]:
     rec = plan.recommended
     out: dict[str, Any] = {
         "model": {"spec": plan.model, "params": plan.shape.total_params, "trainable_params": plan.trainable_params,
+                  "checkpoint_bytes": plan.checkpoint_bytes,
                   "layers": plan.shape.layers, "hidden": plan.shape.hidden,
                   **({"active_params": plan.shape.active_params, "experts": plan.shape.moe.experts,
                       "top_k": plan.shape.moe.top_k} if plan.shape.moe else {})},

@@ -29,15 +29,17 @@ _TESTED = "tested"
 
 
 def _table(rows: list[str], columns: list[str], verdicts: dict[tuple[str, str], bool | str],
-           reasons: dict[str, int]) -> list[str]:
-    """A Markdown table: one row per rung, `tested` or the number of its reason in each cell."""
+           reasons: dict[str, int], carried: dict[tuple[str, str], str] | None = None) -> list[str]:
+    """A Markdown table: one row per rung, `tested` (with the option that carried it where `carried` names one) or
+    the number of its reason in each cell."""
     lines = ["| rung | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
     for rung in rows:
         cells = []
         for column in columns:
             verdict = verdicts[rung, column]
             if verdict is True:
-                cells.append(_TESTED if rung != "single" else "reference")
+                option = (carried or {}).get((rung, column))
+                cells.append("reference" if rung == "single" else f"{_TESTED} ({option})" if option else _TESTED)
             else:
                 text = verdict or "not built for it"
                 cells.append(f"no ({reasons.setdefault(text, len(reasons) + 1)})")
@@ -45,32 +47,49 @@ def _table(rows: list[str], columns: list[str], verdicts: dict[tuple[str, str], 
     return lines
 
 
-def render_cell_matrix() -> str:
-    """The two tables (options, architectures) and the numbered reasons, as docs/ladder.md shows them."""
+def _verdict_tables() -> tuple[list[str], dict, dict, dict]:
+    """(rungs, {(rung, option column): verdict}, {(rung, model): verdict}, {(rung, model): the option column that
+    trains that dense architecture there, where it is not a full fine-tune}) from the table's verdicts."""
     options: dict[tuple[str, str], bool | str] = {}
     models: dict[tuple[str, str], bool | str] = {}
+    carried: dict[tuple[str, str], str] = {}
     names = dict(_OPTION_COLUMNS)
     rungs: list[str] = []
     for cell, verdict in cell_verdicts():
         rungs += [cell.rung] if cell.rung not in rungs else []
         if cell.option == "arch":
             models[cell.rung, cell.model] = verdict
-        elif cell.option == "moe":
+            continue
+        options[cell.rung, names[cell.option]] = verdict
+        # A dense architecture is trained on the rung by the first accepted cell that has it (Llama: plain's).
+        dense = cell.model in DENSE_MODELS and verdict is True and (cell.rung, cell.model) not in models
+        if cell.option == "moe" or dense:
             models[cell.rung, cell.model] = verdict
-            options[cell.rung, names["moe"]] = verdict
-        else:
-            options[cell.rung, names[cell.option]] = verdict
+            if cell.option not in ("plain", "moe"):
+                carried[cell.rung, cell.model] = names[cell.option]
+    return rungs, options, models, carried
+
+
+def render_cell_matrix() -> str:
+    """The two tables (options, architectures) and the numbered reasons, as docs/ladder.md shows them."""
+    rungs, options, models, carried = _verdict_tables()
     reasons: dict[str, int] = {}
+    others = ", ".join(f"`{m.removesuffix('-tiny')}`" for m in DENSE_MODELS[1:])
     intro = (f"Each `{_TESTED}` is a cell that `tests/e2e/test_cells.py` trains through the job for 3 steps and "
              "compares with one process (each step's loss and gradient norm, the eval loss): "
-             f"{len(_accepted())} cases, one per accepted rung x option x model; each `no (n)` is refused before "
-             "launch for reason n below. Options are trained on the tiny Llama (MoE and `--ep`: on each of Qwen3-MoE, "
-             "Mixtral and Llama 4; the cp methods at cp 2, hybrid at cp 4), architectures as a full fine-tune.")
+             f"{len(_accepted())} cases, one per accepted rung x option (x model); each `no (n)` is refused before "
+             "launch for reason n below. The full fine-tune runs on the tiny Llama, MoE and `--ep` on each of "
+             "Qwen3-MoE, Mixtral and Llama 4, the cp methods at cp 2 (hybrid at cp 4). Every dense architecture is "
+             "trained on every rung that takes dense models, mostly inside that rung's other options: each option "
+             f"trains one of {others} there where one is left (else Llama), as the architectures table shows "
+             f"(`{_TESTED} (bf16)`: in the rung's bf16 cell); an architecture left over is a full fine-tune of its "
+             f"own (`{_TESTED}`).")
     lines = [BEGIN, "", *textwrap.wrap(intro, 120, break_on_hyphens=False), "", "Options:", ""]
     lines += _table(rungs, [name for _, name in _OPTION_COLUMNS], options, reasons)
     lines += ["", "Architectures of the model registry (their tiny presets):", ""]
-    lines += _table(rungs, [m.removesuffix("-tiny") for m in (*DENSE_MODELS, *MOE_MODELS)],
-                    {(r, m.removesuffix("-tiny")): v for (r, m), v in models.items()}, reasons)
+    short = {m: m.removesuffix("-tiny") for m in (*DENSE_MODELS, *MOE_MODELS)}
+    lines += _table(rungs, list(short.values()), {(r, short[m]): v for (r, m), v in models.items()}, reasons,
+                    {(r, short[m]): option for (r, m), option in carried.items()})
     lines += ["", "Reasons:", ""]
     for text, n in reasons.items():
         lines += textwrap.wrap(f"{n}. {text}.", 120, subsequent_indent="   ", break_on_hyphens=False)
@@ -82,13 +101,13 @@ def render_summary() -> str:
     """One table for the README: each rung (single left out) against each option, the cp methods as one column, and
     the dense architectures as a count; `yes` / `no`, the reasons left to docs/ladder.md's matrix."""
     options: dict[tuple[str, str], bool] = {}
-    dense: dict[str, int] = {}
+    dense: dict[str, set[str]] = {}  # the dense architectures trained on each rung, in whichever option's cell
     for cell, verdict in cell_verdicts():
         if cell.rung == "single":
             continue
-        if cell.option == "arch":
-            dense[cell.rung] = dense.get(cell.rung, 0) + (verdict is True)
-        else:
+        trained = dense.setdefault(cell.rung, set())
+        trained |= {cell.model} if verdict is True and cell.model in DENSE_MODELS else set()
+        if cell.option != "arch":
             column = "cp" if cell.option.startswith("cp:") else cell.option
             options[cell.rung, column] = options.get((cell.rung, column), False) or verdict is True
     columns = [("plain", "full"), ("lora", "LoRA"), ("qlora", "QLoRA"), ("fp8", "FP8"), ("compile", "compile"),
@@ -104,7 +123,7 @@ def render_summary() -> str:
              "|---|" + "---|" * (len(columns) + 1)]
     for rung in dense:
         row = ["yes" if options[rung, key] else "no" for key, _ in columns]
-        count = dense[rung]
+        count = len(dense[rung])
         row.append("all" if count == len(DENSE_MODELS) else "none" if count == 0 else f"{count} of {len(DENSE_MODELS)}")
         lines.append(f"| {rung} | " + " | ".join(row) + " |")
     return "\n".join([*lines, "", SUMMARY_END]) + "\n"

@@ -33,9 +33,10 @@ pytestmark = pytest.mark.multiproc
 # (observed differences are ~1e-7) and no real bug (a wrong normaliser, a lost shard) stays under it.
 LOSS_RTOL = 1e-5
 # The rung table's ladder rungs (pipeline and context-parallel rungs have their own modules), each on its YAML's
-# process count, and those it also trains with LoRA.
+# process count; with LoRA, the session's shared run (helpers.SHARED_RUNS). LoRA on every rung that takes it trains in
+# tests/e2e/test_lora_checkpoints.py (adapters, checkpoints, resume, planner) and tests/e2e/test_cells.py (same math).
 FULL = table_rungs("ladder")
-LORA = table_rungs("ladder", "lora")
+LORA = ["fsdp_full_shard"]
 # Every rung holding 1/dp_shard of params, grads and optimizer state: ZeRO-3 and FSDP2 without tp.
 FULL_SHARDING = [n for n in FULL if (r := load_rung(n)).zero_stage == 3 or (r.uses_fsdp and not r.uses_tp)]
 # Half the rungs go through hfdist's hand-over (`python scripts/finetune.py --config`, or the README's `accelerate
@@ -259,11 +260,11 @@ def test_matrix_from_the_runs(runs, tmp_path):
 
     from hfdist.report.matrix import COLUMNS, load_rows, write_matrix
 
-    names = ["ddp", "fsdp_full_shard", "zero3", "lora_zero3"]
+    names = ["ddp", "fsdp_full_shard", "zero3", "lora_fsdp_full_shard"]
     rows = load_rows(runs[n]["_dir"] / "hfdist_summary.json" for n in names)
     written = write_matrix(rows, tmp_path, "test-cpu", ["note"])
     table = list(csv.DictReader(open(tmp_path / "matrix.csv")))
-    assert [r["strategy"] for r in table] == ["ddp", "fsdp_full_shard", "zero3", "zero3+lora"]
+    assert [r["strategy"] for r in table] == ["ddp", "fsdp_full_shard", "zero3", "fsdp_full_shard+lora"]
     assert all(r[c] not in ("", None) for r in table for c in COLUMNS)
     assert {r["attn_implementation"] for r in table} == {"hfdist_documents"}  # what each run resolved auto to
     by_name = {r["strategy"]: r for r in table}

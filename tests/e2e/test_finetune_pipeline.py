@@ -2,8 +2,9 @@
 
 Same workload as tests/e2e/test_finetune_ladder.py (llama-tiny, 4 steps, global batch 8 x 64, fp32) and the same
 tolerance against the single-process run. pp = 2 stages on 2 processes with each torch schedule; 3d = FSDP2 (dp 2)
-x PP (2) x TP (2) on 8 processes. Also: LoRA, gradient accumulation with activation checkpointing, per-rank bytes,
-and the consolidated checkpoint reloaded in a fresh process.
+x PP (2) x TP (2) on 8 processes. Also: gradient accumulation with activation checkpointing, per-rank bytes, and the
+consolidated checkpoint reloaded in a fresh process. (LoRA on pp: tests/e2e/test_lora_checkpoints.py and
+test_cells.py.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ pytestmark = pytest.mark.multiproc
 LOSS_RTOL = 1e-5  # as in test_finetune_ladder.py
 SCHEDULES = ["GPipe", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"]  # pp.yaml itself runs 1F1B
 RUNGS = table_rungs("pipeline")  # the rung table's pipeline rungs (pp, 3d), each on its YAML's process count
-LORA = [f"lora_{n}" for n in table_rungs("pipeline", "lora")]  # lora_pp
 ACCUM_AC_SCHEDULE = "GPipe"
 ACCUM_AC = ("--micro-batch-size", "4", "--pp-microbatches", "2", "--activation-checkpointing")
 
@@ -34,8 +34,7 @@ def runs(tmp_path_factory, references, shared_runs):
     also checks."""
     root = tmp_path_factory.mktemp("pipeline")
     shared = [n for n in RUNGS + [f"pp_{s}" for s in SCHEDULES] if n in SHARED_RUNS]
-    jobs = {name: (root / name, ("--config", name.removeprefix("lora_"), *(("--lora",) if name in LORA else ())),
-                   {}) for name in RUNGS + LORA if name not in SHARED_RUNS}
+    jobs = {name: (root / name, ("--config", name), {}) for name in RUNGS if name not in SHARED_RUNS}
     for schedule in SCHEDULES:
         if f"pp_{schedule}" in SHARED_RUNS:
             continue
@@ -52,9 +51,9 @@ def runs(tmp_path_factory, references, shared_runs):
 NAMES = RUNGS + [f"pp_{s}" for s in SCHEDULES]
 
 
-@pytest.mark.parametrize("name", NAMES + LORA)
+@pytest.mark.parametrize("name", NAMES)
 def test_losses_match_single_process(runs, name):
-    ref = runs["lora_single" if name.startswith("lora_") else "single"]["losses"]
+    ref = runs["single"]["losses"]
     got = runs[name]["losses"]
     assert len(got) == len(ref) == 4
     assert got == pytest.approx(ref, rel=LOSS_RTOL), f"{name}: {got} vs single {ref}"
@@ -103,24 +102,6 @@ def test_consolidated_checkpoint_reloads_with_trained_loss(runs, name):
         loss = model(**check_batch(summary)).loss.item()
     assert loss == pytest.approx(summary["check_batch_loss"], rel=LOSS_RTOL)
     assert loss < summary["losses"][0]
-
-
-def test_lora_adapter_from_stages_reloads(runs):
-    from peft import PeftModel
-    from safetensors.torch import load_file
-
-    from hfdist.models.build import build_model
-
-    summary = runs["lora_pp"]
-    adapter = load_file(summary["_dir"] / "adapter_model.safetensors")
-    assert any(t.abs().sum() > 0 for k, t in adapter.items() if "lora_B" in k), "lora_B never trained"
-    layers = {int(k.split("layers.")[1].split(".")[0]) for k in adapter}
-    assert layers == {0, 1, 2, 3}  # both stages' adapters are in it
-    base = build_model("llama-tiny", vocab_size=1024, seed=summary["config"]["seed"])
-    model = PeftModel.from_pretrained(base, summary["_dir"]).eval()
-    with torch.no_grad():
-        loss = model(**check_batch(summary)).loss.item()
-    assert loss == pytest.approx(summary["check_batch_loss"], rel=LOSS_RTOL)
 
 
 @pytest.mark.parametrize("name", RUNGS)

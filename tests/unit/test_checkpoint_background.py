@@ -156,3 +156,26 @@ def test_rotation_keeps_the_newest_complete_checkpoint_and_the_one_being_written
     staging_dir(tmp_path / "checkpoint-6").mkdir()
     rotate_checkpoints(output_dir=str(tmp_path), save_total_limit=1, use_mtime=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [".partial-checkpoint-6", "checkpoint-4"]
+
+
+def test_param_groups_are_saved_once_a_group_and_restored_by_name(tmp_path):
+    """A param group's settings are one record (not a dozen objects a parameter); loading restores each parameter's
+    group settings by name, whatever group it sits in on the loading side."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from hfdist.checkpoint.format import load_sharded, save_sharded
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.25, betas=(0.8, 0.9))
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    save_sharded(model, optimizer, tmp_path)
+    keys = FileSystemReader(str(tmp_path / "sharded")).read_metadata().state_dict_metadata
+    assert [k for k in keys if k.startswith("param_groups.")] == ["param_groups.0.weight"]
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    # Another grouping on the loading side: each parameter in a group of its own, other settings.
+    loaded = torch.optim.AdamW([{"params": [p]} for p in fresh.parameters()], lr=1.0, betas=(0.5, 0.5))
+    load_sharded(fresh, loaded, tmp_path)
+    assert [(g["lr"], tuple(g["betas"])) for g in loaded.param_groups] == [(0.25, (0.8, 0.9))] * 4
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+    assert torch.equal(loaded.state[fresh[1].bias]["exp_avg"], optimizer.state[model[1].bias]["exp_avg"])

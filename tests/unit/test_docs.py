@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGS = {"bash", "sh", "shell", "console"}
 PYTHON = {"python", "python3", ".venv/bin/python", "/work/main/.venv/bin/python"}
-EXTERNAL = {"pip", "wandb"}  # other tools' own commands (the wheel install runs in tests/e2e/test_install.py)
+EXTERNAL = {"wandb"}  # other tools' own commands
 
 
 # ---------------------------------------------------------------------------------------------------------- parsing
@@ -267,6 +267,24 @@ def _check_launcher(argv: list[str], lenient: bool) -> None:
         _check_finetune_script(script, rest, lenient)
 
 
+def _check_pip(args: list[str]) -> None:
+    """A pip line installs: the clone (`.`, `-e .`, with extras pyproject.toml declares), a wheel this repository
+    builds (dist/), or a package by name (whose index the docs do not check). The wheel's install itself runs in
+    tests/e2e/test_install.py."""
+    import tomllib
+
+    assert args and args[0] in ("install", "wheel"), f"pip {' '.join(args)}: not an install"
+    declared = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["dynamic"]
+                   ["optional-dependencies"])
+    for arg in args[1:]:
+        local = re.fullmatch(r"\.(?:\[([\w,-]+)\])?", arg)
+        if local and local.group(1):
+            unknown = set(local.group(1).split(",")) - declared
+            assert not unknown, f"pip install {arg}: pyproject.toml declares no extra {sorted(unknown)}"
+        elif "/" in arg and not arg.startswith("-"):
+            assert arg.startswith("dist/") or glob.glob(str(REPO / arg)), f"{arg} does not exist"
+
+
 def _check_static(argv: list[str], lenient: bool = False) -> None:
     """Fails unless `argv` would start: its parsers accept it and what it names exists. `lenient`: an inline span,
     which may leave out required arguments (flags and values are still checked)."""
@@ -284,6 +302,8 @@ def _check_static(argv: list[str], lenient: bool = False) -> None:
         paths = [a.split("::")[0] for a in argv[3:] if a.startswith("tests")]
         missing = [a for a in paths if not (REPO / a).exists()]
         assert not missing, f"pytest: no test file {missing}"
+    elif head == "pip" or (head in PYTHON and argv[1:3] == ["-m", "pip"]):
+        _check_pip(argv[argv.index("pip") + 1:] if head != "pip" else argv[1:])
     elif head in PYTHON and argv[1] == "-m":
         import importlib.util
 
@@ -598,10 +618,24 @@ def test_layout_tree_names_every_module():
 
 def test_every_page_states_the_meshs_own_order_for_where_each_axis_goes():
     """The rule for where each axis goes on a cluster is the mesh hfdist builds (ParallelDims.mesh_shape: the last axis
-    varies fastest, so it fills a node first), stated in the same words on the README and the multi-node page."""
+    varies fastest, so it fills a node first), stated in the same words on the README, the multi-node page and
+    `hfdist plan`'s multi-node note (ParallelDims.placement_rule)."""
     from hfdist.config.dims import ParallelDims
 
-    names, _ = ParallelDims(dp_replicate=2, dp_shard=2, cp=2, pp=2, tp=2).mesh_shape()
-    rule = f"hfdist lays the ranks out as {' x '.join(names)}, {names[-1]} varying fastest"
+    rule = ParallelDims.placement_rule()
+    assert "dp_replicate x dp_shard x cp x pp x tp, tp varying fastest" in rule  # the mesh's order, read from it
     for page in (REPO / "README.md", REPO / "docs" / "multi-node.md"):
         assert rule in " ".join(page.read_text().split()), f"{page.name} does not state: {rule}"
+    from hfdist.models.presets import load_config
+    from hfdist.plan import GB, plan_rungs
+
+    plan = plan_rungs(load_config("llama-3.1-8b"), ["fsdp_hybrid"], gpus_per_node=8, nodes=2, gpu_mem_bytes=80 * GB)
+    assert rule in plan.rungs[0].note, plan.rungs[0].note
+
+
+def test_readme_says_how_many_cells_the_suite_trains():
+    """The README's "what has run where" row counts the cells tests/e2e/test_cells.py trains (the rung table's
+    accepted cells): a table change that adds or drops cells changes the row."""
+    from hfdist.config.cells import accepted_cells
+
+    assert f"({len(accepted_cells())} cells:" in (REPO / "README.md").read_text()

@@ -61,3 +61,47 @@ def test_lost_shard_files_are_named(tmp_path):
     shard.unlink()
     with pytest.raises(CheckpointError, match=rf"lacks shards its metadata lists: {shard.name} \(missing\)"):
         resume_point(cfg, load_rung("fsdp_full_shard"))
+
+
+def test_adapters_of_another_preset_seed_are_refused_naming_both_fingerprints(tmp_path):
+    """A LoRA checkpoint records its base's fingerprint; a preset's weights are drawn from --seed, so another seed is
+    another base."""
+    cfg = _checkpoint(tmp_path, "fsdp_full_shard")
+    lora = FinetuneConfig(**{**cfg.__dict__, "lora": True})
+    write_marker(tmp_path / "checkpoint-2", checkpoint_identity(lora, load_rung("fsdp_full_shard")), step=2)
+    assert resume_point(lora, load_rung("fsdp_full_shard")) == tmp_path / "checkpoint-2"
+    other = FinetuneConfig(**{**lora.__dict__, "seed": lora.seed + 1})
+    saved, now = (checkpoint_identity(c, load_rung("fsdp_full_shard"))["base"] for c in (lora, other))
+    with pytest.raises(CheckpointError, match="trained on another base") as exc:
+        resume_point(other, load_rung("fsdp_full_shard"))
+    assert f"weights {saved['weights']} vs {now['weights']}" in str(exc.value)
+
+
+def test_base_fingerprint_reads_the_weights_not_the_name(tmp_path):
+    """Two checkpoints of the same shapes under one path (another seed's weights) differ in their sampled data; the
+    same bytes agree; a hub snapshot's commit is the folder's name."""
+    from safetensors.torch import save_file
+
+    from hfdist.models.fingerprint import base_fingerprint, fingerprint_difference
+
+    folder = tmp_path / "snapshots" / "0123abc"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    save_file({"w": torch.randn(300_000, generator=torch.Generator().manual_seed(1)), "b": torch.ones(10)},
+              str(folder / "model.safetensors"))
+    first = base_fingerprint(str(folder), seed=0)
+    assert first["revision"] == "0123abc" and base_fingerprint(str(folder), seed=5) == first  # seed: presets only
+    save_file({"w": torch.randn(300_000, generator=torch.Generator().manual_seed(2)), "b": torch.ones(10)},
+              str(folder / "model.safetensors"))
+    assert fingerprint_difference(first, base_fingerprint(str(folder), seed=0)) == [
+        f"weights {first['weights']} vs {base_fingerprint(str(folder), seed=0)['weights']}"]
+
+
+def test_checkpoint_base_is_refused_where_it_means_nothing():
+    from hfdist.config.finetune import ConfigError
+    from hfdist.job.preflight import check_lora
+
+    for cfg, why in ((FinetuneConfig(checkpoint_base=True), "trains every weight"),
+                     (FinetuneConfig(checkpoint_base=True, qlora=True), "quantises anew")):
+        with pytest.raises(ConfigError, match=why):
+            check_lora(cfg, load_rung("ddp"), None)

@@ -14,6 +14,7 @@ import yaml
 
 import hfdist.config.ladder as ladder
 from hfdist.cli import main
+from hfdist.config.cells import CP_CELL_METHODS, CP_REFUSED, DENSE_MODELS, Cell, accepted_cells
 from hfdist.config.features import refuse_unless, rungs_taking, speaking_entry
 from hfdist.config.finetune import ConfigError
 from hfdist.config.ladder import CONFIG_ROOT, known_rung_names, load_rung
@@ -157,13 +158,57 @@ def test_a_rung_added_as_yaml_plus_entry_is_seen_everywhere(fake_rung, capsys):
         refuse_unless(load_rung("fsdp_tp"), "qlora")
     # the tests' rung lists
     ladder_module = _module(TESTS / "e2e" / "test_finetune_ladder.py")
-    assert FAKE in ladder_module.FULL and FAKE in ladder_module.LORA and FAKE in ladder_module.FULL_SHARDING
-    from hfdist.config.cells import Cell, accepted_cells
-
-    assert {Cell(FAKE, "plain"), Cell(FAKE, "compile"), Cell(FAKE, "qlora")} <= set(accepted_cells())  # test_cells.py
-    assert Cell(FAKE, "fp8") not in accepted_cells()
+    assert FAKE in ladder_module.FULL and FAKE in ladder_module.FULL_SHARDING
+    assert FAKE in _module(TESTS / "e2e" / "test_lora_checkpoints.py").RUNGS
+    fake = {(c.option, c.model) for c in accepted_cells() if c.rung == FAKE}  # test_cells.py
+    assert ("plain", "llama-tiny") in fake and {"compile", "qlora"} <= {option for option, _ in fake}
+    assert not any(option == "fp8" for option, _ in fake) and Cell(FAKE, "fp8") not in accepted_cells()
     assert FAKE in _module(TESTS / "unit" / "test_compile_recipe.py").TAKE
     assert FAKE in table_rungs(option="qlora")
+
+
+# ------------------------------------------------------------------------------------------ the cells
+
+
+# The accepted cells (hfdist.config.cells): 147 when every dense architecture had an `arch` cell of its own on every
+# rung that takes dense models; 101 with most of them trained inside the rung's option cells.
+ACCEPTED_CELLS = 101
+
+
+def test_every_rung_that_takes_dense_models_trains_every_dense_architecture():
+    cells = accepted_cells()
+    assert len(cells) == ACCEPTED_CELLS and len(set(cells)) == len(cells)
+    for rung, info in RUNG_INFO.items():
+        if rung != "single" and info.dense is True:
+            trained = {c.model for c in cells if c.rung == rung}
+            assert set(DENSE_MODELS) <= trained, f"{rung} trains no cell of {set(DENSE_MODELS) - trained}"
+            assert Cell(rung, "plain") in cells  # the full fine-tune stays Llama's (other tests read it)
+            # an `arch` cell only for an architecture none of the rung's options took
+            assert all(c.option != "arch" or not any(d.model == c.model for d in cells if d.rung == rung and d != c)
+                       for c in cells if c.rung == rung)
+
+
+def test_the_architectures_meet_many_options_and_the_cp_refusals_are_hfdists():
+    """Each non-Llama architecture is trained with every one of bf16, LoRA, QLoRA, FP8 and compile on some rung (the
+    assignment spreads them, rather than always giving one option the same architecture). CP_REFUSED, which keeps
+    the cp cells off the architectures a method cannot split, is what hfdist's own check refuses at each cp rung's
+    degrees for the tests' long rows (a real HF config), so every cp cell runs its model."""
+    from hfdist.parallel.context_check import ContextParallelError, check_cp
+
+    cells = accepted_cells()
+    for model in DENSE_MODELS[1:]:
+        assert {"bf16", "lora", "qlora", "fp8", "compile"} <= {c.option for c in cells if c.model == model}, model
+    for rung in (r for r, info in RUNG_INFO.items() if info.e2e == "context_parallel"):
+        for model, method in ((m, x) for m in DENSE_MODELS for x in CP_CELL_METHODS):
+            args, dims = Cell(rung, f"cp:{method}", model).layout_args(), load_rung(rung).dims
+            cp = int(args[args.index("--cp") + 1]) if "--cp" in args else dims.cp
+            try:
+                check_cp(load_config(model), cp, seq_len=512, tp=dims.tp, method=method)
+                refused = False
+            except ContextParallelError:
+                refused = True
+            assert refused == (method in CP_REFUSED.get(model, ())), (rung, model, method)
+    assert not any(c.option.startswith("cp:") and c.option[3:] in CP_REFUSED.get(c.model, ()) for c in cells)
 
 
 def test_the_ladder_page_shows_the_tables_current_cell_matrix():
