@@ -33,8 +33,12 @@ def _leave_for_hand_over(rank: str, message: str) -> bool:
     folder = os.environ.get(ERROR_DIR_ENV)
     if not folder or not Path(folder).is_dir():
         return False
+    # written aside and renamed: torch elastic stops the other ranks when one exits, and a rank stopped mid-write
+    # must leave no half paragraph for the hand-over to print
+    staged = Path(folder) / f".rank-{rank}.partial"
     try:
-        (Path(folder) / f"rank-{rank}.txt").write_text(message)
+        staged.write_text(message)
+        staged.replace(Path(folder) / f"rank-{rank}.txt")
     except OSError:
         return False
     return True

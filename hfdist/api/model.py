@@ -226,7 +226,7 @@ def _checks(strategy: Strategy, config, compile: bool, fp8: str | None, qlora: b
     if compile:
         from hfdist.parallel.parallelize import check_compile
 
-        check_compile(rung)
+        check_compile(rung, config)
     check_model_fits(config, rung)
     if lora or qlora:
         refuse_unless(rung, "lora")

@@ -155,7 +155,8 @@ class FinetuneConfig:
         group=STRATEGY, metavar="NAME")
     compile: bool = option(
         False, "torch.compile each decoder layer (regional; inductor on CPU and GPU). Runs on single, ddp and the "
-        "FSDP2 / TP rungs; refused on pipeline, context-parallel and DeepSpeed rungs.", group=STRATEGY)
+        "FSDP2 / TP rungs; refused on pipeline, context-parallel and DeepSpeed rungs, and for MoE models.",
+        group=STRATEGY)
     nvme_path: str | None = option(None, "NVMe folder for zero3_offload_nvme.", group=STRATEGY)
     # Model and data
     model: str | None = option(

@@ -392,12 +392,12 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     check_trackers(cfg)
     _check_gpu_settings(rung)
     attention = check_attention(cfg, rung)
+    resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
+    config = load_config(cfg.model)
     if cfg.compile:
         from hfdist.parallel.parallelize import check_compile
 
-        check_compile(rung)
-    resume_point(cfg, rung)  # a checkpoint this run cannot resume fails here, before any process starts
-    config = load_config(cfg.model)
+        check_compile(rung, config)
     _check_seq_len(config, cfg.seq_len)
     check_qlora(cfg, rung, config)
     check_model_fits(config, rung, cfg.seq_len)

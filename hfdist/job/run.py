@@ -217,7 +217,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     sink = make_trackers(cfg.report_to if cfg.metrics else (), output_dir=cfg.output_dir, active=_is_rank0(),
                          project=cfg.wandb_project, name=f"{rung.name}{adapters}",
                          group=cfg.compare_id, job_type=rung.kind.value, config={**asdict(cfg), **strategy})
-    flops_per_token = model_flops_per_token(model, cfg.seq_len)
+    # the skeleton, not the local model: a pipeline stage holds only its own layers (and their adapters)
+    flops_per_token = model_flops_per_token(record.skeleton, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
     callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
     if prepared.eval is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from hfdist.errors import HfdistError
 from hfdist.models.attention import DOCUMENT_ATTENTION
+from hfdist.models.kv_heads import repeat_kv_heads
 
 __all__ = ["DOCUMENT_ATTENTION", "DocumentAttentionError", "varlen_kwargs", "document_lengths",
            "document_attention", "document_mask", "register_document_attention"]
@@ -142,7 +143,7 @@ def _attend_document(q, k, v, *, scale: float | None, window: int | None, causal
     allowed = _band(n, window, q.device) if causal and window is not None and window < n else None
     if softcap is not None:
         groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
         return _softcapped(q, k, v, scale if scale is not None else q.shape[-1] ** -0.5, softcap, allowed, causal,
                            dropout, training)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, dropout_p=dropout,
@@ -192,7 +193,7 @@ def document_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.
         row = [t[r].split([n for n, _ in runs], dim=-2) for t in by_row]
         for (n, singles), q, k, v in zip(runs, *row):
             if singles:  # each token attends only to itself: softmax of one score is 1
-                out = v.repeat_interleave(groups, dim=1)
+                out = repeat_kv_heads(v, groups)
             else:
                 out = _attend_document(q, k, v, scale=scaling, window=window, causal=causal, softcap=softcap,
                                        dropout=dropout, training=module.training)

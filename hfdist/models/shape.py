@@ -101,6 +101,8 @@ class ModelShape:
     # (in_features, out_features, has_bias) per decoder-layer projection, from the registry (an MoE model: a dense
     # layer's; its MoE layers' blocks are `moe`'s).
     linears: dict[str, tuple[int, int, bool]] = field(default_factory=dict, compare=False)
+    # the projections tensor parallelism splits on their input dim (the others: on their output dim)
+    rowwise: frozenset[str] = field(default_factory=frozenset, compare=False)
     head_norm_params: int = 0  # per layer (Qwen3's q_norm + k_norm)
     moe: MoeShape | None = None  # a mixture-of-experts model's MoE layers
 
@@ -123,6 +125,7 @@ class ModelShape:
             head_dim=facts.head_dim(config),
             tied=bool(getattr(config, "tie_word_embeddings", False)),
             linears=facts.linear_shapes(config),
+            rowwise=frozenset(path.rsplit(".", 1)[-1] for path in facts.rowwise),
             head_norm_params=facts.head_norm_params(config),
             moe=MoeShape.from_config(config, facts.moe) if facts.moe is not None else None,
         )
@@ -222,18 +225,25 @@ class ModelShape:
         """Values of the largest decoder-layer projection weight (the one dequantised at a time under QLoRA)."""
         return max(n_in * n_out for n_in, n_out, _ in self.linears.values())
 
-    def lora_layer_params(self, r: int, targets: tuple[str, ...] | None = None) -> int:
-        """LoRA parameters added to one decoder layer: r x (in + out) per targeted projection (A and B, no bias).
+    def lora_layer_params(self, r: int, targets: tuple[str, ...] | None = None, tp: int = 1) -> float:
+        """LoRA parameters added to one decoder layer, on one of `tp` tensor-parallel ranks: r x (in + out) per
+        targeted projection (A and B, no bias) at tp 1.
+
+        hfdist's TP splits one matrix of each pair like its projection and keeps the other whole on every tp rank
+        (hfdist.parallel.tensor._lora_entries): B on its output dim under a column-split projection (A whole), A on
+        its input dim under a row-split one (B whole).
 
         Args:
             targets: short projection names; default every projection (what `--lora` adapts).
+            tp: tensor-parallel degree.
         """
         targets = tuple(self.linears) if targets is None else tuple(targets)
         unknown = sorted(set(targets) - set(self.linears))
         if unknown:
             raise PlanModelError(f"Unknown LoRA target(s) {unknown}; the decoder layers have "
                                  f"{', '.join(self.linears)}.")
-        return sum(r * (self.linears[t][0] + self.linears[t][1]) for t in targets)
+        return sum(r * (n_in / tp + n_out if t in self.rowwise else n_in + n_out / tp)
+                   for t in targets for n_in, n_out, _ in (self.linears[t],))
 
     def layer_activation_bytes(self, tokens: int, elem: int, tp: int = 1, lora_r: int = 0,
                                lora_targets: int = 0, autocast: bool = False) -> int:

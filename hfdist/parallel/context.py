@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hfdist.models.kv_heads import repeat_kv_heads
 from hfdist.parallel.context_check import ContextParallelError, CpPlan, check_cp, check_cp_attention, kv_repeats
 from hfdist.parallel.ring_layout import rank_ranges
 
@@ -228,8 +229,7 @@ def cp_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, valu
     u = spec.plan.ulysses
     if u > 1:
         repeats = kv_repeats(key.shape[1], u)
-        if repeats > 1:
-            key, value = key.repeat_interleave(repeats, dim=1), value.repeat_interleave(repeats, dim=1)
+        key, value = repeat_kv_heads(key, repeats), repeat_kv_heads(value, repeats)
         query, key, value = (_heads_to_ranks(t, spec.ulysses_group, u) for t in (query, key, value))
     if spec.plan.ring > 1:
         out = _ring(module, spec, query, key, value, kwargs)

@@ -10,7 +10,8 @@ from typing import Any
 from hfdist.errors import HfdistError
 from hfdist.models.moe_facts import MoeFacts
 
-__all__ = ["ExpertParallelError", "moe_facts", "moe_refusal", "check_ep_degree", "check_moe", "valid_ep_degrees"]
+__all__ = ["ExpertParallelError", "moe_facts", "moe_refusal", "check_ep_degree", "check_moe", "check_moe_compile",
+           "valid_ep_degrees"]
 
 
 class ExpertParallelError(HfdistError, ValueError):
@@ -122,3 +123,23 @@ def check_moe(config: Any, rung, seq_len: int | None = None, *, qlora: bool = Fa
         raise ExpertParallelError(
             "router_jitter_noise > 0 draws random noise on each rank's tokens, which hfdist's expert and tensor "
             "parallelism cannot reproduce against one process. Set router_jitter_noise to 0 in the config.")
+
+
+def check_moe_compile(config: Any, rung) -> None:
+    """--compile on an MoE model, refused on every rung: the rung table's fsdp_ep refuses --compile for its experts'
+    dispatch, and on the rungs that take --compile for dense models nothing has compared a compiled MoE model with
+    its eager run.
+
+    Raises:
+        ExpertParallelError: naming the model, the layout and why.
+    """
+    if moe_facts(config) is None:
+        return
+    where = ("hfdist's experts compute each MoE layer, and their all-to-all takes split sizes read from the routing "
+             "(a host sync) on which the compiler would break the graph" if rung.dims.ep > 1 or rung.dims.tp > 1 else
+             "the model's own MoE blocks pick each expert's tokens by data-dependent indexing, on which the compiler "
+             "breaks the graph")
+    raise ExpertParallelError(
+        f"--compile with the mixture-of-experts '{getattr(config, 'model_type', '?')}' on {rung.name} "
+        f"({rung.dims.describe()}): {where}; hfdist has not verified a compiled MoE model against its eager run on "
+        "any rung. Drop --compile.")

@@ -7,7 +7,9 @@ order and with the weights transformers' own experts use, so the sums are the si
 fp32 additions:
 
     assignments (T*k) sorted by expert            stable sort: each expert's rows in token order
-    counts per expert -> all_to_all (no grad)     every rank learns how many rows it receives for each local expert
+    counts per expert -> all_to_all (no grad)     every rank learns how many rows it receives for each local expert;
+                                                  both count tables copied to the host once (the split sizes the
+                                                  all-to-alls take: the one point a GPU's stream is waited on)
     rows -> all_to_all_single (autograd)          sent in the order of the destination's experts
     regroup by local expert, run the experts      grouped GEMM on GPU in bf16 (torch._grouped_mm), a loop over the
                                                   local experts on CPU (torch's CPU grouped GEMM is a reference
@@ -64,20 +66,24 @@ def dispatch(rows: torch.Tensor, expert_ids: torch.Tensor, num_experts: int, gro
         (the rows this rank's experts compute, grouped by local expert; the record `combine` takes).
     """
     order = torch.argsort(expert_ids, stable=True)
-    counts = torch.bincount(expert_ids, minlength=num_experts)
+    # scatter_add_, not bincount: bincount on a GPU reads the largest id back to the host to size its output
+    counts = expert_ids.new_zeros(num_experts).scatter_add_(0, expert_ids, torch.ones_like(expert_ids))
     sorted_rows = rows[order]
     if group is None or dist.get_world_size(group) == 1:
         sizes = counts.tolist()
         return sorted_rows, Dispatch(order, [len(order)], [len(order)], None, sizes)
     ep = dist.get_world_size(group)
     received_counts = _exchange_counts(counts, group)  # (ep, E / ep)
-    sent = counts.view(ep, -1).sum(1).tolist()
-    received = received_counts.sum(1).tolist()
+    # The split sizes are host integers (all_to_all_single takes lists): one copy of both count tables to the host,
+    # the only point where a GPU's stream waits in a dispatch, and everything below derived from it.
+    host = torch.cat([counts.view(ep, -1), received_counts]).cpu()
+    sent, received = host[:ep].sum(1).tolist(), host[ep:].sum(1).tolist()
     arrived = funcol.wait_tensor(funcol.all_to_all_single_autograd(sorted_rows, received, sent, group))
     # Arrived rows are ordered by sender, then local expert: regroup them by local expert (stable: sender order).
     local = torch.arange(received_counts.shape[1], device=rows.device).repeat(ep)
-    regroup = torch.argsort(torch.repeat_interleave(local, received_counts.reshape(-1)), stable=True)
-    return arrived[regroup], Dispatch(order, sent, received, regroup, received_counts.sum(0).tolist())
+    regroup = torch.argsort(torch.repeat_interleave(local, received_counts.reshape(-1), output_size=sum(received)),
+                            stable=True)
+    return arrived[regroup], Dispatch(order, sent, received, regroup, host[ep:].sum(0).tolist())
 
 
 def combine(out: torch.Tensor, record: Dispatch, group) -> torch.Tensor:

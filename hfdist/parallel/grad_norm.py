@@ -30,7 +30,7 @@ def _squared_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         placements = grads[0].placements
     for g in grads:
         local.append((g.to_local() if mesh is not None else g).detach().float())
-    squared = torch.stack([t.pow(2).sum() for t in local]).sum() if local else torch.zeros(())
+    squared = torch.stack([t.pow(2).sum() for t in local]).sum()  # on the gradients' device
     for dim, placement in enumerate(placements):
         # Sharded over this dim, plainly or strided (FSDP2 over TP's shards is a _StridedShard, which torch does not
         # count as is_shard()): each rank holds different values.

@@ -35,7 +35,7 @@ dynamo-disabled). The compile is in place (`module.compile()`, as accelerate's `
 would rename every parameter (`_orig_mod.`), which checkpoints and the weight loader key on. DDP
 and single-process runs compile the same way in hfdist.job.run, before the Trainer wraps the model in DDP.
 The rung table (hfdist.config.rungs) says which rungs take --compile; the others are refused before launch
-(check_compile).
+(check_compile), as is a mixture-of-experts model on any rung.
 
 Precision: FSDP2's MixedPrecisionPolicy is the one mechanism (compute in bf16, parameters, gradient reduction
 and optimizer in fp32): a pipeline with one data-parallel rank gets FSDP2 on its 1-rank dp mesh under bf16, so
@@ -63,14 +63,19 @@ def apply_ac(model: nn.Module) -> None:
     base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
-def check_compile(rung: Rung) -> None:
+def check_compile(rung: Rung, config=None) -> None:
     """Refuse --compile on the rungs it is not built or tested for, before any process starts (the rung table's
-    `compile`: hfdist.config.features.refuse_unless).
+    `compile`: hfdist.config.features.refuse_unless), and for `config`'s model if it is a mixture of experts.
 
     Raises:
         ConfigError: naming the rung, why, and the rungs that take --compile.
+        ExpertParallelError: an MoE model (hfdist.parallel.expert_check.check_moe_compile).
     """
     refuse_unless(rung, "compile")
+    if config is not None:
+        from hfdist.parallel.expert_check import check_moe_compile
+
+        check_moe_compile(config, rung)
 
 
 def _decoder_layers(model: nn.Module, layer_cls_name: str | None = None) -> list[nn.Module]:

@@ -8,12 +8,16 @@ log-sum-exp (so each block's gradient is its share of the whole softmax's).
 q is (1, H, n, D), k / v (1, KV, m, D) with KV dividing H (grouped-query attention); causal means query i sees key
 j <= i (the segment is one document piece against itself, n == m).
 
-- CPU: torch's flash-attention kernel for CPU (`aten._scaled_dot_product_flash_attention_for_cpu` and its backward:
-  blocked online softmax, grouped-query attention inside the kernel; what torch's sdpa, and so hfdist's document
-  attention, computes on CPU).
-- any other device (CUDA): the same computation as tiled matmuls (`TiledKernel`: query tiles of TILE rows against the
-  segment's keys, fp32 scores), which is exact on every device; it is also checked against the CPU kernel on CPU. A
-  fused varlen kernel (flash-attn's `_flash_attn_varlen_forward` / `_backward`) fits the same contract.
+Both devices run torch's flash-attention kernel family (blocked online softmax, nothing n x m held, a causal
+piece's masked half skipped), `kernel_for` picking it:
+- CPU: `aten._scaled_dot_product_flash_attention_for_cpu` and its backward (grouped-query attention inside the
+  kernel; what torch's sdpa, and so hfdist's document attention, computes on CPU).
+- CUDA: `aten._scaled_dot_product_flash_attention` and its backward (FlashAttention-2, bf16 / fp16): the key /
+  value heads repeated for the query heads, their gradients summed back. It has no CPU kernel, so the CPU tests run
+  this class against a CPU stand-in registered for the same op schema (tests/unit/test_ring.py), and the op's own
+  argument checks on the meta device. An fp32 piece on CUDA (a run without bf16), or a head size the flash kernel
+  does not take, goes to `TiledKernel`: the same computation as tiled matmuls in fp32 (query tiles of TILE rows
+  against the segment's keys), exact on every device and checked against the CPU kernel on CPU.
 
 `attend_self` / `attend_self_backward`: a run of one-token documents, each attending only itself (output = its
 value, lse = its one score), in closed form rather than a kernel call per token.
@@ -25,7 +29,10 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["BlockKernel", "CpuFlashKernel", "TiledKernel", "kernel_for", "attend_self", "attend_self_backward"]
+from hfdist.models.kv_heads import repeat_kv_heads, sum_kv_groups
+
+__all__ = ["BlockKernel", "CpuFlashKernel", "CudaFlashKernel", "TiledKernel", "kernel_for", "attend_self",
+           "attend_self_backward"]
 
 
 class BlockKernel(Protocol):
@@ -50,18 +57,6 @@ class CpuFlashKernel:
             dout, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _expand(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """(1, KV, m, D) -> (1, H, m, D): each kv head repeated for its group of query heads."""
-    groups = heads // t.shape[1]
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
-
-
-def _fold(t: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """(1, H, m, D) gradients of expanded kv heads -> (1, KV, m, D): summed over each group (the repeat's backward)."""
-    b, h, m, d = t.shape
-    return t if h == kv_heads else t.view(b, kv_heads, h // kv_heads, m, d).sum(2)
-
-
 class TiledKernel:
     """The contract as tiled matmuls on any device: query tiles of `tile` rows against all the segment's keys, scores
     in fp32, causal by the tile's row offsets. Holds tile x m scores per head at a time."""
@@ -77,8 +72,8 @@ class TiledKernel:
         return scores
 
     def forward(self, q, k, v, causal, scale):
-        heads = q.shape[1]
-        k, v = _expand(k, heads), _expand(v, heads)
+        groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv_heads(k, groups), repeat_kv_heads(v, groups)
         outs, lses = [], []
         for start in range(0, q.shape[-2], self.tile):
             scores = self._scores(q[..., start:start + self.tile, :], k, start, causal, scale)
@@ -88,8 +83,9 @@ class TiledKernel:
         return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
     def backward(self, dout, q, k, v, out, lse, causal, scale):
-        heads, kv_heads = q.shape[1], k.shape[1]
-        ke, ve = _expand(k, heads).float(), _expand(v, heads).float()
+        kv_heads = k.shape[1]
+        groups = q.shape[1] // kv_heads
+        ke, ve = repeat_kv_heads(k, groups).float(), repeat_kv_heads(v, groups).float()
         dq = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
         for start in range(0, q.shape[-2], self.tile):
@@ -101,30 +97,69 @@ class TiledKernel:
             ds = p * (do @ ve.transpose(-1, -2) - delta) * scale
             dq[..., rows, :] = ds @ ke
             dk += ds.transpose(-1, -2) @ q_tile
-        return dq.to(q.dtype), _fold(dk, kv_heads).to(k.dtype), _fold(dv, kv_heads).to(v.dtype)
+        return dq.to(q.dtype), sum_kv_groups(dk, kv_heads).to(k.dtype), sum_kv_groups(dv, kv_heads).to(v.dtype)
+
+
+class CudaFlashKernel:
+    """torch's CUDA flash-attention kernel (FlashAttention-2) for half-precision pieces; `TiledKernel` for the rest
+    (module docstring)."""
+
+    # FlashAttention-2 takes head sizes up to 256 in multiples of 8, in bf16 or fp16.
+    _DTYPES = (torch.bfloat16, torch.float16)
+
+    def __init__(self) -> None:
+        self.fallback = TiledKernel()
+
+    def _fused(self, q: torch.Tensor) -> bool:
+        return q.dtype in self._DTYPES and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+
+    def forward(self, q, k, v, causal, scale):
+        if not self._fused(q):
+            return self.fallback.forward(q, k, v, causal, scale)
+        groups = q.shape[1] // k.shape[1]
+        out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, repeat_kv_heads(k, groups), repeat_kv_heads(v, groups), 0.0, causal, False, scale=scale)
+        return out, lse
+
+    def backward(self, dout, q, k, v, out, lse, causal, scale):
+        if not self._fused(q):
+            return self.fallback.backward(dout, q, k, v, out, lse, causal, scale)
+        kv_heads = k.shape[1]
+        groups = q.shape[1] // kv_heads
+        # Dense inputs: no cumulative lengths; no dropout: the random state the op's signature carries is unused.
+        seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+        offset = torch.empty((), dtype=torch.uint64, device=q.device)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            dout, q, repeat_kv_heads(k, groups), repeat_kv_heads(v, groups), out, lse, None, None, q.shape[-2],
+            k.shape[-2], 0.0, causal, seed, offset, scale=scale)
+        return dq, sum_kv_groups(dk, kv_heads), sum_kv_groups(dv, kv_heads)
 
 
 def kernel_for(device: torch.device) -> BlockKernel:
-    """The block kernel of a device: torch's CPU flash kernel on CPU, the tiled one elsewhere."""
-    return CpuFlashKernel() if device.type == "cpu" else TiledKernel()
+    """The block kernel of a device (module docstring): torch's flash kernel for CPU or for CUDA, the tiled one on
+    any other device."""
+    if device.type == "cpu":
+        return CpuFlashKernel()
+    return CudaFlashKernel() if device.type == "cuda" else TiledKernel()
 
 
 def attend_self(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens that each attend only themselves (n one-token documents): out = v (per query head), lse = q . k x
     scale. q (1, H, n, D), k / v (1, KV, n, D)."""
-    heads = q.shape[1]
-    ke = _expand(k, heads)
-    return _expand(v, heads).to(q.dtype), (q.float() * ke.float()).sum(-1) * scale
+    groups = q.shape[1] // k.shape[1]
+    ke = repeat_kv_heads(k, groups)
+    return repeat_kv_heads(v, groups).to(q.dtype), (q.float() * ke.float()).sum(-1) * scale
 
 
 def attend_self_backward(dout, q, k, v, out, lse, scale):
     """attend_self's gradients from the merged `out` / `lse` (the token may also attend earlier chunks of its
     document): p = exp(score - lse) is its weight on itself, so dv = p dout, and the score's gradient
     ds = p (dout . v - dout . out) reaches q and k through the dot product."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    ke, ve = _expand(k, heads).float(), _expand(v, heads).float()
+    kv_heads = k.shape[1]
+    groups = q.shape[1] // kv_heads
+    ke, ve = repeat_kv_heads(k, groups).float(), repeat_kv_heads(v, groups).float()
     do = dout.float()
     p = torch.exp((q.float() * ke).sum(-1) * scale - lse)[..., None]
     ds = p * ((do * ve).sum(-1, keepdim=True) - (do * out.float()).sum(-1, keepdim=True)) * scale
-    return ((ds * ke).to(q.dtype), _fold(ds * q.float(), kv_heads).to(k.dtype),
-            _fold(p * do, kv_heads).to(v.dtype))
+    return ((ds * ke).to(q.dtype), sum_kv_groups(ds * q.float(), kv_heads).to(k.dtype),
+            sum_kv_groups(p * do, kv_heads).to(v.dtype))

@@ -273,7 +273,7 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     last = stage == pp - 1
     layer = _layer_params(shape, tp)
     params, root = stage_params(shape, dims, stage, layers)
-    trainable = layers * shape.lora_layer_params(w.lora_r, w.lora_targets) if w.lora else params
+    trainable = layers * shape.lora_layer_params(w.lora_r, w.lora_targets, tp) if w.lora else params
     frozen = params if w.lora else 0
     pb = _per_param(rung, w)
 

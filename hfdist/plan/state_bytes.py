@@ -58,7 +58,8 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
     Llama-3.1-8B 13% above the average (what `hfdist simulate` compares with).
 
     `qlora`: LoRA on a 4-bit base: the projections' weights at half a byte per value, sharded like any weight, and
-    their quantisation states (hfdist.models.shape.quant_state_nbytes) whole on every rank.
+    their quantisation states (hfdist.models.shape.quant_state_nbytes) whole on every rank of the stage that holds
+    their layers.
     """
     lora = lora or qlora
     if dtype not in DTYPES:
@@ -66,13 +67,16 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
     dims = (rung.with_num_processes(world) if world else rung).dims  # the layout scripts/finetune.py runs
     shape = ModelShape.from_config(config)
     params = shape.total_params
-    trainable = shape.layers * shape.lora_layer_params(lora_r, tuple(lora_targets)) if lora else params
-    total = params + (trainable if lora else 0)
-    ds = rung.uses_deepspeed
-    zero = rung.zero_stage if ds else 0
     # hfdist's TP (fsdp rungs) splits every weight over tp but the norms (a few hundred bytes per layer); its
     # pipeline stages split the layers over pp (a tied embedding, held by the first and the last stage, twice).
     n = dims.dp_shard * (dims.tp * dims.pp * dims.cp if rung.owns_sharding else 1)
+    tp = dims.tp if rung.owns_sharding else 1
+    # A tp rank's adapters (one matrix of each pair whole, ModelShape.lora_layer_params) counted tp times: dividing
+    # by n below leaves each rank its share, as for the split weights.
+    trainable = shape.layers * shape.lora_layer_params(lora_r, tuple(lora_targets), tp) * tp if lora else params
+    total = params + (trainable if lora else 0)
+    ds = rung.uses_deepspeed
+    zero = rung.zero_stage if ds else 0
     if stage is not None:
         if not rung.owns_sharding or lora or not 0 <= stage < dims.pp:
             raise PlanError(f"a per-stage prediction needs a mesh rung, a full fine-tune and a stage in [0, "
@@ -87,7 +91,7 @@ def predict_state_bytes(config, rung: Rung, world: int | None = None, dtype: str
     whole = 0
     if qlora:
         stored += shape.layers * (shape.layer_packed_bytes - shape.layer_matmul_params * weight)
-        whole = shape.layers * shape.layer_quant_state_bytes
+        whole = shape.layers * shape.layer_quant_state_bytes / (dims.pp if rung.owns_sharding else 1)  # a stage's
     if rung.owns_sharding or zero >= 3:
         param_bytes = stored / n + whole
         grads = trainable * (fp32_grad or weight) / n

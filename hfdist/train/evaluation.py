@@ -89,7 +89,7 @@ class EvaluationMixin:
         rank = self.args.process_index
         if not self.rung.uses_pipeline:
             return 0
-        holds = torch.tensor(rank if self.model.has_last_stage else self.args.world_size)
+        holds = torch.tensor(rank if self.model.has_last_stage else self.args.world_size, device=self.args.device)
         dist.all_reduce(holds, op=dist.ReduceOp.MIN)
         return int(holds)
 
@@ -110,7 +110,7 @@ class EvaluationMixin:
                 self.last_token_logits, self.data_collator, gen.prompts, max_new_tokens=gen.max_new_tokens,
                 eos_ids=eos_ids or {tokenizer.eos_token_id}, pad_id=pad,
                 multiple=self.rung.pipeline.n_microbatches if self.rung.uses_pipeline else 1,
-                round_to=dims.tp * dims.cp, source_rank=self._generation_source())
+                round_to=dims.tp * dims.cp, source_rank=self._generation_source(), device=self.args.device)
         finally:
             model.train(was_training)
         if self.args.process_index == 0:

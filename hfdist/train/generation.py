@@ -153,7 +153,7 @@ def _positions(filled: torch.Tensor, length: int) -> torch.Tensor:
 def greedy_generate(last_logits: Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor | None],
                     collate: Callable[[list[dict[str, Any]]], dict[str, Any]], prompts: list[list[int]], *,
                     max_new_tokens: int, eos_ids: set[int], pad_id: int, multiple: int = 1, round_to: int = 1,
-                    source_rank: int = 0) -> list[list[int]]:
+                    source_rank: int = 0, device: torch.device | str = "cpu") -> list[list[int]]:
     """Each prompt's greedy continuation (EOS included when reached), at most `max_new_tokens` tokens.
 
     Args:
@@ -163,6 +163,8 @@ def greedy_generate(last_logits: Callable[[dict[str, torch.Tensor], torch.Tensor
         multiple: the batch's rows are a multiple of this (a pipeline's micro-batches).
         round_to: the rows' length is a multiple of this (the tp x cp degrees that cut the sequence).
         source_rank: the global rank whose choice every rank follows (one holding the logits).
+        device: where the process group's backend takes tensors (a rank's GPU under NCCL): the choice is broadcast
+            there.
     Collective: every rank calls it alike.
     """
     length = max(map(len, prompts)) + max_new_tokens
@@ -174,9 +176,11 @@ def greedy_generate(last_logits: Callable[[dict[str, torch.Tensor], torch.Tensor
         rows = [{"input_ids": r, "labels": [IGNORE_INDEX] * length, "position_ids": p}
                 for r, p in zip(ids.tolist(), _positions(filled, length).tolist())]
         logits = last_logits(collate(rows), filled - 1)
-        chosen = logits.float().argmax(-1).cpu() if logits is not None else torch.zeros(len(ids), dtype=torch.long)
+        chosen = logits.float().argmax(-1) if logits is not None else torch.zeros(len(ids), dtype=torch.long)
         if dist.is_available() and dist.is_initialized():
+            chosen = chosen.to(device)
             dist.broadcast(chosen, src=source_rank)
+        chosen = chosen.cpu()
         live = (~done).nonzero().flatten()
         ids[live, filled[live]] = chosen[live]
         filled[live] += 1

@@ -12,13 +12,14 @@ Every rank at once (so each sees the share of the machine it will have in traini
   rank), gloo on a CPU host and NCCL on GPUs;
 - on a GPU, a pinned host-to-device copy of 64 MiB (the host link);
 - the workspace, on a GPU: two training steps (forward, backward, AdamW) of hfdist's tiny Llama on 16 tokens,
-  whose own gradients, optimizer state and activations are a few MB: the rest of the allocator's peak (cuBLAS and
-  NCCL workspaces, the caching allocator's rounding) is what every training rank holds besides its model's
-  tensors. On a CPU the probes' figure is the tensors a step holds (hfdist.callbacks.memory: training_peak_bytes),
+  whose own gradients, optimizer state and activations are a few MB: the rest of the allocator's peak (cuBLAS
+  workspaces, the caching allocator's rounding), plus what the card holds outside the allocator (the CUDA context,
+  NCCL's buffers), is what every training rank holds besides its model's tensors. On a CPU the probes' figure is the tensors a step holds (hfdist.callbacks.memory: training_peak_bytes),
   so nothing besides them is planned: counting the resident set's growth there (kernels' code, the autograd
   engine's threads, ~8 MB) over-planned small layouts by up to 50% (results/cpu-2core/tune.md).
-Each figure is the best of a few repeats (other work on a machine only ever slows a repeat down). Rank 0 writes
-the Hardware as JSON.
+Each figure is the best of a few windows of back-to-back calls (other work on a machine only ever slows a window
+down), the ranks lined up by a barrier between windows, never inside one (`_per_call`). Rank 0 writes the Hardware
+as JSON.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["measure", "hardware_from_json", "ROWS"]
@@ -35,16 +37,41 @@ ROWS = (64, 256, 1024, 4096)
 _REPEATS = 5
 
 
-def _best(fn, sync) -> float:
+def _per_call(fn: Callable[[], object], line_up: Callable[[], None], window: Callable[[Callable[[], None]], float],
+              calls: int = 10) -> float:
+    """Seconds one call of `fn` takes: the best of _REPEATS windows of `calls` back-to-back calls.
+
+    The ranks are lined up (`line_up`: the device drained, then a barrier) before each window and never inside it,
+    so no barrier's latency is counted in: timed with each call, a barrier read a 64 MiB copy's bandwidth at half
+    and a 4 KiB all-gather's latency at double on NCCL. `window` runs its argument and returns the seconds it took
+    (host clock on a CPU, CUDA events on a GPU's stream)."""
     fn()  # warm-up: allocation, kernel choice, the communicator's first use
-    sync()
     best = float("inf")
     for _ in range(_REPEATS):
-        start = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - start)
+        line_up()
+        best = min(best, window(lambda: [fn() for _ in range(calls)]) / calls)
     return best
+
+
+def _host_window(run: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    run()
+    return time.perf_counter() - start
+
+
+def _cuda_window(device) -> Callable[[Callable[[], None]], float]:
+    """A window timed on `device`'s stream: the kernels' time, not the host's launches and waits."""
+    import torch
+
+    def window(run: Callable[[], None]) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return window
 
 
 def _fit_rate(rows: tuple[int, ...], rates: list[float]) -> tuple[float, float]:
@@ -81,7 +108,11 @@ def _workspace(device) -> int:
         state = rank_state_bytes(model, optimizer)
         held = state["grad_bytes"] + state["optimizer_bytes"]
         optimizer.zero_grad()
-    return max(peak_memory_bytes(device) - start - held, 0)
+    # What the caching allocator does not hold but the card does: the CUDA context, NCCL's buffers (its
+    # communicator ran above), cuBLAS handles. The planner's budget is the card's whole memory, so they count here.
+    free, total = torch.cuda.mem_get_info(device)
+    outside = max(total - free - torch.cuda.memory_reserved(device), 0)
+    return max(peak_memory_bytes(device) - start - held, 0) + outside
 
 
 def measure(hidden: int, intermediate: int, dtype: str) -> dict:
@@ -94,31 +125,37 @@ def measure(hidden: int, intermediate: int, dtype: str) -> dict:
     on_gpu = device.type == "cuda"
     elem = torch.bfloat16 if dtype == "bf16" and on_gpu else torch.float32
 
-    def sync() -> None:
+    def line_up() -> None:
         if on_gpu:
             torch.cuda.synchronize(device)
         dist.barrier()
+        if on_gpu:  # NCCL's barrier is a collective on the stream: drained too, so the window starts empty
+            torch.cuda.synchronize(device)
+
+    def timed(fn: Callable[[], object], calls: int = 10) -> float:
+        return _per_call(fn, line_up, _cuda_window(device) if on_gpu else _host_window, calls)
 
     rates = []
     weight = torch.randn(hidden, intermediate, device=device, dtype=elem)
     for rows in ROWS:
         x = torch.randn(rows, hidden, device=device, dtype=elem)
-        rates.append(2 * rows * hidden * intermediate / _best(lambda: torch.mm(x, weight), sync))
+        rates.append(2 * rows * hidden * intermediate / timed(lambda: torch.mm(x, weight)))
     peak, half = _fit_rate(ROWS, rates)
     big = torch.empty(64 * 2**20 // 4, device=device)
     other = torch.empty_like(big)
-    memory = 2 * big.nbytes / _best(lambda: other.copy_(big), sync)
+    memory = 2 * big.nbytes / timed(lambda: other.copy_(big))
     world = dist.get_world_size()
     small = torch.zeros(1024 * world, device=device)
     large = torch.zeros(4 * 2**20 * world, device=device)  # 16 MiB gathered
-    latency = _best(lambda: dist.all_gather_into_tensor(small, small.chunk(world)[dist.get_rank()].clone()), sync)
+    piece = small.chunk(world)[dist.get_rank()].clone()
+    latency = timed(lambda: dist.all_gather_into_tensor(small, piece), calls=50)
     chunk = large.chunk(world)[dist.get_rank()].clone()
-    seconds = _best(lambda: dist.all_gather_into_tensor(large, chunk), sync)
+    seconds = timed(lambda: dist.all_gather_into_tensor(large, chunk))
     bandwidth = (world - 1) / world * large.nbytes / max(seconds - latency, 1e-9) if world > 1 else memory
     host = memory
     if on_gpu:
         pinned = torch.empty(64 * 2**20 // 4, pin_memory=True)
-        host = pinned.nbytes / _best(lambda: big.copy_(pinned, non_blocking=True), sync)
+        host = pinned.nbytes / timed(lambda: big.copy_(pinned, non_blocking=True))
     kind = torch.cuda.get_device_name(device) if on_gpu else "CPU"
     workspace = _workspace(device)
     return {"workspace_bytes": workspace, "matmul_flops": peak, "half_rate_rows": half, "memory_bandwidth": memory,

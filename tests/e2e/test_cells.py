@@ -58,21 +58,8 @@ PLANTED = {"planted/fsdp_ep/experts-x2": (Cell("fsdp_ep", "plain", "qwen3-moe-ti
 MESH_RUNGS = ("fsdp_full_shard", "pp", "fsdp_tp", "3d")
 
 
-def _planner_follows(cell: Cell) -> bool:
-    """Whether predict_state_bytes and the job's FLOPs count follow the cell's option on its rung: not LoRA under
-    tensor or pipeline parallelism (measured on these cells). The planner divides every adapter by tp, where hfdist's
-    TP leaves one matrix of each pair whole (lora_A of a column-split projection, lora_B of a row-split one): 32% more
-    optimizer state than predicted on fsdp_tp and 3d. Under pp the job's FLOPs count reads the adapters of rank 0's
-    stage only (0.86 of the model's count at pp 2), and the planner counts QLoRA's quantisation states whole on every
-    stage, which holds its own layers' (param bytes 3% over)."""
-    return cell.option not in ("lora", "qlora") or cell.rung == "fsdp_full_shard"
-
-
-# Per mesh rung and architecture other than Llama, the cell that trains it there (an option's, whose trainable state
-# and dtype the prediction takes, or its `arch` cell) where the planner follows that option; else a full fine-tune
-# of it, trained for this check only (not a cell of the table: the architecture is trained there already).
-ARCH_CELLS = [c if _planner_follows(c) else Cell(c.rung, "arch", c.model) for c in CELLS
-              if c.rung in MESH_RUNGS and c.model in DENSE_MODELS[1:]]
+# Per mesh rung, the cells of the architectures other than Llama that train there: the planner's check below.
+ARCH_CELLS = [c for c in CELLS if c.rung in MESH_RUNGS and c.model in DENSE_MODELS[1:]]
 
 
 def cell_args(cell: Cell, nvme: Path) -> list[str]:
@@ -100,8 +87,7 @@ def _selected(session: pytest.Session) -> tuple[list[Cell], list[str]]:
     here = [item for item in session.items if item.path == Path(__file__)]
     params = [item.callspec.params for item in here if hasattr(item, "callspec")]
     cells = {p["cell"] for p in params if "cell" in p}
-    extra = [c for c in ARCH_CELLS if c not in CELLS]
-    return [c for c in (*CELLS, *extra) if c in cells], [n for n in PLANTED if any(p.get("name") == n for p in params)]
+    return [c for c in CELLS if c in cells], [n for n in PLANTED if any(p.get("name") == n for p in params)]
 
 
 @pytest.fixture(scope="module")
@@ -124,8 +110,8 @@ def cells(request, tmp_path_factory) -> dict[str, dict]:
         cell, fault = PLANTED[name]
         by_world[world_size(cell)].append({"id": name, "output_dir": str(root / name.replace("/", "-")),
                                            "args": cell_args(cell, nvme), "env": {GRAD_SCALE_ENV: fault}})
-    print(f"cells: {len(set(selected) & set(CELLS))} of the rung table's {len(CELLS)} accepted cells (and "
-          f"{len(set(selected) - set(CELLS))} for the planner check) and {len(references)} single-process references, "
+    print(f"cells: {len(selected)} of the rung table's {len(CELLS)} accepted cells and {len(references)} single-process "
+          f"references, "
           f"in launches of {', '.join(f'{w} process(es): {len(c)}' for w, c in sorted(by_world.items()))}")
     results: dict[str, dict] = {}
     for found in side_by_side({w: (lambda w=w: run_cases(by_world[w], w, root)) for w in by_world}).values():
@@ -262,4 +248,3 @@ def test_planner_and_flops_count_the_architecture(cells, cell):
 def test_the_planner_check_sees_every_architecture_on_each_mesh_rung():
     """Folding the architectures into option cells left every architecture of each mesh rung checked above."""
     assert sorted((c.rung, c.model) for c in ARCH_CELLS) == sorted((r, m) for r in MESH_RUNGS for m in DENSE_MODELS[1:])
-    assert all(c in CELLS or c.option == "arch" for c in ARCH_CELLS)

@@ -292,6 +292,21 @@ def test_ep_where_it_does_not_apply_is_refused():
         check_moe(load_config("llama-tiny"), _rung(config="fsdp_ep"))
 
 
+def test_compile_with_an_moe_model_is_refused_on_every_rung():
+    """fsdp_ep refuses --compile by its table entry; the rungs that take it for dense models refuse it for an MoE
+    model, whose compiled run nothing has compared with its eager one: hfdist's experts under tp or ep, the model's
+    own blocks elsewhere."""
+    from hfdist.parallel.parallelize import check_compile
+
+    moe = load_config("qwen3-moe-tiny")
+    for rung, why in ((load_rung("fsdp_tp"), "hfdist's experts"), (_rung(config="fsdp_tp", ep=2), "hfdist's experts"),
+                      (load_rung("fsdp_full_shard"), "own MoE blocks"), (load_rung("ddp"), "own MoE blocks")):
+        with pytest.raises(ExpertParallelError, match=rf"--compile with the mixture-of-experts 'qwen3_moe' on "
+                                                      rf"{rung.name} .*{why}"):
+            check_compile(rung, moe)
+    check_compile(load_rung("fsdp_tp"), load_config("llama-tiny"))
+
+
 def test_replicas_under_expert_parallelism_are_refused():
     with pytest.raises(ExpertParallelError, match="dp_replicate=2 with hfdist's expert-parallel experts"):
         check_moe(load_config("qwen3-moe-tiny"), _rung(config="fsdp_ep", num_processes=8, dp_replicate=2))

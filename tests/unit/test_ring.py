@@ -1,7 +1,7 @@
 """Ring attention's pure parts, in one process: which tokens each cp rank holds and which query / key pieces attend
 (hfdist.parallel.ring_layout, against the brute-force rule: same document, key not later), and the block kernels
-(hfdist.parallel.ring_kernels: the CPU flash kernel, the tiled one every other device runs, one-token runs) against
-torch's sdpa. The ring itself (keys, values and their gradients travelling between ranks) trains in
+(hfdist.parallel.ring_kernels: the CPU flash kernel, the tiled one, one-token runs) against torch's sdpa, and the CUDA
+flash kernel's calls against the op's own schema (meta device) and a CPU stand-in of the op. The ring itself (keys, values and their gradients travelling between ranks) trains in
 tests/integration/test_context_parallel.py."""
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from hfdist.errors import HfdistError
-from hfdist.parallel.ring_kernels import CpuFlashKernel, TiledKernel, attend_self, attend_self_backward
+from hfdist.parallel.ring_kernels import (
+    CpuFlashKernel,
+    CudaFlashKernel,
+    TiledKernel,
+    attend_self,
+    attend_self_backward,
+    kernel_for,
+)
 from hfdist.parallel.ring_layout import chunk_ranges, rank_ranges, ring_segments, row_starts
 
 
@@ -124,3 +131,76 @@ def test_one_token_runs_in_closed_form():
                                merged_out[..., one, :], merged_lse[..., one], True, 0.25)
         for got, w in zip(grads, want):
             assert (got[..., one, :] - w).abs().max() < 1e-5
+
+
+@pytest.fixture
+def cuda_flash_on_cpu():
+    """A CPU kernel for the CUDA flash ops (they have none): torch's CPU flash kernel behind the CUDA ops' schema,
+    recording the head counts it is handed. CudaFlashKernel runs unchanged on CPU tensors through it."""
+    seen: list[tuple[int, int]] = []
+
+    def forward(query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *, scale=None):
+        seen.append((query.shape[1], key.shape[1]))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, dropout_p,
+                                                                              is_causal, scale=scale)
+        rng = torch.empty(2, dtype=torch.uint64), torch.empty((), dtype=torch.uint64)
+        return out, lse, None, None, query.shape[2], key.shape[2], *rng, torch.empty(0, dtype=query.dtype)
+
+    def backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                 is_causal, philox_seed, philox_offset, *, scale=None):
+        seen.append((query.shape[1], key.shape[1]))
+        assert cum_seq_q is None and cum_seq_k is None and (max_q, max_k) == (query.shape[2], key.shape[2])
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, scale=scale)
+
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_scaled_dot_product_flash_attention", forward, "CPU")
+    lib.impl("_scaled_dot_product_flash_attention_backward", backward, "CPU")
+    try:
+        yield seen
+    finally:
+        lib._destroy()
+
+
+def test_cuda_kernel_calls_fit_the_ops_schema_on_the_meta_device():
+    """The CUDA flash ops' meta kernels check the arguments as the CUDA ones take them (types, the positions of
+    the lengths and the random state): forward and backward of a causal and a cross piece, shapes as the contract
+    says."""
+    kernel = CudaFlashKernel()
+    for causal, n, m in ((True, 16, 16), (False, 8, 24)):
+        q = torch.empty(1, 6, n, 64, dtype=torch.bfloat16, device="meta")
+        k, v = (torch.empty(1, 2, m, 64, dtype=torch.bfloat16, device="meta") for _ in range(2))
+        out, lse = kernel.forward(q, k, v, causal, 0.125)
+        assert out.shape == q.shape and lse.shape == (1, 6, n) and lse.dtype == torch.float32
+        grads = kernel.backward(torch.empty_like(out), q, k, v, out, lse, causal, 0.125)
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+
+@pytest.mark.parametrize("causal, n, m", [(True, 13, 13), (False, 9, 20)])
+def test_cuda_kernel_gives_the_cpu_kernels_figures(cuda_flash_on_cpu, causal, n, m):
+    """CudaFlashKernel on bf16 pieces, its op computed by the CPU stand-in: the CPU kernel's output, log-sum-exp and
+    gradients (grouped-query attention: 6 query heads over 2 kv heads, which the CUDA path hands the op repeated
+    and sums back). bf16: the group sums round three bf16 gradients where the CPU kernel rounds one fp32 sum, so
+    within 2 bf16 units (2 x 2^-8) of the largest gradient; the output and lse are the same kernel's (1e-6)."""
+    torch.manual_seed(0)
+    q = torch.randn(1, 6, n, 16, dtype=torch.bfloat16)
+    k, v = torch.randn(1, 2, m, 16, dtype=torch.bfloat16), torch.randn(1, 2, m, 16, dtype=torch.bfloat16)
+    grad = torch.randn(1, 6, n, 16, dtype=torch.bfloat16)
+    cuda, cpu = CudaFlashKernel(), CpuFlashKernel()
+    out, lse = cuda.forward(q, k, v, causal, 0.25)
+    want_out, want_lse = cpu.forward(q, k, v, causal, 0.25)
+    assert (out.float() - want_out.float()).abs().max() <= 1e-6 and (lse - want_lse).abs().max() <= 1e-6
+    for got, want in zip(cuda.backward(grad, q, k, v, out, lse, causal, 0.25),
+                         cpu.backward(grad, q, k, v, want_out, want_lse, causal, 0.25)):
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        assert (got.float() - want.float()).abs().max() <= 2 * 2 ** -8 * want.float().abs().max()
+    assert cuda_flash_on_cpu == [(6, 6), (6, 6)]  # the CUDA op got the kv heads repeated
+    # fp32 pieces (a run without bf16) take the tiled kernel, the flash op only half precision
+    out32, _ = cuda.forward(q.float(), k.float(), v.float(), causal, 0.25)
+    assert len(cuda_flash_on_cpu) == 2 and (out32 - want_out.float()).abs().max() < 2e-2
+
+
+def test_each_device_gets_its_flash_kernel():
+    assert isinstance(kernel_for(torch.device("cpu")), CpuFlashKernel)
+    assert isinstance(kernel_for(torch.device("cuda", 0)), CudaFlashKernel)
+    assert isinstance(kernel_for(torch.device("meta")), TiledKernel)
