@@ -1,12 +1,18 @@
 """What the GPU suite measures (benchmarks/gpu/run.sh): one cell per run, for the GPUs visible (or CPU stand-ins
-under --dry-run), in the order the parts run them.
+under --dry-run), in the order the parts run them: the headline figures first, so that a lent machine's first
+command (part 1, at most FIRST_PART_S by the estimates) gives them.
 
-On one GPU: the Llama-3.2-1B shape (preset llama-3.2-1b, seeded weights: nothing is downloaded) in bf16 at 2048
-and 8192 tokens per sequence; full fine-tune and LoRA; eager and --compile; the attention backends; --fp8
-(tensorwise and rowwise); the same full fine-tune through a plain transformers Trainer and through TRL's SFTTrainer
-(benchmarks/gpu/baseline.py); the Llama-3.1-8B shape where the planner says it fits (LoRA on one 80 GB GPU). With
-two or more GPUs, the core single-GPU cells, the ladder through `hfdist compare` (bf16, then --fp8 on rungs that
-take it) and the 8B shape on fsdp_full_shard. Each cell's peak memory is set against what `hfdist plan` predicts.
+On one GPU, part 1: the Llama-3.2-1B shape (preset llama-3.2-1b, seeded weights: nothing is downloaded) in bf16 at
+2048 tokens per sequence (tokens/s, MFU, peak memory against `hfdist plan`), the same through a plain transformers
+Trainer (benchmarks/gpu/baseline.py), 8192-token packed rows with the default attention (flash varlen where
+installed) and with sdpa, --compile, --fp8 and LoRA. Then TRL's SFTTrainer, the other attention backends, rowwise
+FP8, the compiled long sequence, and the Llama-3.1-8B shape where the planner says it fits (LoRA on one 80 GB
+GPU). With two or more GPUs, the core single-GPU cells, the ladder through `hfdist compare` (bf16, then --fp8 on
+rungs that take it) and the 8B shape on fsdp_full_shard. Each cell's peak memory is set against what `hfdist plan`
+predicts; no cell saves its model (`--no-save-model`: saving is not what they measure).
+
+The estimates are start-up (imports, building the model, the optimizer) plus the steps, guessed for an H100 and
+not yet measured on one: the first run records each cell's wall seconds beside them (gpu_suite.json).
 
 --dry-run swaps the shapes for CPU ones (llama-tiny, 64 / 128 tokens, 2 steps) and leaves out what a CPU cannot
 run or would take minutes on (compiled layers, GPU-only attention kernels, the 8B shape, the multi-GPU ladder): the
@@ -17,7 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["ATTENTION_BACKENDS", "LADDER", "Cell", "Shape", "GPU", "DRY_RUN", "suite_cells"]
+__all__ = ["ATTENTION_BACKENDS", "FIRST_PART_S", "LADDER", "Cell", "Shape", "GPU", "DRY_RUN", "suite_cells"]
+
+# Part 1's estimated seconds at most: the headline figures within the first 8 minutes of a lent machine (15 in all,
+# start-up included).
+FIRST_PART_S = 480
 
 # The attention kernels the suite compares (`hfdist finetune --attn-implementation`): the one place to change them.
 ATTENTION_BACKENDS = ("sdpa", "flash_attention_2", "flex_attention", "auto")
@@ -32,10 +42,10 @@ class Shape:
     seqs: tuple[int, int]  # (short, long) tokens per sequence
     steps: int
     global_batch: int  # sequences per step on one device (scaled by the device count on the ladder)
-    estimate_s: int  # expected wall seconds of one run (parts are packed with it)
+    estimate_s: int  # expected wall seconds of one run at the short sequence (parts are packed with it)
 
 
-GPU = Shape(model="llama-3.2-1b", big="llama-3.1-8b", seqs=(2048, 8192), steps=12, global_batch=4, estimate_s=90)
+GPU = Shape(model="llama-3.2-1b", big="llama-3.1-8b", seqs=(2048, 8192), steps=12, global_batch=4, estimate_s=60)
 DRY_RUN = Shape(model="llama-tiny", big=None, seqs=(64, 128), steps=2, global_batch=2, estimate_s=20)
 
 
@@ -94,31 +104,35 @@ def suite_cells(shape: Shape, gpus: int, dry_run: bool, attention: bool, long_ne
     short, long = shape.seqs
     compiled = () if dry_run else ("--compile",)
     ckpt = long_needs_checkpointing
-    cells = [
+    headline = [
         _hfdist(shape, f"full-{short}", short),
-        _hfdist(shape, f"full-{short}-fp8", short, fp8="tensorwise"),
         Cell(f"plain-trainer-{short}", "plain", (), short, shape.model, estimate_s=shape.estimate_s),
-        Cell(f"trl-sft-{short}", "trl", (), short, shape.model, estimate_s=shape.estimate_s),
+        _hfdist(shape, f"full-{long}", long, checkpointing=ckpt, scale=1.1),
     ]
+    if attention and not dry_run:  # the packed long rows by sdpa beside the default (flash varlen where installed)
+        headline.append(_hfdist(shape, f"full-{long}-attn-sdpa", long, "--attn-implementation", "sdpa",
+                                 checkpointing=ckpt, scale=1.1))
     if not dry_run:  # a CPU compiles each layer for a minute
-        cells += [_hfdist(shape, f"full-{short}-compile", short, *compiled, scale=1.5),
-                  _hfdist(shape, f"full-{short}-fp8-compile", short, *compiled, fp8="tensorwise", scale=1.5)]
-    if gpus >= 2 and not dry_run:
+        headline.append(_hfdist(shape, f"full-{short}-compile", short, *compiled, scale=1.9))
+    headline.append(_hfdist(shape, f"full-{short}-fp8", short, fp8="tensorwise"))
+    if not dry_run:  # the dry run keeps to one cell of each kind: the test's time
+        headline.append(_hfdist(shape, f"lora-{short}", short, lora=True, scale=0.8))
+    cells = [*headline, Cell(f"trl-sft-{short}", "trl", (), short, shape.model, estimate_s=shape.estimate_s)]
+    if dry_run:
+        return cells
+    cells.append(_hfdist(shape, f"full-{short}-fp8-compile", short, *compiled, fp8="tensorwise", scale=1.9))
+    if gpus >= 2:
         return cells + [*(Cell(name, "compare", ("--configs", *rungs, *(("--fp8",) if "fp8" in name else ())),
                                short, shape.model, fp8="tensorwise" if "fp8" in name else None,
                                estimate_s=LADDER_RUNG_S * len(rungs)) for name, rungs in LADDER.items()),
                         _hfdist(shape, f"8b-full-{short}-fsdp", short, "--config", "fsdp_full_shard",
                                 model=shape.big, checkpointing=True, scale=3)]
-    if not dry_run:  # the dry run keeps to one cell of each kind: the test's time
-        cells += [_hfdist(shape, f"full-{short}-fp8-rowwise", short, fp8="rowwise"),
-                  _hfdist(shape, f"lora-{short}", short, lora=True)]
-    cells.append(_hfdist(shape, f"full-{long}", long, checkpointing=ckpt))
-    if not dry_run:
-        cells.append(_hfdist(shape, f"full-{long}-compile", long, *compiled, checkpointing=ckpt, scale=1.5))
-        if attention:  # `auto` is what full-{long} ran
-            cells += [_hfdist(shape, f"full-{long}-attn-{name}", long, "--attn-implementation", name,
-                              checkpointing=ckpt) for name in ATTENTION_BACKENDS if name != "auto"]
-        if shape.big and big_fits:
-            cells.append(_hfdist(shape, f"8b-lora-{short}", short, model=shape.big, lora=True, checkpointing=True,
-                                 scale=3))
+    cells += [_hfdist(shape, f"full-{short}-fp8-rowwise", short, fp8="rowwise"),
+              _hfdist(shape, f"full-{long}-compile", long, *compiled, checkpointing=ckpt, scale=2)]
+    if attention:  # `auto` is what full-{long} ran, sdpa part 1
+        cells += [_hfdist(shape, f"full-{long}-attn-{name}", long, "--attn-implementation", name,
+                          checkpointing=ckpt, scale=1.1) for name in ATTENTION_BACKENDS if name not in ("auto", "sdpa")]
+    if shape.big and big_fits:
+        cells.append(_hfdist(shape, f"8b-lora-{short}", short, model=shape.big, lora=True, checkpointing=True,
+                             scale=3))
     return cells

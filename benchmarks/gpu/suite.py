@@ -3,7 +3,7 @@ parts that each fit one command of a lent machine (under 9 minutes), resuming wh
 
     bash benchmarks/gpu/run.sh                 # the next part not yet run (run it again until it says done)
     bash benchmarks/gpu/run.sh --all           # every remaining part, one after another
-    bash benchmarks/gpu/run.sh --list          # the parts and their cells
+    bash benchmarks/gpu/run.sh --list          # the parts and their cells (--gpus N: as N GPUs would run them)
     bash benchmarks/gpu/run.sh --dry-run --all --out /tmp/suite   # the CPU stand-in (tiny shapes, a few steps)
 
 It writes results/<gpu>/gpu_suite.md (the table: tokens/s per device, MFU, peak memory against `hfdist plan`, loss;
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: measure.py
 
-from cells import DRY_RUN, GPU, Cell, Shape, suite_cells  # noqa: E402
+from cells import DRY_RUN, FIRST_PART_S, GPU, Cell, Shape, suite_cells  # noqa: E402
 from measure import REPO, recorded  # noqa: E402
 
 PART_BUDGET_S = 500  # a lent machine runs one command for at most 10 minutes; start-up and the report take the rest
@@ -65,11 +65,13 @@ def _cells(shape: Shape, gpus: int, dry_run: bool, mem: int) -> list[Cell]:
     return suite_cells(shape, gpus, dry_run, _finetune_takes("--attn-implementation"), needs_ckpt, big_fits)
 
 
-def parts(cells: list[Cell], budget_s: int = PART_BUDGET_S) -> list[list[Cell]]:
-    """The cells in order, cut into parts whose estimates add up to at most `budget_s` (a longer cell alone)."""
+def parts(cells: list[Cell], budget_s: int = PART_BUDGET_S, first_s: int | None = FIRST_PART_S) -> list[list[Cell]]:
+    """The cells in order, cut into parts whose estimates add up to at most `budget_s` (a longer cell alone), the
+    first to at most `first_s` (the headline figures early in a lent machine's time; None: `budget_s`)."""
     out: list[list[Cell]] = [[]]
     for cell in cells:
-        if out[-1] and sum(c.estimate_s for c in out[-1]) + cell.estimate_s > budget_s:
+        limit = min(budget_s, first_s) if len(out) == 1 and first_s is not None else budget_s
+        if out[-1] and sum(c.estimate_s for c in out[-1]) + cell.estimate_s > limit:
             out.append([])
         out[-1].append(cell)
     return out
@@ -100,8 +102,8 @@ def command(cell: Cell, shape: Shape, gpus: int, out: Path, runs: Path) -> list[
     if cell.kind == "hfdist":
         return [sys.executable, "-m", "hfdist.cli", "finetune", "--model", cell.model, *cell.args,
                 "--seq-len", str(cell.seq), "--max-steps", str(shape.steps), "--global-batch-size", str(batch),
-                "--micro-batch-size", "1", "--mixed-precision", "bf16", "--save-steps", "0", "--no-wandb",
-                "--overwrite", "--output-dir", str(run)]
+                "--micro-batch-size", "1", "--mixed-precision", "bf16", "--save-steps", "0", "--no-save-model",
+                "--no-wandb", "--overwrite", "--output-dir", str(run)]
     if cell.kind == "compare":
         return [sys.executable, "-m", "hfdist.cli", "compare", "--model", cell.model, *cell.args,
                 "--seq-len", str(cell.seq), "--max-steps", str(shape.steps), "--global-batch-size", str(batch),
@@ -177,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=Path, default=REPO / "outputs" / "gpu_suite",
                    help="where the runs write (default outputs/gpu_suite; their weights are deleted once read)")
     p.add_argument("--budget-s", type=int, default=PART_BUDGET_S, help="wall seconds of one part (default %(default)s)")
+    p.add_argument("--gpus", type=int, default=None,
+                   help="with --list: the parts this many GPUs would run (default: the GPUs visible)")
     args = p.parse_args(argv)
     import torch
 
@@ -187,21 +191,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         env["CUDA_VISIBLE_DEVICES"] = ""
     gpus = 0 if args.dry_run else torch.cuda.device_count()
+    if args.list and args.gpus is not None and not args.dry_run:
+        gpus = args.gpus
     if not gpus and not args.dry_run:
         print("benchmarks/gpu/run.sh: no GPU visible. On a CPU, --dry-run runs the suite's CPU stand-in.",
               file=sys.stderr)
         return 2
     shape = DRY_RUN if args.dry_run else GPU
-    mem = torch.cuda.get_device_properties(0).total_memory if gpus else 80 * 10**9
-    out = args.out or REPO / "results" / hardware_name("cuda" if gpus else "cpu")
+    mem = torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() and gpus else 80 * 10**9
+    out = args.out or REPO / "results" / hardware_name("cuda" if gpus and torch.cuda.is_available() else "cpu")
     cells = _cells(shape, gpus, args.dry_run, mem)
-    plan = parts(cells, args.budget_s)
+    plan = parts(cells, args.budget_s, None if args.dry_run else FIRST_PART_S)
     state_file = out / "gpu_suite_state.json"
     done = json.loads(state_file.read_text()) if state_file.is_file() else {}
     if args.list:
         for i, part in enumerate(plan, 1):
             names = [f"{c.name}{' (done)' if c.name in done else ''}" for c in part]
-            print(f"part {i} (~{sum(c.estimate_s for c in part)} s): {', '.join(names)}")
+            seconds = sum(c.estimate_s for c in part)
+            print(f"part {i} (~{seconds} s, {seconds / 60:.1f} min): {', '.join(names)}")
         return 0
     todo = [i for i, part in enumerate(plan, 1) if any(c.name not in done for c in part)]
     chosen = [args.part] if args.part else (todo if args.all else todo[:1])

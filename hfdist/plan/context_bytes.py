@@ -16,7 +16,10 @@ heads (each at least 1), head dim D, e bytes per activation element, and a plan 
     ring (r = cp): saves the plain layer's bytes (the rank's own q, k, v, output and log-sum-exp).
         In flight (backward, the peak): two key/value blocks (the one attended, the one arriving) 4 t KV D e, the
         fp32 gradient accumulators of three blocks (this step's, the one arriving, the one sent) 6 t KV D 4, and
-        the fp32 query gradient t H D 4. Never more than two blocks: O(t), not O(seq).
+        the fp32 query gradient t H D 4. Never more than two blocks: O(t), not O(seq). The block kernels
+        (hfdist.parallel.ring_kernels) hold no score tiles: torch's flash kernels, on CPU and, in bf16, on CUDA
+        (whose call repeats a block's KV heads to H for the call's length: transient, not counted); an fp32 run on
+        a GPU takes the tiled kernel, 512 x (its block's tokens) fp32 scores per head, not counted either.
         Sent per layer: keys and values r - 1 times forward and backward, their fp32 gradients r times:
         2 (r - 1) t KV D e x 2 + 2 r t KV D 4.
     hybrid (u x r): Ulysses over u (as above with KV'), then the ring over r on the group's gathered share: blocks of

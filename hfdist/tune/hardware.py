@@ -14,7 +14,8 @@ Every rank at once (so each sees the share of the machine it will have in traini
 - the workspace, on a GPU: two training steps (forward, backward, AdamW) of hfdist's tiny Llama on 16 tokens,
   whose own gradients, optimizer state and activations are a few MB: the rest of the allocator's peak (cuBLAS
   workspaces, the caching allocator's rounding), plus what the card holds outside the allocator (the CUDA context,
-  NCCL's buffers), is what every training rank holds besides its model's tensors. On a CPU the probes' figure is the tensors a step holds (hfdist.callbacks.memory: training_peak_bytes),
+  NCCL's buffers), is what every training rank holds besides its model's tensors; at least 1 GiB (NCCL's buffers
+  of the mesh groups the measurement does not make). On a CPU the probes' figure is the tensors a step holds (hfdist.callbacks.memory: training_peak_bytes),
   so nothing besides them is planned: counting the resident set's growth there (kernels' code, the autograd
   engine's threads, ~8 MB) over-planned small layouts by up to 50% (results/cpu-2core/tune.md).
 Each figure is the best of a few windows of back-to-back calls (other work on a machine only ever slows a window
@@ -35,6 +36,7 @@ __all__ = ["measure", "hardware_from_json", "ROWS"]
 
 ROWS = (64, 256, 1024, 4096)
 _REPEATS = 5
+_GPU_WORKSPACE_FLOOR = 2**30
 
 
 def _per_call(fn: Callable[[], object], line_up: Callable[[], None], window: Callable[[Callable[[], None]], float],
@@ -112,7 +114,9 @@ def _workspace(device) -> int:
     # communicator ran above), cuBLAS handles. The planner's budget is the card's whole memory, so they count here.
     free, total = torch.cuda.mem_get_info(device)
     outside = max(total - free - torch.cuda.memory_reserved(device), 0)
-    return max(peak_memory_bytes(device) - start - held, 0) + outside
+    # NCCL allocates buffers per communicator, and a training run makes one per mesh group (tp, dp, cp, ...) where
+    # this measurement made one: a floor for what it cannot see.
+    return max(max(peak_memory_bytes(device) - start - held, 0) + outside, _GPU_WORKSPACE_FLOOR)
 
 
 def measure(hidden: int, intermediate: int, dtype: str) -> dict:

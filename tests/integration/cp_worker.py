@@ -21,7 +21,8 @@ on llama-tiny-6h (6 heads, 2 kv: cp=4, or cp=2 under tp=2, cannot split the head
 and the long cases, one packed row (chat-sized documents and a few long ones) with each rank's largest tensor
 measured while it trains (hfdist.metrics.memory.LiveTensorBytes, and the longest dimension of anything created):
 - long_cp4: cp=4 (Ulysses) at LONG_SEQ = 32,768 tokens: nothing S x S;
-- long_ring: cp=4 by ring at RING_SEQ = 65,536 tokens: nothing longer than S / cp along any dimension.
+- long_ring: cp=4 by ring at RING_SEQ = 65,536 tokens: nothing longer than S / cp along any dimension;
+- ring_bf16_8k: cp=4 by ring at 8,192 tokens computing in bf16, against one process's bf16 (CPU autocast).
 Each trains STEPS AdamW steps on packed rows holding several documents, against the same model trained in one
 process (every rank computes the reference itself; for the long cases rank 0 does and shares it), recording per step
 the loss and the global gradient norm before the optimizer step (hfdist.parallel.grad_norm over every mesh, the
@@ -63,6 +64,7 @@ from hfdist.parallel.verify import StrategyNotInEffect, verify_strategy
 
 SEQ, ROWS, STEPS, LR, VOCAB = 512, 4, 3, 3e-3, 512
 LONG_SEQ, RING_SEQ, LONG_STEPS = 32768, 65536, 2
+BF16_RING_SEQ = 8192
 PLANTED_STEPS, PLANTED_GRAD_SCALE = 2, 0.5
 
 
@@ -101,17 +103,18 @@ def local_rows(batch: dict, rows: slice) -> dict[str, torch.Tensor]:
     return {**local, **attention_inputs(local["position_ids"], batch["implementation"])}
 
 
-def build(lora: bool, implementation: str, rung=None, preset: str = "llama-tiny", recompute: bool = False):
+def build(lora: bool, implementation: str, rung=None, preset: str = "llama-tiny", recompute: bool = False,
+          mixed_precision: str = "no"):
     """The model as hfdist builds it: meta structure (+ LoRA), then either the whole model in this process or
-    `rung`'s parallelised shards (each decoder layer recomputed in backward under `recompute`), filled from the same
-    seeded plan (identical starting weights)."""
+    `rung`'s parallelised shards (each decoder layer recomputed in backward under `recompute`; computing in
+    `mixed_precision`), filled from the same seeded plan (identical starting weights)."""
     torch.manual_seed(0)
     model = meta_model(preset, vocab_size=VOCAB, attn_implementation=implementation)
     if lora:
         model = inject_lora(model, 4, 8)
     plan = weight_plan(model, None, 0)
     if rung is not None:
-        model = parallelize(model, rung, device=torch.device("cpu"), mixed_precision="no",
+        model = parallelize(model, rung, device=torch.device("cpu"), mixed_precision=mixed_precision,
                             activation_checkpointing=recompute, weights=plan)
     else:
         materialize(model, torch.device("cpu"))
@@ -153,11 +156,12 @@ def global_grad_norm(model, dims: ParallelDims) -> float:
 
 
 def train(model, batch, rows: slice, cp_rank: int, dims: ParallelDims | None = None, steps: int = STEPS,
-          grad_scale: float = 1.0) -> dict[str, list[float]]:
+          grad_scale: float = 1.0, autocast: torch.dtype | None = None) -> dict[str, list[float]]:
     """`steps` AdamW steps: per step the loss, the sum of the ranks' partial sums over the global label count, and
     the global gradient norm before the optimizer step, after every gradient is scaled by `grad_scale` (a planted
-    fault when not 1). Under pipeline stages the model's forward runs the schedule (forward and backward) and
-    returns, on the last stage, its partial sum scaled by dp x cp (the FSDP2 average it undoes)."""
+    fault when not 1); the forward and backward under CPU autocast to `autocast` when given (the single rung's
+    bf16). Under pipeline stages the model's forward runs the schedule (forward and backward) and returns, on the
+    last stage, its partial sum scaled by dp x cp (the FSDP2 average it undoes)."""
     dims = dims or ParallelDims()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, weight_decay=0.0)
     n = count(batch)
@@ -170,7 +174,8 @@ def train(model, batch, rows: slice, cp_rank: int, dims: ParallelDims | None = N
         if dims.pp > 1:
             total = model(**inputs, num_items_in_batch=n).detach() / (dims.dp * dims.cp)
         else:
-            with loss_parallel() if dims.tp > 1 else nullcontext():
+            with loss_parallel() if dims.tp > 1 else nullcontext(), \
+                    torch.autocast("cpu", dtype=autocast) if autocast is not None else nullcontext():
                 loss = loss_of(model, inputs, n, dims.tp)
                 (loss * dims.dp * dims.cp).backward()  # FSDP2 averages gradients over dp_shard x cp: undo it
             total = loss.detach().clone()
@@ -330,6 +335,35 @@ def long_case(name: str, seq: int, method: str) -> dict:
             "documents": int((batch["position_ids"] == 0).sum()), "attn": config._attn_implementation}
 
 
+def ring_bf16_case(name: str, seq: int) -> dict:
+    """cp=4 by ring on one row of `seq` tokens computing in bf16 (FSDP2's bf16 compute: the block kernels get bf16
+    queries, keys and values, as the GPU's flash kernel does), against one process training the same row under CPU
+    autocast to bf16 (the single rung's bf16; rank 0's, shared); and the dtypes the block kernel was handed."""
+    from hfdist.parallel import ring_kernels
+
+    dims = ParallelDims(cp=4)
+    rung = cp_rung(name, dims, "ring")
+    batch = packed_batch(DOCUMENT_ATTENTION, rows=1, seq=seq)
+    model = build(False, DOCUMENT_ATTENTION, rung, preset="llama-tiny-6h", mixed_precision="bf16")
+    seen: set[str] = set()
+    kernel_forward = ring_kernels.CpuFlashKernel.forward
+
+    def recording(self, q, k, v, causal, scale):
+        seen.add(str(q.dtype))
+        return kernel_forward(self, q, k, v, causal, scale)
+
+    ring_kernels.CpuFlashKernel.forward = recording
+    try:
+        run = train(model, batch, slice(0, 1), dist.get_rank(cp_group_of(model)), dims, LONG_STEPS)
+    finally:
+        ring_kernels.CpuFlashKernel.forward = kernel_forward
+    box = [train(build(False, DOCUMENT_ATTENTION, preset="llama-tiny-6h"), batch, slice(0, 1), 0, steps=LONG_STEPS,
+                 autocast=torch.bfloat16) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return {"run": run, "reference": box[0], "method": cp_spec_of(model).plan.method, "kernel_dtypes": sorted(seen),
+            "seq": seq}
+
+
 def main(out_path: str) -> None:
     dist.init_process_group("gloo")
     results = {}
@@ -348,6 +382,7 @@ def main(out_path: str) -> None:
                                                  PLANTED_GRAD_SCALE)
     runs["long_cp4"] = partial(long_case, "long_cp4", LONG_SEQ, "ulysses")
     runs["long_ring"] = partial(long_case, "long_ring", RING_SEQ, "ring")
+    runs["ring_bf16_8k"] = partial(ring_bf16_case, "ring_bf16_8k", BF16_RING_SEQ)
     only = sys.argv[2:]  # a subset of the cases, by name (for a quick look; the suite runs them all)
     for name, run in runs.items():
         if only and name not in only:

@@ -10,7 +10,8 @@ checks each document's logits under cp with the document run alone, and the whol
 reads (hfdist.parallel.whole_outputs) under each plan's layout. Without a named attention the cases run
 hfdist's document attention (the CPU default), whose batches carry the documents' boundaries and no mask. And cp=4
 trains one packed row of 32,768 tokens (Ulysses) with no rank creating anything S x S, and one of 65,536 tokens by
-ring with no rank creating a tensor longer than S / cp along any dimension.
+ring with no rank creating a tensor longer than S / cp along any dimension; and one of 8,192 tokens by ring in bf16
+(the dtype the GPU's flash kernel takes), against one process's bf16 within bf16's tolerance.
 
 A planted fault shows what the gradient norms add: Adam's update is the same for g and c g, so fsdp_cp with every
 rank's gradients halved after each backward (the wrong dp x cp average) keeps one process's losses, which alone would
@@ -35,6 +36,7 @@ import pytest
 
 pytestmark = pytest.mark.multiproc
 RTOL, LOGIT_ATOL = 1e-5, 1e-5
+BF16_RTOL = 2e-2  # bf16's tolerance against one process (8-bit significands): tests/e2e/test_bf16.py, test_cells.py
 # case -> (the method its plan runs, its Ulysses degree)
 CASES = {"fsdp_cp": ("ulysses", 2), "cp4_gqa_eager": ("ulysses", 4), "lora_fsdp_cp": ("ulysses", 2),
          "tp_cp": ("ulysses", 2), "hsdp_cp": ("ulysses", 2), "ring_cp4": ("ring", 1),
@@ -149,3 +151,15 @@ def test_verify_checks_the_cp_layout(cp_results):
     every layer, over groups of its sizes) and refuses the fsdp_cp model once it attends without the cp exchange."""
     refused = _case(cp_results, "fsdp_cp")["refused_without_cp"]
     assert refused and "context parallelism (cp=2) is not in effect" in refused
+
+
+def test_a_bf16_ring_step_at_8k_is_one_bf16_process(cp_results):
+    """cp=4 by ring on a packed row of 8,192 tokens computing in bf16 (FSDP2's bf16 compute; the block kernel handed
+    bf16 pieces): both steps' losses and gradient norms within bf16's tolerance of one process under CPU autocast to
+    bf16. Measured: losses 3e-7 and 1.9e-5, gradient norms 3e-4 and 5.5e-3 relative."""
+    case = _case(cp_results, "ring_bf16_8k")
+    assert case["method"] == "ring" and case["seq"] == 8192 and case["kernel_dtypes"] == ["torch.bfloat16"]
+    run, ref = case["run"], case["reference"]
+    assert run["losses"] == pytest.approx(ref["losses"], rel=BF16_RTOL)
+    assert run["grad_norms"] == pytest.approx(ref["grad_norms"], rel=BF16_RTOL)
+    assert run["losses"][-1] < run["losses"][0]
