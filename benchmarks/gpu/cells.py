@@ -55,7 +55,8 @@ class Cell:
 
     Attributes:
         name: unique within the suite; also the run's folder.
-        kind: "hfdist" (`hfdist finetune`), "plain" / "trl" (benchmarks/gpu/baseline.py), "compare" (`hfdist compare`).
+        kind: "hfdist" (`hfdist finetune`), "plain" / "trl" (benchmarks/gpu/baseline.py), "compare" (`hfdist compare`),
+            "kernels" (benchmarks/gpu/kernels.py: the ring / hybrid block kernels and the MoE experts).
         args: the run's own arguments (the runner adds the model, output folder and shared workload).
         seq: tokens per sequence; lora / fp8 / checkpointing as the run asks (the memory plan reads them).
         estimate_s: expected wall seconds.
@@ -117,17 +118,22 @@ def suite_cells(shape: Shape, gpus: int, dry_run: bool, attention: bool, long_ne
     headline.append(_hfdist(shape, f"full-{short}-fp8", short, fp8="tensorwise"))
     if not dry_run:  # the dry run keeps to one cell of each kind: the test's time
         headline.append(_hfdist(shape, f"lora-{short}", short, lora=True, scale=0.8))
-    cells = [*headline, Cell(f"trl-sft-{short}", "trl", (), short, shape.model, estimate_s=shape.estimate_s)]
+    # Part 2 on one GPU: this round's work (the ring and hybrid kernels, the MoE experts, generation at evaluation)
+    new_work = [Cell("kernels", "kernels", estimate_s=shape.estimate_s)]
+    if not dry_run:
+        new_work.append(_hfdist(shape, f"full-{short}-eval-prompts", short, "--eval-fraction", "0.02",
+                                "--eval-prompts", "4", "--eval-max-new-tokens", "32", scale=1.5))
+    cells = [*headline, *new_work, Cell(f"trl-sft-{short}", "trl", (), short, shape.model, estimate_s=shape.estimate_s)]
     if dry_run:
         return cells
-    cells.append(_hfdist(shape, f"full-{short}-fp8-compile", short, *compiled, fp8="tensorwise", scale=1.9))
-    if gpus >= 2:
+    if gpus >= 2:  # the ladder's FP8 group measures float8 under sharding in place of the compiled single-GPU cell
         return cells + [*(Cell(name, "compare", ("--configs", *rungs, *(("--fp8",) if "fp8" in name else ())),
                                short, shape.model, fp8="tensorwise" if "fp8" in name else None,
                                estimate_s=LADDER_RUNG_S * len(rungs)) for name, rungs in LADDER.items()),
                         _hfdist(shape, f"8b-full-{short}-fsdp", short, "--config", "fsdp_full_shard",
                                 model=shape.big, checkpointing=True, scale=3)]
-    cells += [_hfdist(shape, f"full-{short}-fp8-rowwise", short, fp8="rowwise"),
+    cells += [_hfdist(shape, f"full-{short}-fp8-compile", short, *compiled, fp8="tensorwise", scale=1.9),
+              _hfdist(shape, f"full-{short}-fp8-rowwise", short, fp8="rowwise"),
               _hfdist(shape, f"full-{long}-compile", long, *compiled, checkpointing=ckpt, scale=2)]
     if attention:  # `auto` is what full-{long} ran, sdpa part 1
         cells += [_hfdist(shape, f"full-{long}-attn-{name}", long, "--attn-implementation", name,

@@ -20,6 +20,12 @@ _COLUMNS = ("cell", "tokens/s per device", "MFU", "peak GiB", "planned GiB", "pe
 def _row(cell: Cell, record: dict | None) -> list[str]:
     if record is None:
         return [cell.name, *["not run yet"] + [""] * (len(_COLUMNS) - 2)]
+    if "kernels" in record:
+        ring, hybrid, moe = (record["kernels"]["attention"]["ring"], record["kernels"]["attention"]["hybrid"],
+                             record["kernels"]["moe"])
+        what = (f"ring blocks {ring['blocks_over_flash']:.2f} x, hybrid {hybrid['blocks_over_flash']:.2f} x one flash "
+                f"call at {ring['seq']} tokens; MoE loop {moe['loop_over_grouped']:.2f} x grouped GEMM")
+        return [cell.name, what, *[""] * (len(_COLUMNS) - 4), str(record["wall_s"]), str(record["exit"])]
     if record["exit"] != 0 or "rows" in record:
         what = f"{len(record['rows'])} rungs: matrix.md" if "rows" in record else record["error"].splitlines()[-1][:160]
         return [cell.name, what, *[""] * (len(_COLUMNS) - 4), str(record["wall_s"]), str(record["exit"])]

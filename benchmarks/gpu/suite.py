@@ -108,6 +108,9 @@ def command(cell: Cell, shape: Shape, gpus: int, out: Path, runs: Path) -> list[
         return [sys.executable, "-m", "hfdist.cli", "compare", "--model", cell.model, *cell.args,
                 "--seq-len", str(cell.seq), "--max-steps", str(shape.steps), "--global-batch-size", str(batch),
                 "--out", str(out / cell.name), "--runs-dir", str(run)]
+    if cell.kind == "kernels":
+        return [sys.executable, str(Path(__file__).with_name("kernels.py")), "--out", str(run / "figures.json"),
+                *(("--dry-run",) if shape is DRY_RUN else ())]
     model, data = _assets(shape, runs)
     return [sys.executable, str(Path(__file__).with_name("baseline.py")), "--trainer", cell.kind,
             "--model", str(model), "--data", str(data), "--output-dir", str(run), "--figures", str(run / "figures.json"),
@@ -118,6 +121,8 @@ def command(cell: Cell, shape: Shape, gpus: int, out: Path, runs: Path) -> list[
 def _figures(run: Path, cell: Cell) -> dict:
     """Tokens/s per device (mean over ranks; tp x pp ranks share one batch), MFU, peak memory (max over ranks) and
     losses of a finished cell, from its run's own records in `run`."""
+    if cell.kind == "kernels":
+        return {"kernels": json.loads((run / "figures.json").read_text())}
     if cell.kind == "compare":
         from hfdist.report.matrix import load_rows
 

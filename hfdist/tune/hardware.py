@@ -19,7 +19,7 @@ Every rank at once (so each sees the share of the machine it will have in traini
   so nothing besides them is planned: counting the resident set's growth there (kernels' code, the autograd
   engine's threads, ~8 MB) over-planned small layouts by up to 50% (results/cpu-2core/tune.md).
 Each figure is the best of a few windows of back-to-back calls (other work on a machine only ever slows a window
-down), the ranks lined up by a barrier between windows, never inside one (`_per_call`). Rank 0 writes the Hardware
+down), the ranks lined up by a barrier between windows, never inside one (hfdist.metrics.timing). Rank 0 writes the Hardware
 as JSON.
 """
 
@@ -28,52 +28,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 __all__ = ["measure", "hardware_from_json", "ROWS"]
 
 ROWS = (64, 256, 1024, 4096)
-_REPEATS = 5
 _GPU_WORKSPACE_FLOOR = 2**30
-
-
-def _per_call(fn: Callable[[], object], line_up: Callable[[], None], window: Callable[[Callable[[], None]], float],
-              calls: int = 10) -> float:
-    """Seconds one call of `fn` takes: the best of _REPEATS windows of `calls` back-to-back calls.
-
-    The ranks are lined up (`line_up`: the device drained, then a barrier) before each window and never inside it,
-    so no barrier's latency is counted in: timed with each call, a barrier read a 64 MiB copy's bandwidth at half
-    and a 4 KiB all-gather's latency at double on NCCL. `window` runs its argument and returns the seconds it took
-    (host clock on a CPU, CUDA events on a GPU's stream)."""
-    fn()  # warm-up: allocation, kernel choice, the communicator's first use
-    best = float("inf")
-    for _ in range(_REPEATS):
-        line_up()
-        best = min(best, window(lambda: [fn() for _ in range(calls)]) / calls)
-    return best
-
-
-def _host_window(run: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    run()
-    return time.perf_counter() - start
-
-
-def _cuda_window(device) -> Callable[[Callable[[], None]], float]:
-    """A window timed on `device`'s stream: the kernels' time, not the host's launches and waits."""
-    import torch
-
-    def window(run: Callable[[], None]) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
-
-    return window
 
 
 def _fit_rate(rows: tuple[int, ...], rates: list[float]) -> tuple[float, float]:
@@ -125,6 +86,8 @@ def measure(hidden: int, intermediate: int, dtype: str) -> dict:
     import torch
     import torch.distributed as dist
 
+    from hfdist.metrics.timing import device_window, per_call
+
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     on_gpu = device.type == "cuda"
     elem = torch.bfloat16 if dtype == "bf16" and on_gpu else torch.float32
@@ -137,7 +100,7 @@ def measure(hidden: int, intermediate: int, dtype: str) -> dict:
             torch.cuda.synchronize(device)
 
     def timed(fn: Callable[[], object], calls: int = 10) -> float:
-        return _per_call(fn, line_up, _cuda_window(device) if on_gpu else _host_window, calls)
+        return per_call(fn, line_up, device_window(device), calls)
 
     rates = []
     weight = torch.randn(hidden, intermediate, device=device, dtype=elem)

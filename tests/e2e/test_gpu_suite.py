@@ -36,11 +36,13 @@ def test_the_gpu_suites_fit_a_lent_machine(gpus):
     assert [c.name for c in planned[0]] == ["full-2048", "plain-trainer-2048", "full-8192", "full-8192-attn-sdpa",
                                             "full-2048-compile", "full-2048-fp8", "lora-2048"]
     assert sum(c.estimate_s for c in cells) <= 30 * 60
-    for wanted in ("full-2048", "full-2048-fp8", "full-2048-compile", "full-2048-fp8-compile", "plain-trainer-2048",
-                   "trl-sft-2048"):
+    for wanted in ("full-2048", "full-2048-fp8", "full-2048-compile", "plain-trainer-2048", "trl-sft-2048",
+                   "kernels", "full-2048-eval-prompts"):
         assert wanted in names
     if gpus == 1:
-        assert {"lora-2048", "full-8192", "full-8192-compile", "full-2048-fp8-rowwise", "8b-lora-2048"} <= set(names)
+        assert {"lora-2048", "full-8192", "full-8192-compile", "full-2048-fp8-rowwise", "full-2048-fp8-compile",
+                "8b-lora-2048"} <= set(names)
+        assert [c.name for c in planned[1]][:2] == ["kernels", "full-2048-eval-prompts"]  # this round's work next
         assert {f"full-8192-attn-{a}" for a in ATTENTION_BACKENDS if a != "auto"} <= set(names)
     else:
         assert {"ladder-data-parallel", "ladder-model-parallel", "ladder-fp8", "8b-full-2048-fsdp"} <= set(names)
@@ -80,11 +82,17 @@ def test_dry_run_runs_in_parts_that_resume(tmp_path):
     for cell in cells:
         record = done[cell.name]
         assert record["exit"] == 0, record
+        if cell.kind == "kernels":  # benchmarks/gpu/kernels.py's CPU stand-in: timed, every figure there
+            attention, moe = record["kernels"]["attention"], record["kernels"]["moe"]
+            assert all(attention[m]["blocks_s"] > 0 and attention[m]["flash_s"] > 0 for m in ("ring", "hybrid"))
+            assert moe["grouped_s"] > 0 and moe["loop_s"] > 0 and record["planned"] is None
+            continue
         assert record["tokens_per_s_per_device"] > 0 and record["peak_memory_bytes"] > 0
         assert len(record["losses"]) == DRY_RUN.steps
         assert (record["planned"] is not None) == (cell.kind == "hfdist")
     report = (out / "gpu_suite.md").read_text()
     assert "not run yet" not in report and "| full-64-fp8 |" in report and "| trl-sft-64 |" in report
+    assert "| kernels | ring blocks " in report
     commands = (out / "gpu_suite_commands.sh").read_text().splitlines()[1:]
     assert len(commands) == len(cells) and all(c.startswith("python ") for c in commands)
     assert not list(runs.rglob("*.safetensors")) or all("assets-" in str(p) for p in runs.rglob("*.safetensors"))

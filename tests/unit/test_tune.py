@@ -277,10 +277,10 @@ def test_a_probe_past_its_timeout_is_ended_with_the_ranks_it_started(tmp_path):
 
 
 def test_the_hardware_timing_windows_hold_no_barrier():
-    """hfdist.tune.hardware times back-to-back calls between two reads of its clock, the ranks lined up before each
-    window: a barrier (or a device drain) inside it would count its latency into a copy's bandwidth and a small
-    all-gather's latency (issue: a 64 MiB copy read at half its rate on NCCL)."""
-    from hfdist.tune.hardware import _REPEATS, _per_call
+    """hfdist.tune.hardware's timing (hfdist.metrics.timing) runs back-to-back calls between two reads of its clock,
+    the ranks lined up before each window: a barrier (or a device drain) inside it would count its latency into a
+    copy's bandwidth and a small all-gather's latency (issue: a 64 MiB copy read at half its rate on NCCL)."""
+    from hfdist.metrics.timing import REPEATS, per_call
 
     events: list[str] = []
 
@@ -290,8 +290,8 @@ def test_the_hardware_timing_windows_hold_no_barrier():
         events.append("stop")
         return 1.0
 
-    per_call = _per_call(lambda: events.append("call"), lambda: events.append("line up"), window, calls=4)
-    assert per_call == 1.0 / 4
+    seconds = per_call(lambda: events.append("call"), lambda: events.append("line up"), window, calls=4)
+    assert seconds == 1.0 / 4
     windows = "".join(events).split("line up")
     assert windows[0] == "call"  # the warm-up, before any window
-    assert windows[1:] == ["start" + "call" * 4 + "stop"] * _REPEATS
+    assert windows[1:] == ["start" + "call" * 4 + "stop"] * REPEATS
