@@ -180,8 +180,9 @@ def test_cuda_kernel_calls_fit_the_ops_schema_on_the_meta_device():
 def test_cuda_kernel_gives_the_cpu_kernels_figures(cuda_flash_on_cpu, causal, n, m):
     """CudaFlashKernel on bf16 pieces, its op computed by the CPU stand-in: the CPU kernel's output, log-sum-exp and
     gradients (grouped-query attention: 6 query heads over 2 kv heads, which the CUDA path hands the op repeated
-    and sums back). bf16: the group sums round three bf16 gradients where the CPU kernel rounds one fp32 sum, so
-    within 2 bf16 units (2 x 2^-8) of the largest gradient; the output and lse are the same kernel's (1e-6)."""
+    and sums back). bf16: the group sums add three bf16-rounded gradients (a half unit each) and round twice more
+    where the CPU kernel rounds one fp32 sum once, up to about 3 bf16 units (2^-8) of the largest gradient: bound 4
+    units (measured 0.006 of the largest, 1.6 units); the output and lse are the same kernel's (measured equal)."""
     torch.manual_seed(0)
     q = torch.randn(1, 6, n, 16, dtype=torch.bfloat16)
     k, v = torch.randn(1, 2, m, 16, dtype=torch.bfloat16), torch.randn(1, 2, m, 16, dtype=torch.bfloat16)
@@ -193,7 +194,7 @@ def test_cuda_kernel_gives_the_cpu_kernels_figures(cuda_flash_on_cpu, causal, n,
     for got, want in zip(cuda.backward(grad, q, k, v, out, lse, causal, 0.25),
                          cpu.backward(grad, q, k, v, want_out, want_lse, causal, 0.25)):
         assert got.shape == want.shape and got.dtype == torch.bfloat16
-        assert (got.float() - want.float()).abs().max() <= 2 * 2 ** -8 * want.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= 4 * 2 ** -8 * want.float().abs().max()
     assert cuda_flash_on_cpu == [(6, 6), (6, 6)]  # the CUDA op got the kv heads repeated
     # fp32 pieces (a run without bf16) take the tiled kernel, the flash op only half precision
     out32, _ = cuda.forward(q.float(), k.float(), v.float(), causal, 0.25)
