@@ -16,9 +16,14 @@ class LossRecorder(TrainerCallback):
 
     A resumed run starts from the checkpoint's log history, so `steps` covers the whole run: each optimizer step
     once, whatever was interrupted and retrained in between. `best_step` is set by the job under --load-best.
+
+    Args:
+        series: more figures to keep with each step's loss (a DPO run's rewards, a GRPO run's reward and rollout
+            seconds: hfdist.objectives.trainer.SERIES), in `series[name]`; None where a step logged none.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, series: tuple[str, ...] = ()) -> None:
+        self.series: dict[str, list[float | None]] = {name: [] for name in series}
         self.losses: list[float] = []
         self.grad_norms: list[float | None] = []
         self.steps: list[int] = []
@@ -33,6 +38,7 @@ class LossRecorder(TrainerCallback):
         self.losses = [float(h["loss"]) for h in earlier]
         self.grad_norms = [_float_or_none(h.get("grad_norm")) for h in earlier]
         self.steps = [int(h["step"]) for h in earlier]
+        self.series = {name: [_float_or_none(h.get(name)) for h in earlier] for name in self.series}
         self.evaluations = {int(h["step"]): _eval_metrics(h) for h in state.log_history if "eval_loss" in h}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
@@ -40,6 +46,8 @@ class LossRecorder(TrainerCallback):
             self.losses.append(float(logs["loss"]))
             self.grad_norms.append(_float_or_none(logs.get("grad_norm")))
             self.steps.append(state.global_step)
+            for name, values in self.series.items():
+                values.append(_float_or_none(logs.get(name)))
         if logs and "eval_loss" in logs:
             self.evaluations[state.global_step] = _eval_metrics(logs)
 

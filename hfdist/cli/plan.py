@@ -24,7 +24,7 @@ what FSDP2 and DDP hold in total; 20 = DeepSpeed's own accounting (adds a 4-byte
 
 def add_args(p: argparse.ArgumentParser) -> None:
     from hfdist.config.arg_types import non_negative_int
-    from hfdist.config.finetune import CP_METHODS, FP8_RECIPES
+    from hfdist.config.finetune import CP_METHODS, FP8_RECIPES, OBJECTIVES, FinetuneConfig
     from hfdist.plan import ADAM_BYTES_CHOICES, DTYPES, Workload
 
     d = Workload()
@@ -60,10 +60,16 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"attention as `hfdist finetune --attn-implementation` (default {d.attention}: a "
                         "document-isolating kernel, nothing S x S); sdpa / eager add their dense S x S mask and its "
                         "per-layer copies")
-    p.add_argument("--dpo", action="store_true",
-                   help="preference training (DPO, hfdist.api / examples/dpo_trl.py): count the frozen reference "
-                        "model, sharded like the policy (none with --lora: the base with its adapters off); "
-                        "--micro-batch counts sequences, 2 per pair (chosen + rejected)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="sft",
+                   help="what trains, as `hfdist finetune --objective`: sft (default); dpo counts the frozen reference "
+                        "model, sharded like the policy (none with --lora: the base with its adapters off), and "
+                        "--micro-batch counts sequences, 2 per pair; grpo counts the rollout's KV cache (a rank's "
+                        "share of --global-batch-size completions of --seq tokens each) and the completion logits. "
+                        "Rungs that refuse the objective are left out")
+    p.add_argument("--num-generations", type=int, default=FinetuneConfig.num_generations, metavar="G",
+                   help=f"GRPO: completions per prompt (default {FinetuneConfig.num_generations})")
+    p.add_argument("--max-completion-length", type=int, default=256, metavar="L",
+                   help="GRPO: tokens of each completion, part of --seq (default 256)")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
     p.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=d.fp8, choices=FP8_RECIPES, metavar="RECIPE",
                    help="decoder projections in float8, as `hfdist finetune --fp8` (tensorwise, the default, or "
@@ -94,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         bytes_per_param_adam=args.bytes_per_param_adam, model=args.model, loss_chunk_size=args.loss_chunk_size or None,
         attention=args.attn_implementation,
         fp8=args.fp8,
-        reference_model=args.dpo,
+        objective=args.objective, generations=args.num_generations,
+        completion_len=args.max_completion_length if args.objective == "grpo" else 0,
     )
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     if plan.recommended is None:

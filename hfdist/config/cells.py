@@ -4,8 +4,8 @@ through the job's own path against one process, and docs/ladder.md's option matr
 verdicts, so a refusal turned into an acceptance in hfdist.config.rungs is a case the suite runs (and fails, if
 the combination does not hold) and a line the docs print.
 
-A cell is (rung, option, model). Options: `plain` (the full fine-tune), `lora`, `qlora`, `fp8`, `compile`, `bf16`
-(--mixed-precision bf16), `moe` (a mixture-of-experts architecture at the rung's own degrees), `ep` (the same with
+A cell is (rung, option, model). Options: `plain` (the full fine-tune), `lora`, `qlora`, `fp8`, `compile`, `dpo` and
+`grpo` (--objective dpo / grpo; GRPO on fixed completions), `bf16` (--mixed-precision bf16), `moe` (a mixture-of-experts architecture at the rung's own degrees), `ep` (the same with
 --ep: expert parallelism where the rung takes it), `cp:<method>` (each context-parallel method on the rungs with
 cp), and `arch` (a dense architecture of the registry other than Llama as a full fine-tune: `plain`'s with its
 model). Each option's model is the architecture's tiny preset (hfdist.models.presets), so a cell runs on a laptop CPU.
@@ -36,7 +36,8 @@ MOE_MODELS = ("qwen3-moe-tiny", "mixtral-tiny", "llama4-tiny")
 CP_CELL_METHODS = ("ulysses", "ring", "hybrid")
 OPTIONS = ("plain", "bf16", *FEATURES, "moe", "ep", *(f"cp:{m}" for m in CP_CELL_METHODS))
 # The options whose cells train an architecture of DENSE_MODELS other than Llama on a rung that takes dense models.
-CARRIER_OPTIONS = tuple(o for o in OPTIONS if o not in ("plain", "moe", "ep"))
+# The objectives train Llama: their cells test TRL's trainers under each layout, not the architectures again.
+CARRIER_OPTIONS = tuple(o for o in OPTIONS if o not in ("plain", "moe", "ep", "dpo", "grpo"))
 # The cp methods an architecture of DENSE_MODELS cannot take at the cells' degrees, which hfdist refuses before launch
 # (hfdist.parallel.context_check.check_cp; tests/unit/test_rung_table.py holds this to it on every cp rung): those
 # methods' cells stay on another architecture.
@@ -90,7 +91,14 @@ class Cell:
             args += ["--fp8"] + ([] if self.rung in ("pp", "3d") else ["--micro-batch-size", "1"])
         elif self.option == "bf16":
             args += ["--mixed-precision", "bf16"]
+        elif self.option in ("dpo", "grpo"):
+            args += ["--objective", self.option]
         return args
+
+    @property
+    def objective(self) -> bool:
+        """The cell trains another objective than SFT (no held-out evaluation: the objective's own series)."""
+        return self.option in ("dpo", "grpo")
 
     def reference(self) -> Cell:
         """The single-process run this cell must equal: the same option and model on one process (a compiled cell

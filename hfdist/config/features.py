@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from hfdist.config.finetune import ConfigError
 from hfdist.config.ladder import Rung, known_rung_names, load_rung
-from hfdist.config.rungs import FEATURES, RUNG_INFO, rungs_where
+from hfdist.config.rungs import FEATURE_FLAGS, FEATURES, RUNG_INFO, rungs_where
 
 __all__ = ["refuse_unless", "rungs_taking", "speaking_entry"]
 
@@ -55,8 +55,8 @@ def refuse_unless(rung: Rung, feature: str) -> None:
     else:
         why = verdict or "hfdist's recipe for it does not cover this rung yet"
     shaped = f" (laid out as {name})" if name not in (None, rung.name) else ""
-    takers = rungs_taking(feature)
-    fix = (f"Drop --{feature}, or use a rung that takes it: {', '.join(takers)} (or a YAML of theirs)." if takers
-           else f"Drop --{feature}: no rung takes it yet.")
-    raise ConfigError(f"--{feature} does not run on {rung.name}{shaped}: {why}, and hfdist has not verified "
+    takers, flag = rungs_taking(feature), FEATURE_FLAGS.get(feature, f"--{feature}")
+    fix = (f"Drop {flag}, or use a rung that takes it: {', '.join(takers)} (or a YAML of theirs)." if takers
+           else f"Drop {flag}: no rung takes it yet.")
+    raise ConfigError(f"{flag} does not run on {rung.name}{shaped}: {why}, and hfdist has not verified "
                       f"{FEATURES[feature]} there. {fix}")

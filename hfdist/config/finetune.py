@@ -27,7 +27,7 @@ from hfdist.config.rungs import RUNG_INFO
 from hfdist.errors import HfdistError
 
 __all__ = ["FinetuneConfig", "ConfigError", "DEFAULT_LOSS_CHUNK_SIZE", "FP8_RECIPES", "LAUNCHERS", "MODULE_ENTRY", "PP_SCHEDULES",
-           "CP_METHODS", "USAGE", "LR_SCHEDULERS", "TRACKERS", "add_finetune_arguments", "build_parser",
+           "CP_METHODS", "OBJECTIVES", "ARITHMETIC_REWARDS", "USAGE", "LR_SCHEDULERS", "TRACKERS", "add_finetune_arguments", "build_parser",
            "config_from_namespace", "parse_args", "parse_command", "job_text", "optimisation_arguments",
            "evaluation_arguments", "holds_out", "lora_settings", "non_negative_int", "positive_int"]
 
@@ -61,6 +61,10 @@ MODULE_ENTRY = ["-m", "hfdist.cli", "finetune"]
 PP_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 # How context-parallel ranks split attention (--cp-method; hfdist.parallel.context_check.plan_cp), auto first.
 CP_METHODS = ("auto", "ulysses", "ring", "hybrid")
+# What the job trains (--objective; hfdist.objectives): the first is the default.
+OBJECTIVES = ("sft", "dpo", "grpo")
+# The embedded GRPO task's reward functions (hfdist.objectives.arithmetic), by import path, as --reward-funcs takes them.
+ARITHMETIC_REWARDS = ("hfdist.objectives.arithmetic:digits_only", "hfdist.objectives.arithmetic:correct_sum")
 LR_SCHEDULERS = ("cosine", "linear", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
                  "inverse_sqrt")
 
@@ -75,6 +79,8 @@ JOB_FILE = OptionGroup("Job file", "Every flag below as one YAML file (keys: the
 STRATEGY = OptionGroup("Strategy", "Which rung of the ladder, on how many processes, with which degrees.")
 MODEL_DATA = OptionGroup("Model and data")
 TRAINING = OptionGroup("Training")
+OBJECTIVE = OptionGroup("Objective", "What the job trains: next-token SFT, or preference (DPO) and online RL (GRPO) "
+                        "on TRL's trainers (docs/objectives.md).")
 EVALUATION = OptionGroup("Evaluation", "Eval loss and perplexity on held-out data, on every rung.")
 OUTPUT = OptionGroup("Output and checkpoints")
 METRICS = OptionGroup("Metrics and console")
@@ -220,6 +226,28 @@ class FinetuneConfig:
         1.0, "Clip the gradients' global norm to this (default {default}; 0: no clipping).", group=TRAINING,
         type=non_negative_float)
     seed: int = option(0, "Seed of the model init and data order (default {default}).", group=TRAINING, type=int)
+    # Objective
+    objective: str = option(
+        "sft", "sft (default): the next-token loss on packed --dataset blocks; dpo: TRL's DPOTrainer on prompt / "
+        "chosen / rejected rows (default: pairs made from the embedded conversations), a frozen reference model "
+        "sharded like the policy; grpo: TRL's GRPOTrainer on prompt rows, --num-generations sampled completions per "
+        "prompt scored by --reward-funcs (default: the embedded arithmetic task). dpo and grpo are refused on "
+        "pipeline rungs and with --qlora, --fp8, --compile, context parallelism or evaluation, before launch.",
+        group=OBJECTIVE, choices=OBJECTIVES)
+    reward_funcs: tuple[str, ...] | None = option(
+        None, "GRPO: comma-separated reward functions by import path, module:function (TRL's signature: "
+        "f(prompts, completions, **columns) -> list[float]); their sum is the reward (default: "
+        f"{','.join(ARITHMETIC_REWARDS)}, the embedded task's).", group=OBJECTIVE, type=names, metavar="MOD:FN,...")
+    num_generations: int = option(
+        4, "GRPO: completions sampled per prompt, the group each advantage is relative to; must divide "
+        "--global-batch-size (default {default}).", group=OBJECTIVE, type=positive_int, metavar="G")
+    max_completion_length: int = option(
+        16, "GRPO: most tokens a sampled completion has (default {default}).", group=OBJECTIVE, type=positive_int,
+        metavar="L")
+    beta: float | None = option(
+        None, "DPO: the preference loss's temperature (TRL's default 0.1). GRPO trains without a KL term (0, TRL's "
+        "default); a KL coefficient above 0 is refused, as its reference model is not sharded yet.", group=OBJECTIVE,
+        type=non_negative_float)
     gpu_mem_gb: float | None = option(
         None, "Memory per device to plan against (default: the GPU's own; no check on CPU without it).",
         group=TRAINING, type=float)

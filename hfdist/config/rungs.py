@@ -13,18 +13,30 @@ from __future__ import annotations
 from dataclasses import KW_ONLY, dataclass
 from typing import Callable
 
-__all__ = ["RungInfo", "RUNG_INFO", "FEATURES", "TESTED_OPTIONS", "E2E_MODULES", "rungs_where"]
+__all__ = ["RungInfo", "RUNG_INFO", "FEATURES", "FEATURE_FLAGS", "TESTED_OPTIONS", "E2E_MODULES", "rungs_where"]
 
 # The options a rung may take or refuse; each is a RungInfo field of the same name (True: takes it; False or a
 # string, the reason: refused before launch). The value is what hfdist verifies when it does run there.
 FEATURES = {"lora": "LoRA adapters (peft)", "qlora": "a 4-bit quantized base model", "fp8": "FP8 matmuls",
-            "compile": "compiled layers"}
+            "compile": "compiled layers", "dpo": "DPO (TRL's DPOTrainer)", "grpo": "GRPO (TRL's GRPOTrainer)"}
+# The command-line form of a FEATURES option whose flag is not --<name>: the objectives (--objective dpo / grpo).
+FEATURE_FLAGS = {"dpo": "--objective dpo", "grpo": "--objective grpo"}
 # The options the end-to-end suite trains a rung with, besides its plain full fine-tune (RungInfo.tested_with).
-TESTED_OPTIONS = ("bf16", *FEATURES)  # bf16: --mixed-precision bf16 (fp32 elsewhere on CPU)
+TESTED_OPTIONS = ("bf16", "lora", "qlora", "fp8", "compile")  # bf16: --mixed-precision bf16 (fp32 elsewhere on CPU)
 # The end-to-end module that trains a rung against the single-process run (RungInfo.e2e), under tests/e2e/.
 E2E_MODULES = {"ladder": "test_finetune_ladder.py", "pipeline": "test_finetune_pipeline.py",
                "context_parallel": "test_context_parallel_job.py", "moe": "test_moe_job.py",
                "reference": "(the single-process reference)"}
+
+
+# Why a rung refuses --objective dpo / grpo by default, and where the layout cannot hold the objective.
+_OBJECTIVE_UNVERIFIED = "hfdist has not trained this objective on this layout against one process yet"
+_OBJECTIVE_PP = ("the objective compares whole sequences' log-probabilities, and pipeline stages compute one loss only, "
+                 "the last stage's token cross-entropy")
+_GRPO_TP = ("on fixed completions its losses equal one process's but its gradient norms do not (1-2% apart at dp 2 x tp "
+            "2 on a tiny Qwen3), a difference hfdist has not found yet")
+_OBJECTIVE_CP = ("context parallelism splits each sequence over cp ranks, while the objective scores whole sequences "
+                 "(and GRPO generates them); not built")
 
 
 @dataclass(frozen=True)
@@ -43,6 +55,10 @@ class RungInfo:
     compile: bool | str = False  # --compile: True, or why not (False: not built for it)
     qlora: bool | str = False  # --qlora: as compile
     fp8: bool | str = False  # --fp8: as compile
+    # --objective dpo / grpo (hfdist.objectives): as compile; the cells train each against one process (GRPO on
+    # fixed completions, hfdist.train.injected_faults)
+    dpo: bool | str = _OBJECTIVE_UNVERIFIED
+    grpo: bool | str = _OBJECTIVE_UNVERIFIED
     e2e: str = "ladder"  # the E2E_MODULES key of the module that trains it against the single process, on its
     # YAML's own process count (the count a CPU run takes)
     # TESTED_OPTIONS the suite also trains it with end to end beyond its cells (tests/e2e/test_cells.py: every option
@@ -112,18 +128,18 @@ _DENSE_EP = ("its experts are split over ep ranks and a dense model has none; fs
 RUNG_INFO: dict[str, RungInfo] = {
     "single": RungInfo(0, "one process: the reference every rung's losses are compared with", "nothing",
                        "debugging, or the model, grads and Adam state fit one device and one device is enough",
-                       plan_order=0, compile=True, fp8=True, qlora=True, e2e="reference",
+                       plan_order=0, compile=True, fp8=True, qlora=True, e2e="reference", dpo=True, grpo=True,
                        tested_with=frozenset({"bf16", "fp8", "lora", "qlora"}), moe=True),
     "ddp": RungInfo(1, "LoRA fine-tune <= 7B; the model fits on one device", "nothing (full replica per rank)",
                     "the model, grads and Adam state fit one device; fastest", "--lora",
-                    plan_order=10, fp8=True, compile=True, qlora=True,
+                    plan_order=10, fp8=True, compile=True, qlora=True, dpo=True, grpo=True,
                     tested_with=frozenset({"bf16", "fp8", "lora", "qlora"}), moe=True),
     "zero1": RungInfo(1, "model + grads fit one device, Adam state does not", "optimizer state",
                       "a small step past DDP: frees 12 of 16 bytes/param of Adam state",
                       plan_order=20, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=_QLORA_ZERO12, moe=_MOE_DS),
     "fsdp_full_shard": RungInfo(2, "full fine-tune 7B-13B on one node", "params + grads + optimizer state",
                                 "the model states do not fit one device; one node",
-                                plan_order=40, fp8=True, compile=True, qlora=True,
+                                plan_order=40, fp8=True, compile=True, qlora=True, dpo=True, grpo=True,
                                 tested_with=frozenset({"bf16", "fp8", "lora", "qlora"}), moe=True),
     "zero2": RungInfo(2, "full fine-tune 7B-13B on one node", "grads + optimizer state",
                       "weights fit one device but grads + Adam state do not",
@@ -135,17 +151,18 @@ RUNG_INFO: dict[str, RungInfo] = {
                             tested_with=frozenset({"qlora"}), moe=_MOE_UNVERIFIED),
     "zero3": RungInfo(3, "full fine-tune 30B-70B", "params + grads + optimizer state",
                       "like FSDP FULL_SHARD, when you want DeepSpeed's offload/ecosystem",
-                      plan_order=50, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=True,
+                      plan_order=50, fp8=_FP8_DS, compile=_COMPILE_DS, qlora=True, dpo=True, grpo=True,
                       tested_with=frozenset({"bf16", "lora", "qlora"}), moe=_MOE_DS),
     "pp": RungInfo(4, "beyond ~30B: the model's depth spread over GPUs or nodes",
                    "decoder layers over pp ranks (pipeline stages, 1F1B schedule)",
                    "stages fit one device each; only point-to-point activations cross links, so pp spans nodes",
-                   plan_order=70, fp8=True, compile=_COMPILE_PP, qlora=True, e2e="pipeline",
+                   plan_order=70, fp8=True, compile=_COMPILE_PP, qlora=True, e2e="pipeline", dpo=_OBJECTIVE_PP,
+                   grpo=_OBJECTIVE_PP,
                    tested_with=frozenset({"fp8", "lora", "qlora"}), moe=_MOE_PP),
     "fsdp_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs", "params + grads + optimizer state "
                         "over dp (FSDP2) and every matrix over tp (Megatron TP, sequence parallel)",
                         "sharding alone is not enough or its all-gathers dominate; tp inside a node",
-                        plan_order=80, fp8=True, compile=True, qlora=_QLORA_TP,
+                        plan_order=80, fp8=True, compile=True, qlora=_QLORA_TP, dpo=True, grpo=_GRPO_TP,
                         tested_with=frozenset({"fp8", "lora"}), moe=True, takes_ep=True),
     "zero2_tp": RungInfo(4, "pretrain / full fine-tune 70B on 64-128 GPUs, with DeepSpeed", "every Linear over tp "
                          "(DeepSpeed AutoTP) x grads + optimizer state over dp (ZeRO-2)",
@@ -155,12 +172,14 @@ RUNG_INFO: dict[str, RungInfo] = {
     "3d": RungInfo(5, "pretraining / frontier scale (100B+), hundreds of GPUs", "params + grads + optimizer "
                    "state over dp (FSDP2) x layers over pp (pipeline stages) x every matrix over tp",
                    "the model needs tp inside a node and pp across nodes to fit; dp for the rest",
-                   plan_order=100, fp8=True, compile=_COMPILE_PP, qlora=_QLORA_TP, e2e="pipeline", moe=_MOE_PP),
+                   plan_order=100, fp8=True, compile=_COMPILE_PP, qlora=_QLORA_TP, e2e="pipeline", moe=_MOE_PP,
+                   dpo=_OBJECTIVE_PP, grpo=_OBJECTIVE_PP),
     "fsdp_cp": RungInfo(4, "long-context fine-tune (32K-128K tokens): activations exceed a device",
                         "every sequence's tokens over cp (Ulysses attention) x params + grads + optimizer state "
                         "over dp_shard x cp (FSDP2)", "activations do not fit even with checkpointing; cp inside "
                         "a node", "--seq-len 32768",
                         plan_order=110, compile=_COMPILE_CP, fp8=_FP8_CP, qlora=True, e2e="context_parallel",
+                        dpo=_OBJECTIVE_CP, grpo=_OBJECTIVE_CP,
                         tested_with=frozenset({"qlora"}), moe=_MOE_CP),
     "fsdp_tp_cp": RungInfo(4, "long-context fine-tune of a model that needs TP (70B at 32K-128K tokens)",
                            "every matrix over tp (Megatron TP, sequence parallel) x every sequence's tokens over cp "
@@ -169,6 +188,7 @@ RUNG_INFO: dict[str, RungInfo] = {
                            "node, cp across (the ring passes keys and values point-to-point)",
                            "--seq-len 32768 --activation-checkpointing",
                            plan_order=115, compile=_COMPILE_CP, fp8=_FP8_CP, qlora=_QLORA_TP, e2e="context_parallel",
+                           dpo=_OBJECTIVE_CP, grpo=_OBJECTIVE_CP,
                            moe=_MOE_CP),
     "fsdp_ep": RungInfo(4, "mixture-of-experts fine-tune (Qwen3-30B-A3B, Mixtral, Llama 4 Scout)",
                         "each MoE layer's experts whole over ep ranks (tokens dispatched by all-to-all), FSDP2 over "

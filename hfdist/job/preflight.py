@@ -385,9 +385,11 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     from hfdist.checkpoint.resume import resume_point
     from hfdist.models.build import check_checkpoint_weights
     from hfdist.models.presets import load_config
+    from hfdist.objectives.checks import check_objective
 
     _check_launcher(cfg)
     _check_output_dir(cfg)
+    check_objective(cfg, rung)
     check_evaluation(cfg, rung)
     check_trackers(cfg)
     _check_gpu_settings(rung)
@@ -417,7 +419,9 @@ def preflight(cfg: FinetuneConfig, rung: Rung, micro: int) -> None:
     check_checkpoint_weights(cfg.model, config)
     check_dense_mask(cfg, rung, micro, attention)
     plan_check(cfg, rung, micro, attention)
-    if not Node.detect().launched:  # this process starts the ranks (or is the only one): data before any rank
+    # This process starts the ranks (or is the only one): SFT's packed data before any rank (TRL's trainers tokenize
+    # a DPO / GRPO job's rows themselves).
+    if not Node.detect().launched and cfg.objective == "sft":
         from hfdist.job.data import prepare_before_launch
 
         prepare_before_launch(cfg)

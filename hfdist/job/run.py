@@ -62,17 +62,23 @@ def dataloader_settings(on_gpu: bool) -> dict[str, Any]:
 
 
 def _training_arguments(cfg: FinetuneConfig, strategy: Strategy):
-    """The job's TrainingArguments: the strategy's settings (hfdist.api.Strategy.training_arguments: batch layout,
-    device, precision, DeepSpeed config, no placement by the Trainer) and the job's schedule, saving and logging."""
+    """The job's TrainingArguments (TRL's DPOConfig / GRPOConfig for those objectives, with theirs): the strategy's
+    settings (hfdist.api.Strategy.training_arguments: batch layout, device, precision, DeepSpeed config, no placement
+    by the Trainer) and the job's schedule, saving and logging."""
     from transformers import TrainingArguments
 
+    arguments_cls, objective = TrainingArguments, {}
+    if cfg.objective != "sft":
+        from hfdist.objectives.trainer import objective_arguments
+
+        arguments_cls, objective = objective_arguments(cfg)
     note = strategy.deepspeed_config()[1]
     if note and _is_rank0():
         print(note, flush=True)
     micro = strategy.batch_layout(cfg.global_batch_size, cfg.micro_batch_size)[0]
     on_gpu = torch.cuda.is_available()
     return strategy.training_arguments(
-        TrainingArguments, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
+        arguments_cls, global_batch_size=cfg.global_batch_size, micro_batch_size=cfg.micro_batch_size,
         output_dir=cfg.output_dir, **optimisation_arguments(cfg), **evaluation_arguments(cfg, micro),
         seed=cfg.seed, data_seed=cfg.seed, logging_steps=1,
         save_strategy="steps" if cfg.save_steps > 0 else "no", save_steps=max(cfg.save_steps, 1),
@@ -81,13 +87,15 @@ def _training_arguments(cfg: FinetuneConfig, strategy: Strategy):
         **dataloader_settings(on_gpu),
         log_level="warning", log_level_replica="error", disable_tqdm=False,
         ddp_timeout=cfg.collective_timeout,  # reaches the GPU world's group; hfdist.train.watchdog sets it on all
+        **objective,
     )
 
 
 def _build_model(cfg: FinetuneConfig, strategy: Strategy, tokenizer, args, attention: str, fp8: str | None):
     """This rank's model (hfdist.api.prepare_model: sharded as it is built on the mesh rungs, partitioned under
     ZeRO-3, whole on DDP / ZeRO-1/2 / single), attending with `attention` (a resolved --attn-implementation), its
-    decoder projections in float8 under `fp8`, and what loading it cost this rank."""
+    decoder projections in float8 under `fp8`, and what loading it cost this rank. A DPO job's LoRA model carries
+    the frozen reference adapter TRL scores the reference with."""
     import time
 
     from hfdist.api import prepare_model
@@ -101,7 +109,8 @@ def _build_model(cfg: FinetuneConfig, strategy: Strategy, tokenizer, args, atten
         model = prepare_model(strategy, cfg.model, tokenizer=tokenizer, seed=cfg.seed,
                               lora=lora_config(*lora_settings(cfg)) if cfg.lora else None, qlora=cfg.qlora,
                               activation_checkpointing=cfg.activation_checkpointing, compile=cfg.compile,
-                              attn_implementation=attention, fp8=fp8, zero3_init=zero3_init)
+                              attn_implementation=attention, fp8=fp8, zero3_init=zero3_init,
+                              reference_adapter=cfg.objective == "dpo" and cfg.lora)
         cost = {"baseline_memory_bytes": baseline, "load_peak_memory_bytes": peak_memory_bytes(args.device),
                 "load_seconds": time.perf_counter() - start}
     return model, cost
@@ -136,6 +145,7 @@ class Run:
     flops_per_token: float
     load: dict[str, float]
     sources: list[dict[str, Any]]  # each training source's name, rows and label tokens (hfdist.data.preparation)
+    objective: str  # sft, dpo or grpo
 
     def record(self, diverged: Diverged | None = None) -> RunRecord:
         """What the summary reports of this run, once it has trained (or stopped at a non-finite step: `diverged`,
@@ -150,7 +160,8 @@ class Run:
                          closing_table=self.metrics.closing_table, evaluations=self.losses.evaluations,
                          best_step=self.losses.best_step, sources=self.sources,
                          checkpoints=self.trainer.checkpoint_costs,
-                         checkpoint_contents=self.trainer.checkpoint_contents())
+                         checkpoint_contents=self.trainer.checkpoint_contents(),
+                         objective={"name": self.objective, "series": self.losses.series})
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
@@ -186,9 +197,16 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     attention = resolve_attention(cfg.attn_implementation, on_gpu=on_gpu, cp=rung.dims.cp)
     args = _training_arguments(cfg, chosen)
     watch.start()  # the world has formed (TrainingArguments formed it): its timeout, this rank's heartbeat
-    with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
-        prepared = _prepare_data(cfg, tokenizer, args)
-    dataset = prepared.train
+    prepared, dataset, sources = None, None, []
+    if cfg.objective == "sft":
+        with watch.alone("preparing data", "DATA"):  # rank 0 tokenizes while the others wait for its cache
+            prepared = _prepare_data(cfg, tokenizer, args)
+        dataset, sources = prepared.train, list(prepared.train_report.sources)
+    else:  # TRL's trainer tokenizes the rows itself
+        from hfdist.objectives.data import objective_dataset
+
+        dataset = objective_dataset(cfg)
+        sources = [{"name": cfg.objective, "format": cfg.objective, "rows": len(dataset), "label_tokens": 0}]
     model, load = _build_model(cfg, chosen, tokenizer, args, attention, fp8)
     if fp8 is not None and _is_rank0():
         from hfdist.parallel.float8_check import check_fp8
@@ -198,7 +216,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     watch.cover_groups()  # the mesh's groups
     # The attention implementation the model computes with decides the mask (or boundaries) the batches carry.
     record = model.hfdist_prepared
-    collator = collator_for(record.skeleton.config, cfg.seq_len, record.attention)
+    collator = collator_for(record.skeleton.config, cfg.seq_len, record.attention) if prepared is not None else None
 
     nodes = rung.num_processes // int(os.environ.get("LOCAL_WORLD_SIZE", rung.num_processes))
     strategy = {"name": rung.name, "world_size": rung.num_processes, "nodes": nodes, **rung.dims.to_dict(),
@@ -210,7 +228,9 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
                 "compile": cfg.compile, "fp8": fp8, "attn_implementation": attention,
                 **_context_record(rung), "device": "cuda" if on_gpu else "cpu"}
     # The table closes the run once the model is saved (hfdist.job.summary), naming where everything went.
-    losses, metrics = LossRecorder(), DistributedMetricsCallback(print_table=False)
+    from hfdist.objectives.trainer import SERIES
+
+    losses, metrics = LossRecorder(SERIES[cfg.objective]), DistributedMetricsCallback(print_table=False)
     # The command line first, the strategy in effect last: --tp/--pp/--dp-replicate asked for (or None) must not
     # hide the degrees that ran.
     adapters = "-qlora" if cfg.qlora else "-lora" if cfg.lora else ""
@@ -221,25 +241,32 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     flops_per_token = model_flops_per_token(record.skeleton, cfg.seq_len)
     # --no-metrics keeps only the loss record: the baseline of the callbacks' cost (benchmarks/bench_callbacks.py).
     callbacks = ([losses, metrics, TrackerLogsCallback(sink)] if cfg.metrics else [losses]) + [StepWatchCallback(watch)]
-    if prepared.eval is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint
+    held_out = prepared.eval if prepared is not None else None
+    if held_out is not None:  # at the end, at --eval-steps, and with --load-best at every checkpoint
         callbacks.append(EvaluationSchedule(at_saves=cfg.load_best))
     # The job's callbacks replace the API's default metrics callback (print_table=False: the summary closes the run).
-    trainer = strategy_trainer(Trainer, chosen)(
-        model=model, args=args, train_dataset=dataset, eval_dataset=prepared.eval, data_collator=collator,
-        processing_class=tokenizer, callbacks=callbacks, metrics=False, checkpoint_identity=checkpoint_identity(cfg, rung),
-        loss_chunk_size=cfg.loss_chunk_size or None, save_async=cfg.save_async, checkpoint_base=cfg.checkpoint_base,
-        preempt_signals=preempt_signals(cfg.preempt_signal),
+    common = dict(
+        model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks, metrics=False,
+        checkpoint_identity=checkpoint_identity(cfg, rung), save_async=cfg.save_async,
+        checkpoint_base=cfg.checkpoint_base, preempt_signals=preempt_signals(cfg.preempt_signal),
         preempt_grace=advertised_grace(launcher_argv=launcher_argv(), handed_over=bool(os.environ.get(HANDED_OVER_ENV))))
+    if cfg.objective == "sft":
+        trainer = strategy_trainer(Trainer, chosen)(**common, eval_dataset=held_out, data_collator=collator,
+                                                    loss_chunk_size=cfg.loss_chunk_size or None)
+    else:
+        from hfdist.objectives.trainer import objective_inputs, objective_trainer_class
+
+        trainer = strategy_trainer(objective_trainer_class(cfg.objective), chosen)(
+            **common, **objective_inputs(cfg, chosen, tokenizer, attention))
     trainer.gradient_hooks += injected_faults(int(os.environ.get("RANK", "0")), rung.name)  # tests only: HFDIST_INJECT_*
     trainer.remove_callback(ProgressCallback)
     trainer.add_callback(MetricsProgressCallback())
-    if cfg.eval_prompts is not None and prepared.eval is not None:
+    if cfg.eval_prompts is not None and held_out is not None:
         from hfdist.train.generation import job_generation
 
         trainer.generation = job_generation(cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.output_dir, tokenizer,
-                                            prepared.eval, sink.log_table)
-    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load,
-               list(prepared.train_report.sources))
+                                            held_out, sink.log_table)
+    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load, sources, cfg.objective)
 
 
 def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> int:
@@ -305,9 +332,10 @@ def train_in_world(cfg: FinetuneConfig, rung: Rung) -> int:
             watch.where("loading the best checkpoint")
             run.losses.best_step = run.trainer.load_best_checkpoint()
         if cfg.save_model and preempted is None and diverged is None:
-            watch.where("scoring the check batch")
-            check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
-                                                             run.trainer.data_collator))
+            if cfg.objective == "sft":  # the check batch is packed blocks, scored by the token loss
+                watch.where("scoring the check batch")
+                check_loss = run.trainer.batch_loss(first_blocks(run.dataset, check_blocks(rung, len(run.dataset)),
+                                                                 run.trainer.data_collator))
             watch.where("saving the model")
             saved = _save_measured(run, cfg.output_dir)
     watch.stop()
@@ -315,7 +343,8 @@ def train_in_world(cfg: FinetuneConfig, rung: Rung) -> int:
     precision = run.trainer.precision.record(rung, run.trainer.model_wrapped, run.trainer.model)
     ranks = with_rank_records(run.metrics.ranks, {"rank": int(os.environ.get("RANK", "0")), **run.load, **saved,
                                                   "precision": precision, **_compile_record(cfg, rung, run),
-                                                  **_fp8_record(run), **run.trainer.preemption.rank_record()})
+                                                  **_fp8_record(run), **run.trainer.preemption.rank_record(),
+                                                  **(run.trainer.rollout_record() if cfg.objective == "grpo" else {})})
     with watch.alone("writing the summary", "SUMMARY"):  # and finishing W&B's run (an upload, online)
         if _is_rank0():
             write_summary(cfg, run.record(diverged), runtime, check_loss, ranks, resume_from,

@@ -49,6 +49,8 @@ class RunRecord:
     sources: list[dict[str, Any]] = field(default_factory=list)  # each training source's name, rows, label tokens
     # Where a non-finite loss, gradient norm or update stopped the run (hfdist.train.nonfinite.Diverged.record)
     diverged: dict[str, Any] | None = None
+    # The objective (sft, dpo, grpo) and its per-step figures beside the loss (hfdist.objectives.trainer.SERIES)
+    objective: dict[str, Any] = field(default_factory=lambda: {"name": "sft", "series": {}})
 
 
 def source_figures(sources: list[dict[str, Any]]) -> dict[str, float]:
@@ -148,6 +150,7 @@ def write_summary(cfg: FinetuneConfig, run: RunRecord, train_runtime: float | No
         "checkpoint_contents": run.checkpoint_contents,
         "preempted": preempted,
         "diverged": run.diverged,
+        "objective": run.objective,
     }
     peaks = {f"peak/{k}": max(r.get(k, 0) for r in ranks)
              for k in ("peak_memory_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "load_peak_memory_bytes")

@@ -79,21 +79,10 @@ from hfdist.models.shape import ModelShape
 from hfdist.parallel.float8_check import gathers_in_float8
 from hfdist.plan.expert_bytes import gathered_layer_params
 from hfdist.plan.pipeline_bytes import pipeline_stage_bytes
+from hfdist.plan.rollout_bytes import completion_logits_bytes, rollout_kv_bytes
 
-__all__ = [
-    "PlanError",
-    "Workload",
-    "RankBytes",
-    "ADAM_BYTES_CHOICES",
-    "DTYPES",
-    "GB",
-    "WORKSPACE_BYTES",
-    "offload_device",
-    "dims_on_cluster",
-    "rung_rank_bytes",
-    "stage_layers",
-    "stage_params",
-]
+__all__ = ["PlanError", "Workload", "RankBytes", "ADAM_BYTES_CHOICES", "DTYPES", "GB", "WORKSPACE_BYTES",
+           "offload_device", "dims_on_cluster", "rung_rank_bytes", "stage_layers", "stage_params"]
 
 GB = 10**9
 ADAM_BYTES_CHOICES = (16, 20)
@@ -121,13 +110,21 @@ class Workload:
     loss_chunk_size: int | None = DEFAULT_LOSS_CHUNK_SIZE  # sequence positions per loss chunk; None: unchunked
     attention: str = AUTO  # --attn-implementation: sdpa / eager add a dense mask (hfdist.models.attention)
     fp8: str | None = None  # --fp8's recipe (hfdist.parallel.float8): FSDP2 gathers float8 weights (tensorwise)
-    # Preference training (DPO): a frozen reference copy of the model beside the policy, sharded like it; none under
-    # LoRA, where the base with its adapters turned off is the reference.
-    reference_model: bool = False
+    # --objective: dpo adds a frozen reference copy, sharded like the policy (none under LoRA: the base, adapters off);
+    # grpo the rollout's KV cache and the completion logits (hfdist.plan.rollout_bytes). rollout_batch: completions
+    # per step over all ranks (None: a micro-batch per rank), `generations` a prompt, `completion_len` tokens each.
+    objective: str = "sft"
+    generations: int = 4
+    completion_len: int = 0
+    rollout_batch: int | None = None
     cp_method: str = "auto"  # --cp-method: how cp ranks split attention (hfdist.plan.context_bytes: its costs)
     # What every rank holds besides the training state: a GPU's CUDA context and library workspaces (the 1 GiB
     # default); what hfdist tune measures a step to need beyond its tensors on this machine.
     workspace: int = WORKSPACE_BYTES
+
+    @property
+    def reference_model(self) -> bool:  # a frozen reference copy beside the policy (DPO)
+        return self.objective == "dpo"
 
     def __post_init__(self) -> None:
         if self.attention not in CHOICES and not is_hub_kernel(self.attention):
@@ -349,6 +346,10 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
         activations += held
         in_backward += working
     activations += max(in_backward, head)
+    if w.objective == "grpo":  # the rollout (states held, no activations) or the step, whichever holds more
+        completions = -(-(w.rollout_batch or w.micro_batch * dims.dp) // dims.dp)  # a dp rank's share of the step
+        activations = max(activations + (completion_logits_bytes(shape, dims, w, elem) if last else 0),
+                          rollout_kv_bytes(shape, dims, w, elem, completions, layers))
 
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp

@@ -45,12 +45,12 @@ def plan_order(rungs: Iterable[Rung]) -> list[Rung]:
 
 
 def _command(layout: Layout, model: str, w: Workload) -> str:
-    if w.reference_model:  # preference training runs in a script of the user's, as examples/dpo_trl.py
-        return shlex.join(["torchrun", "--nproc-per-node", str(layout.rung.num_processes), "examples/dpo_trl.py",
-                           "--config", layout.rung.name, "--model", model,
-                           "--global-batch-size", str(max(layout.global_batch // 2, 1))])
     flags = layout.flags()
     parts = ["accelerate", "launch", "scripts/finetune.py", *flags[:4], "--model", model]
+    if w.objective != "sft":
+        parts += ["--objective", w.objective]
+    if w.objective == "grpo":
+        parts += ["--num-generations", str(w.generations), "--max-completion-length", str(w.completion_len)]
     if w.lora:
         parts += ["--qlora" if w.qlora else "--lora", "--lora-r", str(w.lora_r)]
     parts += ["--seq-len", str(w.seq), *flags[4:]]
@@ -87,16 +87,17 @@ def _check_holds_moe(config, rung: Rung, w: Workload) -> None:
 
 def _refusal(config, layout: Layout, w: Workload) -> str:
     """Why this layout cannot run the workload ("" when it can): the checks the job makes before launch."""
-    rung, dims = layout.rung, layout.dims
+    rung = layout.rung
     try:
         _check_holds_moe(config, rung, w)
         if w.qlora:
             _check_takes_qlora(rung)
         if w.fp8:
             check_fp8(w.fp8, rung, config, seq_len=w.seq, lora=w.lora)
-        if w.reference_model and dims.pp > 1:
-            raise PlanError("DPO's loss compares whole sequences of two models; pipeline stages compute only the "
-                            "last stage's token cross-entropy (hfdist.api refuses it)")
+        if w.objective != "sft":  # the rung table's verdict, as `hfdist finetune --objective` reads it
+            from hfdist.config.features import refuse_unless
+
+            refuse_unless(rung, w.objective)
     except (PlanError, ValueError) as exc:
         return str(exc)
     return ""
@@ -227,9 +228,11 @@ def _find_fix(ctx: _Context, rungs: list[Rung], pins: Pins, global_batch: int | 
 
 
 def _workload(seq, micro_batch, lora, lora_r, qlora, lora_targets, activation_checkpointing, dtype,
-              bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model) -> Workload:
+              bytes_per_param_adam, loss_chunk_size, attention, fp8, objective, generations, completion_len,
+              rollout_batch) -> Workload:
     return Workload(seq, micro_batch or 1, lora, lora_r, qlora, tuple(lora_targets), bool(activation_checkpointing),
-                    dtype, bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model)
+                    dtype, bytes_per_param_adam, loss_chunk_size, attention, fp8, objective, generations,
+                    completion_len, rollout_batch)
 
 
 def _check_cluster(gpus_per_node, nodes, gpu_mem_bytes) -> None:
@@ -265,7 +268,9 @@ def plan_rungs(
     attention: str = AUTO,
     fp8: str | None = None,
     qlora: bool = False,
-    reference_model: bool = False,
+    objective: str = "sft",
+    generations: int = 4,
+    completion_len: int = 0,
     hardware: Hardware = NOMINAL_HARDWARE,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
@@ -280,6 +285,9 @@ def plan_rungs(
             (hfdist.plan.layouts; micro_batch is a pipeline stage's micro-batch, what one forward holds; every cp
             method that can split the model at a cp degree is a layout of its own).
         model: the --model value, used in the launch commands.
+        objective: sft, dpo (a frozen reference beside the policy) or grpo (the rollout's KV cache of `seq`-token
+            sequences, `completion_len` of them completion, and the completion logits; global_batch counts
+            completions, `generations` a prompt); the layouts the rung table refuses the objective are left out.
         hardware: the rates the cost model predicts step times with (default: nominal H100 figures).
         Others: see Workload and the module docstring.
 
@@ -294,7 +302,8 @@ def plan_rungs(
     """
     _check_cluster(gpus_per_node, nodes, gpu_mem_bytes)
     w = _workload(seq, micro_batch, lora, lora_r, qlora, lora_targets, activation_checkpointing, dtype,
-                  bytes_per_param_adam, loss_chunk_size, attention, fp8, reference_model)
+                  bytes_per_param_adam, loss_chunk_size, attention, fp8, objective, generations, completion_len,
+                  global_batch)
     pins = Pins(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
                 cp_method=cp_method)
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):

@@ -123,6 +123,10 @@ def assumptions(plan: Plan) -> list[str]:
     if w.reference_model:
         train += ("; DPO: a frozen reference copy of the weights beside the policy, sharded like it, at the frozen "
                   "rate" if not w.lora else "; DPO: the reference is the base with the adapters off (no copy)")
+    if w.objective == "grpo":
+        train += (f"; GRPO: the larger of the rollout (each rank's share of the step's completions, {w.generations} a "
+                  f"prompt, their {w.seq}-token KV cache, kv heads over tp) and the step with its {w.completion_len} "
+                  "completion positions' logits (compute dtype + fp32, TRL's loss)")
     logits = (f"one {w.loss_chunk_size}-position chunk of the sequence (hfdist's chunked loss)"
               if w.loss_chunk_size and w.loss_chunk_size < w.seq else "the whole sequence, counted once")
     attention = {"sdpa": "sdpa with a dense S x S document mask (the mask + its bias saved per layer counted)",

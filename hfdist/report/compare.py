@@ -26,7 +26,7 @@ __all__ = ["add_arguments", "build_parser", "run_comparison"]
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The comparison's options (`hfdist compare` and scripts/compare.py share them)."""
-    from hfdist.config.finetune import FP8_RECIPES
+    from hfdist.config.finetune import FP8_RECIPES, OBJECTIVES
     from hfdist.config.ladder import known_rung_names
 
     g = p.add_argument_group("Rungs and workload", "Every rung runs the same model, data and global batch.")
@@ -40,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--qlora", action="store_true",
                    help="Also train QLoRA (LoRA on a 4-bit base) on every listed rung that takes --qlora: rows "
                         "+qlora beside the full fine-tune (or --lora) rows.")
+    g.add_argument("--objective", choices=OBJECTIVES, default="sft",
+                   help="What every rung trains, as `hfdist finetune --objective` (default sft); the rungs that do not "
+                        "take dpo / grpo are refused before any run (docs/objectives.md).")
     g.add_argument("--max-steps", type=int, default=20, help="Optimizer steps per rung (default 20).")
     g.add_argument("--global-batch-size", type=int, default=16, help="Sequences per step over all ranks (default 16).")
     g.add_argument("--seq-len", type=int, default=128, help="Tokens per sequence (default 128).")
@@ -86,7 +89,7 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
     matrix. Returns the exit code."""
     from hfdist.callbacks.wandb_sink import WandbSink, sync_instructions
     from hfdist.errors import run_with_clear_errors
-    from hfdist.report.matrix import COLUMNS, hardware_name, load_rows, write_matrix
+    from hfdist.report.matrix import COLUMNS, hardware_name, load_rows, objective_note, write_matrix
 
     compare_id = args.compare_id or f"compare-{uuid.uuid4().hex[:8]}"
     hardware = hardware_name()
@@ -101,6 +104,8 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
         shared += ["--fp8", args.fp8]
     if args.eval_fraction:
         shared += ["--eval-fraction", str(args.eval_fraction)]
+    if args.objective != "sft":
+        shared += ["--objective", args.objective]
 
     runs = _runs(args.configs, args.qlora)
 
@@ -110,6 +115,12 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
         from hfdist.models.attention import resolve_attention
 
         resolve_attention(args.attn_implementation, on_gpu=torch.cuda.is_available())  # refused before any run
+        if args.objective != "sft":
+            from hfdist.config.features import refuse_unless
+            from hfdist.config.ladder import load_rung
+
+            for name in dict.fromkeys(name for _, name, _ in runs):
+                refuse_unless(load_rung(name), args.objective)
         summaries = []
         for i, (label, name, extra) in enumerate(runs, 1):
             cmd = [sys.executable, "-m", "hfdist.cli", "finetune", "--config", name, *shared, *extra,
@@ -130,6 +141,8 @@ def run_comparison(args: argparse.Namespace, command: str) -> int:
                  f"{args.seq_len} tokens, {args.max_steps} steps; tokens/s per device excludes the first step.",
                  "MFU on CPU is against the measured fp32 matmul peak of one process (hfdist.metrics.flops); "
                  "peak memory is the process's peak RSS on CPU, CUDA max allocated on GPU."]
+        if args.objective != "sft":
+            notes.append(objective_note(args.objective, rows, summaries))
         if args.qlora:
             notes.append("+qlora rows: LoRA adapters on a 4-bit NF4 base, computing in bf16 (QLoRA's compute "
                          "dtype); the other rows in their rung's precision (fp32 on CPU). Rungs that do not take "

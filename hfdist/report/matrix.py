@@ -14,7 +14,7 @@ from typing import Any, Iterable
 
 from hfdist.errors import HfdistError
 
-__all__ = ["MatrixError", "COLUMNS", "matrix_row", "load_rows", "write_matrix", "hardware_name"]
+__all__ = ["MatrixError", "COLUMNS", "matrix_row", "load_rows", "write_matrix", "hardware_name", "objective_note"]
 
 COLUMNS = ("strategy", "world_size", "dp_replicate", "dp_shard", "tp", "pp", "zero_stage", "lora", "qlora",
            "micro_batch", "global_batch", "seq_len", "attn_implementation", "tokens_per_s_per_device",
@@ -48,7 +48,9 @@ def matrix_row(summary: dict[str, Any]) -> dict[str, Any]:
     schedule = f"[{s['pp_schedule']}]" if s.get("pp_schedule") else ""  # which pipeline schedule ran
     fp8 = {None: "", "tensorwise": "+fp8"}.get(s.get("fp8"), f"+fp8-{s.get('fp8')}")  # which float8 recipe ran
     qlora = bool(s.get("qlora"))  # summaries written before --qlora existed have no such key
-    name = s["name"] + schedule + ("+qlora" if qlora else "+lora" if s["lora"] else "") + fp8
+    objective = (summary.get("objective") or {}).get("name", "sft")  # summaries before --objective: sft
+    name = s["name"] + schedule + ("+qlora" if qlora else "+lora" if s["lora"] else "") + fp8 + \
+        (f"+{objective}" if objective != "sft" else "")
     row: dict[str, Any] = {"strategy": name, **{k: s[k] for k in COLUMNS[1:12] if k != "qlora"}, "qlora": qlora,
                            "attn_implementation": s.get("attn_implementation", "sdpa")}  # summaries before the flag: sdpa
     # Ranks of one tp x pp group process the same tokens: a device's share is its rate over tp x pp.
@@ -66,6 +68,26 @@ def matrix_row(summary: dict[str, Any]) -> dict[str, Any]:
     evaluated = summary.get("eval")  # held-out data: the last evaluation's loss
     row["eval_loss"] = round(evaluated["loss"], 4) if evaluated else None
     return row
+
+
+def objective_note(objective: str, rows: list[dict[str, Any]], summary_paths: Iterable[Path]) -> str:
+    """The matrix's note on a DPO or GRPO comparison: each run's objective figures over its last quarter of steps
+    (GRPO: mean reward, and rank 0's rollout seconds and completion tokens/s; DPO: reward accuracy and margin)."""
+    parts = []
+    for row, path in zip(rows, summary_paths):
+        series = json.loads(Path(path).read_text())["objective"]["series"]
+
+        def tail(key: str) -> float:
+            values = [v for v in series.get(key, []) if v is not None]
+            return mean(values[-max(len(values) // 4, 1):]) if values else float("nan")
+
+        if objective == "grpo":
+            parts.append(f"{row['strategy']}: reward {tail('reward'):.3f}, rollout {tail('rollout_seconds'):.2f} s at "
+                         f"{tail('rollout_tokens_per_s'):,.0f} completion tokens/s")
+        else:
+            parts.append(f"{row['strategy']}: accuracy {tail('rewards/accuracies'):.2f}, margin "
+                         f"{tail('rewards/margins'):.3f}")
+    return f"--objective {objective}, over each run's last quarter of steps: " + "; ".join(parts) + "."
 
 
 def load_rows(summary_paths: Iterable[Path]) -> list[dict[str, Any]]:

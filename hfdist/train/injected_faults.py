@@ -8,6 +8,13 @@
         Under Adam a positive factor leaves the losses nearly as they were (its update, m / sqrt(v), is the same for
         g and c g); the gradient norm shows it (hfdist.report.same_math, tests/e2e/test_cells.py).
 
+    HFDIST_INJECT_FIXED_COMPLETIONS=1
+        GRPO's rollouts return fixed completions instead of sampling the model: each a function of its prompt, the
+        step and its place among the prompt's --num-generations copies (fixed_completion), whatever the layout. One
+        GRPO step on a fixed set of completions is then the same math on every rung (the loss and the gradient of
+        the model's log-probabilities of those completions), which sampling, drawn from each rank's own random
+        stream, is not (tests/e2e/test_cells.py's grpo cells).
+
 Nothing here runs unless the variable is set; the job hands the hooks to its trainer only then (hfdist.job.run,
 hfdist.train.trainer.StrategyMixin.gradient_hooks).
 """
@@ -20,9 +27,19 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["GRAD_SCALE_ENV", "GradientScale", "injected_faults"]
+__all__ = ["GRAD_SCALE_ENV", "FIXED_COMPLETIONS_ENV", "GradientScale", "injected_faults", "fixed_completion"]
 
 GRAD_SCALE_ENV = "HFDIST_INJECT_GRAD_SCALE"
+FIXED_COMPLETIONS_ENV = "HFDIST_INJECT_FIXED_COMPLETIONS"
+
+
+def fixed_completion(prompt_ids: list[int], step: int, copy: int, vocab: range, max_length: int) -> list[int]:
+    """The completion a fixed rollout returns for `prompt_ids` at `step`, the prompt's copy number `copy`: 1 to
+    `max_length` token ids from `vocab`, drawn by a generator seeded from those three alone."""
+    seed = hash((tuple(prompt_ids), step, copy)) & 0x7FFFFFFF  # tuples of ints hash the same in every process
+    generator = torch.Generator().manual_seed(seed)
+    length = int(torch.randint(1, max_length + 1, (1,), generator=generator))
+    return (torch.randint(vocab.start, vocab.stop, (length,), generator=generator)).tolist()
 
 
 class GradientScale:

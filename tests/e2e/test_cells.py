@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 
 from hfdist.config.cells import DENSE_MODELS, Cell, accepted_cells
-from hfdist.train.injected_faults import GRAD_SCALE_ENV
+from hfdist.train.injected_faults import FIXED_COMPLETIONS_ENV, GRAD_SCALE_ENV
 
 from helpers import GRAD_NORM_RTOL, run_cases, side_by_side
 
@@ -47,6 +47,7 @@ LONG = ["--seq-len", "512", "--global-batch-size", "4"]
 # numerics -> (loss, first step's gradient norm, later steps' gradient norms): see the module docstring.
 RTOL = {"fp32": (1e-5, *GRAD_NORM_RTOL), "bf16": (2e-2, 2e-2, 2e-2), "fp8": (1e-3, 1e-2, 1e-2),
         "compile": (1e-4, 1e-4, 1e-4)}
+REWARD_ATOL = 1e-5
 # Faults planted in a cell's run (hfdist.train.injected_faults), which the comparison above must catch: rank 0's
 # expert gradients doubled (an expert-parallel reduction that counts one rank's experts twice), and every rank's
 # gradients halved on context parallelism (a wrong average over dp x cp). Under Adam, after clipping at 1.0, neither
@@ -62,10 +63,24 @@ MESH_RUNGS = ("fsdp_full_shard", "pp", "fsdp_tp", "3d")
 ARCH_CELLS = [c for c in CELLS if c.rung in MESH_RUNGS and c.model in DENSE_MODELS[1:]]
 
 
+def base_args(cell: Cell) -> list[str]:
+    """BASE for `cell`: without the held-out rows for another objective than SFT (it reports its own series)."""
+    if not cell.objective:
+        return BASE
+    at = BASE.index("--eval-fraction")
+    return BASE[:at] + BASE[at + 2:]
+
+
+def objective_env(cell: Cell) -> dict[str, str]:
+    """The environment a cell (or reference) runs in: a GRPO cell's rollouts return fixed completions
+    (hfdist.train.injected_faults), as sampling draws from each rank's own random stream."""
+    return {FIXED_COMPLETIONS_ENV: "1"} if cell.option == "grpo" else {}
+
+
 def cell_args(cell: Cell, nvme: Path) -> list[str]:
     """The job's command line for `cell` (its reference's for a single-process cell)."""
     extra = ["--nvme-path", str(nvme)] if cell.rung == "zero3_offload_nvme" else []
-    return [*BASE, *(LONG if cell.long_context else []), *cell.layout_args(), *cell.option_args(), *extra]
+    return [*base_args(cell), *(LONG if cell.long_context else []), *cell.layout_args(), *cell.option_args(), *extra]
 
 
 def world_size(cell: Cell) -> int:
@@ -102,10 +117,10 @@ def cells(request, tmp_path_factory) -> dict[str, dict]:
     for ref, long in sorted(references, key=lambda r: (r[0].name, r[1])):
         key = f"{ref.name}{'@512' if long else ''}"
         by_world[1].append({"id": key, "output_dir": str(root / key.replace("/", "-")),
-                            "args": [*BASE, *(LONG if long else []), *ref.option_args()]})
+                            "args": [*base_args(ref), *(LONG if long else []), *ref.option_args()], "env": objective_env(ref)})
     for cell in selected:
         by_world[world_size(cell)].append({"id": cell.name, "output_dir": str(root / cell.name.replace("/", "-")),
-                                           "args": cell_args(cell, nvme)})
+                                           "args": cell_args(cell, nvme), "env": objective_env(cell)})
     for name in planted:
         cell, fault = PLANTED[name]
         by_world[world_size(cell)].append({"id": name, "output_dir": str(root / name.replace("/", "-")),
@@ -129,17 +144,25 @@ def _numerics(cell: Cell, summary: dict) -> str:
 
 def mismatches(got: dict, ref: dict, rtol: tuple[float, float, float]) -> list[str]:
     """What differs between two summaries beyond `rtol` (RTOL's triple): each step's loss and gradient norm, the eval
-    loss."""
+    loss (SFT), the objective's series of rewards (DPO's implicit rewards, GRPO's reward: the same completions
+    scored the same)."""
     found = []
-    pairs = {"loss": (got["losses"], ref["losses"]), "grad_norm": (got["grad_norms"], ref["grad_norms"]),
-             "eval_loss": ([got["eval"]["loss"]], [ref["eval"]["loss"]])}
+    pairs = {"loss": (got["losses"], ref["losses"]), "grad_norm": (got["grad_norms"], ref["grad_norms"])}
+    if got["objective"]["name"] == "sft":
+        pairs["eval_loss"] = ([got["eval"]["loss"]], [ref["eval"]["loss"]])
+    for name in ("rewards/margins", "reward"):
+        if name in got["objective"]["series"]:
+            pairs[name] = (got["objective"]["series"][name], ref["objective"]["series"][name])
     for what, (a, b) in pairs.items():
         if len(a) != len(b):
             found.append(f"{what}: {len(a)} values vs {len(b)}")
             continue
         for step, (x, y) in enumerate(zip(a, b), 1):
             tol = rtol[0] if what != "grad_norm" else rtol[1] if step == 1 else rtol[2]
-            if x is None or y is None or not math.isclose(x, y, rel_tol=tol):
+            # An objective's rewards are differences of sequence log-probabilities (hundreds of nats, each summed in
+            # fp32 to ~1e-5 of a nat): near zero, they are held to that absolute error, not a relative one.
+            floor = REWARD_ATOL if what in ("rewards/margins", "reward") else 0.0
+            if x is None or y is None or not math.isclose(x, y, rel_tol=tol, abs_tol=floor):
                 found.append(f"{what} at step {step}: {x} vs {y} (rel {abs(x - y) / abs(y):.2e} > {tol:g})"
                              if x is not None and y is not None else f"{what} at step {step}: {x} vs {y}")
     return found
@@ -165,6 +188,7 @@ def _assert_in_effect(cell: Cell, summary: dict) -> None:
     strategy, rung = summary["strategy"], load_rung(cell.rung)
     assert strategy["name"] == cell.rung
     assert strategy["lora"] == (cell.option in ("lora", "qlora")) and strategy["qlora"] == (cell.option == "qlora")
+    assert summary["objective"]["name"] == (cell.option if cell.objective else "sft")
     if cell.option == "ep":
         assert strategy["ep"] == (4 if cell.rung == "fsdp_ep" else 2)
     if cell.option.startswith("cp:"):

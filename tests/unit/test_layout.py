@@ -103,6 +103,7 @@ LAYERS = (
     {"callbacks"},  # Trainer callbacks (any HF Trainer): per-rank metrics, progress, W&B
     {"train", "report"},  # hfdist's Trainer; comparison reports (they read the W&B sink)
     {"api"},  # the strategies in a user's own script: strategy, prepared model, strategy-aware Trainer
+    {"objectives"},  # DPO and GRPO: TRL's trainers through the api, their data, rewards and refusals
     {"job", "tune"},  # a run: launch, preflight, phases, summary (the api's thinnest user); hfdist tune: probes of runs
     {"cli"},  # the `hfdist` command
 )

@@ -282,22 +282,43 @@ def test_lora_freezes_the_base():
 
 
 def test_dpo_counts_the_reference_model_sharded_like_the_policy():
-    """`hfdist plan --dpo`: a frozen fp32 copy of the weights beside the policy (DeepSpeed: its bf16), sharded as the
+    """`hfdist plan --objective dpo`: a frozen fp32 copy of the weights beside the policy (DeepSpeed: its bf16), sharded as the
     policy is; none under LoRA (the base with the adapters off); pipeline rungs cannot run it; the command is the
-    DPO example's."""
+    job's with --objective dpo."""
     config = load_config("llama-3.1-8b")
     p = ModelShape.from_config(config).total_params
     rungs = ["ddp", "zero3", "fsdp_full_shard", "fsdp_tp", "pp"]
     kw = dict(gpus_per_node=8, gpu_mem_bytes=H100)
-    plain, dpo = (plan_rungs(config, rungs, reference_model=ref, **kw) for ref in (False, True))
+    plain, dpo = (plan_rungs(config, rungs, objective=objective, **kw) for objective in ("sft", "dpo"))
     extra = {r.name: _rung(dpo, r.name).bytes.weights - r.bytes.weights for r in plain.rungs if r.name != "pp"}
     assert extra["ddp"] == 4 * p and extra["zero3"] == pytest.approx(2 * p / 8, abs=1)
     assert extra["fsdp_full_shard"] == pytest.approx(4 * p / 8, abs=1)
     assert _rung(dpo, "pp").bytes is None and "pipeline stages" in _rung(dpo, "pp").note
-    assert _rung(dpo, "fsdp_tp").command.startswith("torchrun --nproc-per-node 8 examples/dpo_trl.py --config fsdp_tp")
-    lora = [plan_rungs(config, rungs[:-1], lora=True, reference_model=ref, **kw).rungs for ref in (False, True)]
+    assert _rung(dpo, "fsdp_tp").command.startswith("accelerate launch scripts/finetune.py --config fsdp_tp.yaml")
+    assert "--objective dpo" in _rung(dpo, "fsdp_tp").command
+    lora = [plan_rungs(config, rungs[:-1], lora=True, objective=objective, **kw).rungs for objective in ("sft", "dpo")]
     assert [r.bytes.weights for r in lora[0]] == [r.bytes.weights for r in lora[1]]
     assert any("reference" in line for line in dpo.assumptions())
+
+
+def test_grpo_counts_the_rollouts_kv_cache_or_the_steps_completion_logits():
+    """`hfdist plan --objective grpo`: a rank's activations are the larger of its rollout's KV cache (its share of the
+    step's completions, kv heads over tp) and the step's, the last stage's completion logits in the compute dtype and
+    fp32 on top; the rungs the table refuses GRPO on are left out with its reason."""
+    config = load_config("llama-3.1-8b")
+    shape = ModelShape.from_config(config)
+    kw = dict(gpus_per_node=8, gpu_mem_bytes=H100, seq=2048, micro_batch=1)
+    sft = _rung(plan_rungs(config, ["fsdp_full_shard"], global_batch=64, **kw), "fsdp_full_shard").bytes
+    grpo = plan_rungs(config, ["fsdp_full_shard", "fsdp_tp", "pp"], global_batch=64, objective="grpo",
+                      completion_len=1024, generations=8, **kw)
+    full = _rung(grpo, "fsdp_full_shard")
+    kv = 8 * 2048 * shape.layers * 2 * shape.kv_heads * shape.head_dim * 2  # 64 completions over 8 dp ranks, bf16
+    logits = 1 * 1024 * shape.vocab * (2 + 4)
+    assert full.bytes.activations == max(sft.activations + logits, kv)
+    assert "--objective grpo --num-generations 8 --max-completion-length 1024" in full.command
+    for refused in ("fsdp_tp", "pp"):
+        assert _rung(grpo, refused).bytes is None and "--objective grpo does not run" in _rung(grpo, refused).note
+    assert any("GRPO: the larger of the rollout" in line for line in grpo.assumptions())
 
 
 def test_activation_checkpointing_and_batch_scale_activations():

@@ -71,3 +71,23 @@ def test_later_gradient_norms_get_adams_rounding_room_and_no_more():
     assert not same_math(run, first, "fp32")
     assert not same_math(run, {"losses": [LOSSES[0], LOSSES[1] * (1 + 3e-5), LOSSES[2]], "grad_norms": NORMS}, "fp32")
     assert not same_math(run, {"losses": LOSSES, "grad_norms": [NORMS[0], NORMS[1] * (1 + 2e-4), NORMS[2]]}, "fp32")
+
+
+def test_an_objectives_rows_are_named_and_noted_with_its_figures(tmp_path):
+    """`hfdist compare --objective grpo`: each row's strategy says the objective, and the matrix's note gives each
+    run's reward and rollout rate over its last quarter of steps."""
+    from hfdist.report.matrix import load_rows, objective_note
+
+    paths = []
+    for name, reward in (("ddp", 0.5), ("zero3", 0.25)):
+        summary = _summary(name, NORMS)
+        summary["objective"] = {"name": "grpo", "series": {"reward": [0.0, 0.0, 0.0, reward],
+                                                           "rollout_seconds": [1.0] * 4,
+                                                           "rollout_tokens_per_s": [100.0] * 4}}
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(summary))
+    rows = load_rows(paths)
+    assert [r["strategy"] for r in rows] == ["ddp+grpo", "zero3+grpo"]
+    note = objective_note("grpo", rows, paths)
+    assert "ddp+grpo: reward 0.500, rollout 1.00 s at 100 completion tokens/s" in note
+    assert "zero3+grpo: reward 0.250" in note
