@@ -111,10 +111,10 @@ def render_summary() -> str:
             column = "cp" if cell.option.startswith("cp:") else cell.option
             options[cell.rung, column] = options.get((cell.rung, column), False) or verdict is True
     columns = [("plain", "full"), ("lora", "LoRA"), ("qlora", "QLoRA"), ("fp8", "FP8"), ("compile", "compile"),
-               ("bf16", "bf16"), ("moe", "MoE"), ("ep", "`--ep`"), ("cp", "cp")]
+               ("dpo", "DPO"), ("grpo", "GRPO"), ("bf16", "bf16"), ("moe", "MoE"), ("ep", "`--ep`"), ("cp", "cp")]
     intro = ("What each rung takes, from the rung table (hfdist/config/rungs.py): every `yes` is a combination "
              "`tests/e2e/test_cells.py` trains for 3 steps through the job against one process (losses, gradient "
-             "norms, eval loss); every `no` is refused before launch, for the reason "
+             "norms, eval loss or rewards); every `no` is refused before launch, for the reason "
              "[docs/ladder.md](docs/ladder.md#what-each-rung-takes) gives. Dense architectures: "
              f"{', '.join(m.removesuffix('-tiny') for m in DENSE_MODELS)}; MoE: "
              f"{', '.join(m.removesuffix('-tiny') for m in MOE_MODELS)}.")
