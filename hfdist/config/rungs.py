@@ -35,6 +35,9 @@ _OBJECTIVE_PP = ("the objective compares whole sequences' log-probabilities, and
                  "the last stage's token cross-entropy")
 _GRPO_TP = ("on fixed completions its losses equal one process's but its gradient norms do not (1-2% apart at dp 2 x tp "
             "2 on a tiny Qwen3), a difference hfdist has not found yet")
+_OBJECTIVE_EP = ("TRL's loss adds the router's load-balancing loss from each rank's own batch, where hfdist's pools it "
+                 "over the global batch: GRPO on fixed completions came 1e-4 off one process in the loss and 1e-3 in "
+                 "the gradient norm on a tiny Qwen3-MoE at ep 2")
 _OBJECTIVE_CP = ("context parallelism splits each sequence over cp ranks, while the objective scores whole sequences "
                  "(and GRPO generates them); not built")
 
@@ -196,7 +199,7 @@ RUNG_INFO: dict[str, RungInfo] = {
                         "an MoE model whose experts' all-gathers dominate or do not fit; ep inside a node",
                         "--model qwen3-moe-tiny --ep 2",
                         plan_order=46, compile=_COMPILE_EP, fp8=_FP8_EP, qlora=_QLORA_EP, e2e="moe",
-                        moe=True, takes_ep=True, dense=_DENSE_EP),
+                        moe=True, takes_ep=True, dense=_DENSE_EP, dpo=_OBJECTIVE_EP, grpo=_OBJECTIVE_EP),
     "fsdp_offload": RungInfo(6, "the model exceeds the GPUs' memory even sharded, e.g. QLoRA of 70B on 2 x 24 GB",
                              "params + grads + optimizer state sharded over ranks and kept in CPU RAM (FSDP2 CPU "
                              "offload); each layer's shards copied to the GPU as it runs",

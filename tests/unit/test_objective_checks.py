@@ -45,8 +45,10 @@ def test_layouts_that_cannot_hold_the_objective_are_refused_with_why(rung):
             _check(rung, objective=objective)
 
 
-def test_a_layout_not_yet_verified_is_refused():
-    with pytest.raises(ConfigError, match="--objective grpo does not run on fsdp_ep: hfdist has not trained"):
+def test_a_layout_not_yet_verified_or_not_the_same_math_is_refused():
+    with pytest.raises(ConfigError, match="--objective dpo does not run on zero1: hfdist has not trained"):
+        _check("zero1", objective="dpo")
+    with pytest.raises(ConfigError, match="--objective grpo does not run on fsdp_ep: TRL's loss adds the router's"):
         _check("fsdp_ep", objective="grpo", model="qwen3-moe-tiny")
 
 
