@@ -70,6 +70,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help=f"GRPO: completions per prompt (default {FinetuneConfig.num_generations})")
     p.add_argument("--max-completion-length", type=int, default=256, metavar="L",
                    help="GRPO: tokens of each completion, part of --seq (default 256)")
+    p.add_argument("--rollout-gather", choices=("layer", "once"), default="layer",
+                   help="GRPO on FSDP2 rungs, as `hfdist finetune --rollout-gather`: once counts the whole model "
+                        "gathered in the compute dtype during the rollout (default layer)")
     p.add_argument("--dtype", choices=DTYPES, default=d.dtype, help=f"training precision (default {d.dtype})")
     p.add_argument("--fp8", nargs="?", const=FP8_RECIPES[0], default=d.fp8, choices=FP8_RECIPES, metavar="RECIPE",
                    help="decoder projections in float8, as `hfdist finetune --fp8` (tensorwise, the default, or "
@@ -102,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
         fp8=args.fp8,
         objective=args.objective, generations=args.num_generations,
         completion_len=args.max_completion_length if args.objective == "grpo" else 0,
+        rollout_gather=args.rollout_gather,
     )
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan.table())
     if plan.recommended is None:

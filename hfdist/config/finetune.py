@@ -244,6 +244,12 @@ class FinetuneConfig:
     max_completion_length: int = option(
         16, "GRPO: most tokens a sampled completion has (default {default}).", group=OBJECTIVE, type=positive_int,
         metavar="L")
+    rollout_gather: str = option(
+        "layer", "GRPO on a rung whose FSDP2 shards the model: layer (default) generates as training runs, each "
+        "layer all-gathered for every generated token; once all-gathers the whole model once per rollout and "
+        "generates on it (far fewer collectives; the whole model in the compute dtype held on every rank meanwhile: "
+        "`hfdist plan --objective grpo --rollout-gather once` counts it).", group=OBJECTIVE,
+        choices=("layer", "once"))
     beta: float | None = option(
         None, "DPO: the preference loss's temperature (TRL's default 0.1). GRPO trains without a KL term (0, TRL's "
         "default); a KL coefficient above 0 is refused, as its reference model is not sharded yet.", group=OBJECTIVE,

@@ -146,6 +146,7 @@ class Run:
     load: dict[str, float]
     sources: list[dict[str, Any]]  # each training source's name, rows and label tokens (hfdist.data.preparation)
     objective: str  # sft, dpo or grpo
+    rollout_gather: str | None  # GRPO on FSDP2: "layer" or "once" (--rollout-gather); None elsewhere
 
     def record(self, diverged: Diverged | None = None) -> RunRecord:
         """What the summary reports of this run, once it has trained (or stopped at a non-finite step: `diverged`,
@@ -161,7 +162,8 @@ class Run:
                          best_step=self.losses.best_step, sources=self.sources,
                          checkpoints=self.trainer.checkpoint_costs,
                          checkpoint_contents=self.trainer.checkpoint_contents(),
-                         objective={"name": self.objective, "series": self.losses.series})
+                         objective={"name": self.objective, "series": self.losses.series,
+                                    "rollout_gather": self.rollout_gather})
 
 
 def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch: CollectiveWatch) -> Run:
@@ -256,7 +258,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     else:
         from hfdist.objectives.trainer import objective_inputs, objective_trainer_class
 
-        trainer = strategy_trainer(objective_trainer_class(cfg.objective), chosen)(
+        trainer = strategy_trainer(objective_trainer_class(cfg.objective, cfg.rollout_gather == "once"), chosen)(
             **common, **objective_inputs(cfg, chosen, tokenizer, attention))
     trainer.gradient_hooks += injected_faults(int(os.environ.get("RANK", "0")), rung.name)  # tests only: HFDIST_INJECT_*
     trainer.remove_callback(ProgressCallback)
@@ -266,7 +268,8 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
 
         trainer.generation = job_generation(cfg.eval_prompts, cfg.eval_max_new_tokens, cfg.output_dir, tokenizer,
                                             held_out, sink.log_table)
-    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load, sources, cfg.objective)
+    gather = cfg.rollout_gather if cfg.objective == "grpo" and rung.owns_sharding and rung.fsdp is not None else None
+    return Run(trainer, dataset, strategy, losses, metrics, sink, flops_per_token, load, sources, cfg.objective, gather)
 
 
 def finetune(cfg: FinetuneConfig, entry: list[str], script_args: list[str]) -> int:

@@ -21,6 +21,10 @@ def check_objective(cfg: FinetuneConfig, rung: Rung) -> None:
     Raises:
         ConfigError: the combination; RewardError / DataError: a reward path or a dataset that cannot be used.
     """
+    if cfg.rollout_gather == "once" and not (cfg.objective == "grpo" and rung.owns_sharding and rung.fsdp is not None):
+        raise ConfigError(f"--rollout-gather once gathers an FSDP2-sharded model once per GRPO rollout; {rung.name} "
+                          f"with --objective {cfg.objective} has no such rollout. Drop it, or use --objective grpo on "
+                          "fsdp_full_shard or fsdp_hybrid.")
     if cfg.objective == "sft":
         if cfg.reward_funcs or cfg.beta is not None:
             raise ConfigError("--reward-funcs and --beta belong to --objective grpo / dpo; this job trains sft. Add "

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from hfdist.config.finetune import FinetuneConfig
 
 __all__ = ["SERIES", "objective_trainer_class", "objective_arguments", "objective_inputs", "RolloutFiguresMixin",
-           "FixedCompletionsMixin"]
+           "FixedCompletionsMixin", "WholeModelRolloutMixin"]
 
 # What the summary keeps per step of each objective, besides the loss and the gradient norm: TRL's own logs, and the
 # rollout figures RolloutFiguresMixin adds.
@@ -61,8 +61,9 @@ class RolloutFiguresMixin:
                 "rollout_tokens_per_s": t["tokens"] / t["seconds"] if t["seconds"] else None}
 
 
-def objective_trainer_class(objective: str) -> type:
-    """TRL's trainer for `objective` ("dpo", "grpo"), GRPO's with its rollouts timed (RolloutFiguresMixin)."""
+def objective_trainer_class(objective: str, whole_model_rollouts: bool = False) -> type:
+    """TRL's trainer for `objective` ("dpo", "grpo"), GRPO's with its rollouts timed (RolloutFiguresMixin) and, with
+    `whole_model_rollouts`, generating on the model gathered once (WholeModelRolloutMixin)."""
     if objective == "dpo":
         from trl import DPOTrainer
 
@@ -74,7 +75,9 @@ def objective_trainer_class(objective: str) -> type:
     from hfdist.train.injected_faults import FIXED_COMPLETIONS_ENV
 
     fixed = (FixedCompletionsMixin,) if os.environ.get(FIXED_COMPLETIONS_ENV) else ()
-    return type("GRPOTrainer", (*fixed, RolloutFiguresMixin, GRPOTrainer), {"__module__": GRPOTrainer.__module__})
+    whole = (WholeModelRolloutMixin,) if whole_model_rollouts else ()
+    return type("GRPOTrainer", (*fixed, *whole, RolloutFiguresMixin, GRPOTrainer),
+                {"__module__": GRPOTrainer.__module__})
 
 
 def objective_arguments(cfg: FinetuneConfig) -> tuple[type, dict[str, Any]]:
@@ -104,6 +107,18 @@ def objective_inputs(cfg: FinetuneConfig, strategy, tokenizer, attention: str) -
 
     return {"ref_model": prepare_model(strategy, cfg.model, tokenizer=tokenizer, seed=cfg.seed, trainable=False,
                                        attn_implementation=attention)}
+
+
+class WholeModelRolloutMixin:
+    """--rollout-gather once (hfdist.config.finetune): on a rung whose FSDP2 shards the model, each rollout's
+    `generate` runs on the model all-gathered once (hfdist.parallel.fsdp.gathered_whole) instead of gathering every
+    layer for every generated token; the whole model is held on each rank meanwhile."""
+
+    def _generate_single_turn(self, *args, **kwargs):
+        from hfdist.parallel.fsdp import gathered_whole
+
+        with gathered_whole(self.model, self.rung.fsdp.reshard_after_forward):
+            return super()._generate_single_turn(*args, **kwargs)
 
 
 class FixedCompletionsMixin:

@@ -6,12 +6,16 @@ silently runs DDP on CPU, and the same code path on CPU and GPU is what makes th
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from hfdist.errors import HfdistError
 
 __all__ = ["FsdpError", "apply_fsdp", "fsdp_unit_class", "find_layers", "is_instance_of_named", "fsdp_units",
+           "gathered_whole",
            "fsdp_policy", "fsdp_compute_dtype"]
 
 
@@ -125,3 +129,24 @@ def fsdp_compute_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype FSDP2's policy computes `model`'s units in (None: no FSDP2 unit, or no cast)."""
     units = fsdp_units(model)
     return fsdp_policy(units[0]).param_dtype if units else None
+
+
+@contextlib.contextmanager
+def gathered_whole(model: nn.Module, reshard_after_forward: bool) -> Iterator[None]:
+    """`model`'s FSDP2 units all-gathered once and kept whole inside the block (generation: every token's forward
+    would otherwise gather every layer again), resharded on leaving it, each unit's resharding after forward put back
+    as apply_fsdp set it (`reshard_after_forward` for the inner units, never for the root). The whole model is held
+    on every rank meanwhile, in the units' compute dtype. No FSDP2 unit: nothing happens."""
+    units = fsdp_units(model)
+    if not units:
+        yield
+        return
+    for unit in units:
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard_after_forward and unit is not units[0], recurse=False)

@@ -117,6 +117,7 @@ class Workload:
     generations: int = 4
     completion_len: int = 0
     rollout_batch: int | None = None
+    rollout_gather: str = "layer"  # "once": the whole model gathered for each rollout (--rollout-gather)
     cp_method: str = "auto"  # --cp-method: how cp ranks split attention (hfdist.plan.context_bytes: its costs)
     # What every rank holds besides the training state: a GPU's CUDA context and library workspaces (the 1 GiB
     # default); what hfdist tune measures a step to need beyond its tensors on this machine.
@@ -348,8 +349,9 @@ def _stage_bytes(shape: ModelShape, rung: Rung, dims: ParallelDims, w: Workload,
     activations += max(in_backward, head)
     if w.objective == "grpo":  # the rollout (states held, no activations) or the step, whichever holds more
         completions = -(-(w.rollout_batch or w.micro_batch * dims.dp) // dims.dp)  # a dp rank's share of the step
+        whole = params * elem if w.rollout_gather == "once" and fsdp else 0  # beside the shard it gathered from
         activations = max(activations + (completion_logits_bytes(shape, dims, w, elem) if last else 0),
-                          rollout_kv_bytes(shape, dims, w, elem, completions, layers))
+                          rollout_kv_bytes(shape, dims, w, elem, completions, layers) + whole)
 
     # A gathered layer's weights in their stored dtype under QLoRA: 4-bit projections, the rest in the compute dtype.
     layer_stored = ((layer - shape.layer_matmul_params / tp) * pb.weight + shape.layer_packed_bytes / tp

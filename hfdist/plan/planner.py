@@ -51,6 +51,7 @@ def _command(layout: Layout, model: str, w: Workload) -> str:
         parts += ["--objective", w.objective]
     if w.objective == "grpo":
         parts += ["--num-generations", str(w.generations), "--max-completion-length", str(w.completion_len)]
+        parts += ["--rollout-gather", "once"] if w.rollout_gather == "once" else []
     if w.lora:
         parts += ["--qlora" if w.qlora else "--lora", "--lora-r", str(w.lora_r)]
     parts += ["--seq-len", str(w.seq), *flags[4:]]
@@ -229,10 +230,10 @@ def _find_fix(ctx: _Context, rungs: list[Rung], pins: Pins, global_batch: int | 
 
 def _workload(seq, micro_batch, lora, lora_r, qlora, lora_targets, activation_checkpointing, dtype,
               bytes_per_param_adam, loss_chunk_size, attention, fp8, objective, generations, completion_len,
-              rollout_batch) -> Workload:
+              rollout_batch, rollout_gather) -> Workload:
     return Workload(seq, micro_batch or 1, lora, lora_r, qlora, tuple(lora_targets), bool(activation_checkpointing),
                     dtype, bytes_per_param_adam, loss_chunk_size, attention, fp8, objective, generations,
-                    completion_len, rollout_batch)
+                    completion_len, rollout_batch, rollout_gather)
 
 
 def _check_cluster(gpus_per_node, nodes, gpu_mem_bytes) -> None:
@@ -271,6 +272,7 @@ def plan_rungs(
     objective: str = "sft",
     generations: int = 4,
     completion_len: int = 0,
+    rollout_gather: str = "layer",
     hardware: Hardware = NOMINAL_HARDWARE,
 ) -> Plan:
     """Plan every rung for `config` on `nodes` x `gpus_per_node` GPUs of `gpu_mem_bytes` each.
@@ -287,7 +289,8 @@ def plan_rungs(
         model: the --model value, used in the launch commands.
         objective: sft, dpo (a frozen reference beside the policy) or grpo (the rollout's KV cache of `seq`-token
             sequences, `completion_len` of them completion, and the completion logits; global_batch counts
-            completions, `generations` a prompt); the layouts the rung table refuses the objective are left out.
+            completions, `generations` a prompt; rollout_gather "once": the whole model gathered on FSDP2 rungs
+            during the rollout); the layouts the rung table refuses the objective are left out.
         hardware: the rates the cost model predicts step times with (default: nominal H100 figures).
         Others: see Workload and the module docstring.
 
@@ -303,7 +306,7 @@ def plan_rungs(
     _check_cluster(gpus_per_node, nodes, gpu_mem_bytes)
     w = _workload(seq, micro_batch, lora, lora_r, qlora, lora_targets, activation_checkpointing, dtype,
                   bytes_per_param_adam, loss_chunk_size, attention, fp8, objective, generations, completion_len,
-                  global_batch)
+                  global_batch, rollout_gather)
     pins = Pins(tp=tp, pp=pp, cp=cp, micro_batch=micro_batch, activation_checkpointing=activation_checkpointing,
                 cp_method=cp_method)
     if global_batch is not None and (not isinstance(global_batch, int) or global_batch < 1):

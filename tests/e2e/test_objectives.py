@@ -1,7 +1,8 @@
 """`hfdist finetune --objective grpo` end to end on the embedded task (the arithmetic prompts and their rewards): one
 process, 40 steps on the tiny Llama, as a user runs it; the mean reward rises, each step reports its reward and its
-rollouts (seconds, completion tokens per second), and the rank record totals them. A pipeline rung is refused
-before any process starts, in one paragraph.
+rollouts (seconds, completion tokens per second), and the rank record totals them. On fsdp_full_shard, generating
+on the model gathered once per rollout (--rollout-gather once) samples the same completions as gathering each layer
+per token. A pipeline rung is refused before any process starts, in one paragraph.
 
 That DPO and GRPO are the same math on every rung that takes them is tests/e2e/test_cells.py's (the dpo and grpo
 cells, GRPO on fixed completions); the refusals' reasons are tests/unit/test_objective_checks.py's.
@@ -13,7 +14,7 @@ import sys
 
 import pytest
 
-from helpers import FINETUNE, finetune, run_cmd
+from helpers import FINETUNE, finetune, finetune_all, run_cmd
 
 pytestmark = pytest.mark.multiproc
 
@@ -42,6 +43,26 @@ def test_every_step_reports_its_rollouts(grpo):
     (rank,) = grpo["ranks"]
     assert rank["rollouts"] == 40 and rank["rollout_tokens"] > 0
     assert rank["rollout_seconds"] == pytest.approx(sum(series["rollout_seconds"]), rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def gathers(tmp_path_factory) -> dict[str, dict]:
+    """GRPO on fsdp_full_shard (2 ranks, 4 steps, sampling): generation with each layer gathered per token, and with
+    the model gathered once per rollout."""
+    root = tmp_path_factory.mktemp("gathers")
+    return finetune_all({g: (root / g, (*GRPO_ARGS, "--config", "fsdp_full_shard", "--max-steps", "4",
+                                        "--global-batch-size", "8", "--rollout-gather", g), {})
+                         for g in ("layer", "once")})
+
+
+def test_gathering_the_model_once_per_rollout_samples_the_same_completions(gathers):
+    """The same logits, so the same sampled completions (each rank's random stream is the same in both runs): equal
+    losses, gradient norms and rewards, whichever way the rollout gathered the weights."""
+    layer, once = gathers["layer"], gathers["once"]
+    assert layer["objective"]["rollout_gather"] == "layer" and once["objective"]["rollout_gather"] == "once"
+    assert once["losses"] == pytest.approx(layer["losses"], rel=1e-6, abs=1e-9)
+    assert once["grad_norms"] == pytest.approx(layer["grad_norms"], rel=1e-6)
+    assert once["objective"]["series"]["reward"] == layer["objective"]["series"]["reward"]
 
 
 def test_a_pipeline_rung_is_refused_before_any_process_starts(tmp_path):

@@ -60,10 +60,17 @@ def test_a_layout_not_yet_verified_or_not_the_same_math_is_refused():
     ({"objective": "grpo", "beta": 0.04}, "a KL term needs a frozen reference model"),
     ({"objective": "dpo", "reward_funcs": ("m:f",)}, "--reward-funcs scores GRPO's completions"),
     ({"reward_funcs": ("m:f",)}, "belong to --objective grpo / dpo"),
+    ({"objective": "dpo", "rollout_gather": "once"}, "--rollout-gather once gathers an FSDP2-sharded model"),
 ])
 def test_combinations_not_run_are_refused(settings, says):
     with pytest.raises(ConfigError, match=says):
         _check(**settings)
+
+
+def test_whole_model_rollouts_need_grpo_on_a_rung_fsdp2_shards():
+    _check("fsdp_full_shard", objective="grpo", rollout_gather="once")
+    with pytest.raises(ConfigError, match="zero3 with --objective grpo has no such rollout"):
+        _check("zero3", objective="grpo", rollout_gather="once")
 
 
 def test_the_embedded_defaults_and_a_users_rows(tmp_path):

@@ -316,6 +316,11 @@ def test_grpo_counts_the_rollouts_kv_cache_or_the_steps_completion_logits():
     logits = 1 * 1024 * shape.vocab * (2 + 4)
     assert full.bytes.activations == max(sft.activations + logits, kv)
     assert "--objective grpo --num-generations 8 --max-completion-length 1024" in full.command
+    once = _rung(plan_rungs(config, ["fsdp_full_shard"], global_batch=64, objective="grpo", completion_len=1024,
+                            generations=8, rollout_gather="once", **kw), "fsdp_full_shard")
+    params = shape.total_params  # one stage, no tp: the whole model gathered in bf16 beside the rollout's cache
+    assert once.bytes.activations == max(sft.activations + logits, kv + 2 * params)
+    assert "--max-completion-length 1024 --rollout-gather once" in once.command
     for refused in ("fsdp_tp", "pp"):
         assert _rung(grpo, refused).bytes is None and "--objective grpo does not run" in _rung(grpo, refused).note
     assert any("GRPO: the larger of the rollout" in line for line in grpo.assumptions())
