@@ -41,14 +41,11 @@ def _datasets(root: Path) -> dict[str, Path]:
     """A messages JSONL (hfdist's embedded conversations) and a prompt / chosen / rejected JSONL made from their
     exchanges (the rejected answer is another question's)."""
     from hfdist.data import load_raw_dataset
+    from hfdist.objectives.data import preference_pairs
 
     rows = load_raw_dataset(None).select(range(200))
     (root / "chats.jsonl").write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in rows))
-    pairs = [(turns[i]["content"], turns[i + 1]["content"]) for r in rows
-             for turns in [[t for t in r["messages"] if t["role"] != "system"]]
-             for i in range(0, len(turns) - 1, 2) if turns[i]["role"] == "user"][:96]
-    lines = [{"prompt": q + "\n", "chosen": a, "rejected": pairs[(i + 7) % len(pairs)][1]}
-             for i, (q, a) in enumerate(pairs)]
+    lines = preference_pairs(rows, limit=96)  # the pairs `hfdist finetune --objective dpo` trains on by default
     (root / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in lines))
     return {"sft": root / "chats.jsonl", "dpo": root / "pairs.jsonl"}
 
