@@ -21,7 +21,7 @@ suite's own code (parts, resume, baselines, report) runs in the test suite that 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 __all__ = ["ATTENTION_BACKENDS", "FIRST_PART_S", "LADDER", "Cell", "Shape", "GPU", "DRY_RUN", "suite_cells"]
 
@@ -72,7 +72,6 @@ class Cell:
     checkpointing: bool = False
     estimate_s: int = 0
     notes: tuple[str, ...] = field(default=())
-    completion_len: int = 0  # a GRPO cell's --max-completion-length (the planner counts its rollout)
 
 
 def _hfdist(shape: Shape, name: str, seq: int, *args: str, model: str | None = None, lora: bool = False,
@@ -89,8 +88,7 @@ def _hfdist(shape: Shape, name: str, seq: int, *args: str, model: str | None = N
 LADDER = {"ladder-data-parallel": ("ddp", "zero2", "fsdp_full_shard", "zero3"),
           "ladder-model-parallel": ("pp", "fsdp_tp", "3d"),
           "ladder-fp8": ("fsdp_full_shard", "fsdp_tp", "3d")}
-LADDER_RUNG_S = 90
-GRPO_COMPLETION = 256  # tokens a GRPO cell's completion may have  # one rung's world: start-up, the 1B model, the steps, its save
+LADDER_RUNG_S = 90  # one rung's world: start-up, the 1B model, the steps, its save
 
 
 def suite_cells(shape: Shape, gpus: int, dry_run: bool, attention: bool, long_needs_checkpointing: bool,
@@ -125,11 +123,6 @@ def suite_cells(shape: Shape, gpus: int, dry_run: bool, attention: bool, long_ne
     if not dry_run:
         new_work.append(_hfdist(shape, f"full-{short}-eval-prompts", short, "--eval-fraction", "0.02",
                                 "--eval-prompts", "4", "--eval-max-new-tokens", "32", scale=1.5))
-        # GRPO on the embedded arithmetic task: rollouts of 256 tokens by transformers' generate on one GPU (the
-        # step's 4 completions, one prompt), their seconds and tokens/s beside the update's (docs/objectives.md).
-        new_work.append(replace(_hfdist(shape, f"grpo-{GRPO_COMPLETION}", short, "--objective", "grpo",
-                                        "--max-completion-length", str(GRPO_COMPLETION), scale=2),
-                                completion_len=GRPO_COMPLETION))
     cells = [*headline, *new_work, Cell(f"trl-sft-{short}", "trl", (), short, shape.model, estimate_s=shape.estimate_s)]
     if dry_run:
         return cells

@@ -50,9 +50,7 @@ def _planned(cell: Cell, shape: Shape, gpus: int, mem: int) -> dict | None:
     rung = "fsdp_full_shard" if "--config" in cell.args else "ddp"  # single: the planner's 1-process ddp
     plan = plan_rungs(load_config(cell.model), [load_rung(rung)], gpus_per_node=gpus if rung != "ddp" else 1,
                       gpu_mem_bytes=mem, seq=cell.seq, micro_batch=1, lora=cell.lora,
-                      activation_checkpointing=cell.checkpointing, dtype="bf16", fp8=cell.fp8, model=cell.model,
-                      objective="grpo" if cell.completion_len else "sft", completion_len=cell.completion_len,
-                      global_batch=shape.global_batch if cell.completion_len else None)
+                      activation_checkpointing=cell.checkpointing, dtype="bf16", fp8=cell.fp8, model=cell.model)
     found = plan.rungs[0]
     return {"bytes": found.bytes.total if found.bytes else None, "fits": found.fits}
 
