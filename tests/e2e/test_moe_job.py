@@ -1,15 +1,15 @@
 """The fsdp_ep rung end to end, as a user launches it: `scripts/finetune.py --config fsdp_ep --ep 2 --model
 qwen3-moe-tiny` on its YAML's 4 processes (each MoE layer's 8 experts split 4 + 4 over ep, FSDP2 over the other 2
-ranks; one of its 4 layers dense), against the single-process run of the same global batch: the logged losses (the
-router's aux loss over the global batch included), what each rank holds, the router load in the trackers, and the
-saved model, which transformers' from_pretrained loads with the trained model's loss (so its logits).
+ranks; one of its 4 layers dense): what each rank holds, the router load in the trackers, and the saved model, which
+transformers' from_pretrained loads with the trained model's loss (so its logits).
 
-The library-level exactness of every MoE layout (Mixtral, Llama 4, ep 4, tp x ep, LoRA) is checked in one gloo
-launch (tests/integration/test_moe_parallel.py); this module adds what only the job does: the hand-over to the
-rung's world, the Trainer's loss scaling and logging, the callbacks and the save.
-
-Tolerances as tests/e2e/test_finetune_ladder.py: fp32, 4 steps, rel 1e-5 (reduction order only; the library
-runs measure <= 1.4e-7 per step).
+The same layout's losses (the router's aux loss over the global batch included), gradient norms and eval loss against
+the single-process run of the same global batch, through the job's own path at the same tolerances (fp32: rel 1e-5;
+the later steps' gradient norms 5e-5), are the cell `fsdp_ep/plain/qwen3-moe-tiny` of tests/e2e/test_cells.py (its
+`fsdp_ep/ep/...` and `fsdp_ep/moe/...` cells: ep 4, Mixtral, Llama 4), so this module launches no single-process run of
+its own. The library-level exactness of every MoE layout (cross-entropy and aux loss apart, tokens per expert, the
+experts each rank holds) is checked in one gloo launch (tests/integration/test_moe_parallel.py); this module adds what
+only a launch of the job shows: the hand-over to the rung's world, the callbacks, the trackers and the save.
 """
 
 from __future__ import annotations
@@ -17,41 +17,35 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_same_grad_norms, check_batch, finetune_all, tensorboard_series
+from helpers import check_batch, finetune, tensorboard_series
 
 pytestmark = pytest.mark.multiproc
 
-LOSS_RTOL = 1e-5
+LOSS_RTOL = 1e-5  # the saved model's check-batch loss against the trained one's (as tests/e2e/test_finetune_ladder.py)
 MODEL = ("--model", "qwen3-moe-tiny")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, dict]:
-    """{"single" | "fsdp_ep": summary (+ "_dir")}, launched side by side."""
-    root = tmp_path_factory.mktemp("moe_job")
-    jobs = {"single": (root / "single", (*MODEL, "--report-to", "none"), {}),
-            "fsdp_ep": (root / "fsdp_ep", (*MODEL, "--config", "fsdp_ep", "--ep", "2", "--report-to", "tensorboard"),
-                        {})}
-    summaries = finetune_all(jobs)
-    for name, summary in summaries.items():
-        summary["_dir"] = jobs[name][0]
-    return summaries
+    """{"fsdp_ep": summary (+ "_dir")}."""
+    out = tmp_path_factory.mktemp("moe_job") / "fsdp_ep"
+    summary = finetune(out, *MODEL, "--config", "fsdp_ep", "--ep", "2", "--report-to", "tensorboard")
+    summary["_dir"] = out
+    return {"fsdp_ep": summary}
 
 
-def test_losses_equal_the_single_process(runs):
-    """Each step's loss (cross-entropy + router_aux_loss_coef x the aux loss over the global batch) is the single
-    process's."""
-    ref, got = runs["single"]["losses"], runs["fsdp_ep"]["losses"]
-    assert len(got) == len(ref) == 4
-    assert got == pytest.approx(ref, rel=LOSS_RTOL), f"fsdp_ep {got} vs single {ref}"
-    assert got[-1] < got[0]
-    assert_same_grad_norms(runs["fsdp_ep"], runs["single"], what="fsdp_ep")
+def test_it_trains(runs):
+    """Every step logged (the losses against one process: the cell fsdp_ep/plain/qwen3-moe-tiny), the loss falling."""
+    got, norms = runs["fsdp_ep"]["losses"], runs["fsdp_ep"]["grad_norms"]
+    assert len(got) == len(norms) == 4 and got[-1] < got[0], got
+    assert all(n is not None and n > 0 for n in norms), norms
 
 
 def test_the_layout_ran_and_each_rank_holds_a_quarter(runs):
     """dp_shard 4 with experts over ep 2: the summary records the degrees; every rank holds a quarter of the model's
     parameters (experts 4 of 8 per ep rank, halved again by FSDP2; the rest FSDP2 over 4), as the planner predicts."""
     from hfdist.config.ladder import load_rung
+    from hfdist.models.build import meta_model
     from hfdist.models.presets import load_config
     from hfdist.plan import predict_state_bytes
 
@@ -61,8 +55,9 @@ def test_the_layout_ran_and_each_rank_holds_a_quarter(runs):
     want = predict_state_bytes(load_config("qwen3-moe-tiny"), load_rung("fsdp_ep"), world=4, dtype="fp32")
     ranks = summary["ranks"]
     assert sum(r["param_bytes"] for r in ranks) / len(ranks) == pytest.approx(want.param_bytes, rel=0.02)
-    single = runs["single"]["ranks"][0]["param_bytes"]
-    assert all(r["param_bytes"] == pytest.approx(single / 4, rel=0.05) for r in ranks)
+    # The whole model's fp32 bytes: what one process holds (its summary's param_bytes, measured equal).
+    whole = 4 * sum(p.numel() for p in meta_model("qwen3-moe-tiny").parameters())
+    assert all(r["param_bytes"] == pytest.approx(whole / 4, rel=0.05) for r in ranks)
 
 
 def test_router_load_reaches_the_trackers(runs):

@@ -24,11 +24,12 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from helpers import FINETUNE, REPO, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, pid_of_rank, run_cmd, run_tree
+from helpers import FINETUNE, REPO, SHARED_SAVE_STEPS, TINY_ARGS, finetune, pid_of_rank, run_cmd, run_tree, side_by_side
 
 pytestmark = pytest.mark.multiproc
 
@@ -95,17 +96,25 @@ def runs(tmp_path_factory, shared_runs):
     left behind."""
     root = tmp_path_factory.mktemp("resume")
     shared_runs.launch(RUNGS)
-    jobs, killed = {}, None
+    jobs, killed = {}, {}
     for name in RUNGS:
         full, resumed = shared_runs[name]["_dir"], root / name / "resumed"
         args = ["--config", name.removeprefix("lora_"), *SHARED_SAVE_STEPS] + (["--lora"] if "lora" in name else [])
-        if name == KILLED_RUNG:
-            killed = _killed_mid_write(resumed, root / "hooks")
-        else:
+        if name != KILLED_RUNG:
             resumed.mkdir(parents=True)
             shutil.copytree(full / "checkpoint-2", resumed / "checkpoint-2")
         jobs[name] = (resumed, (*args, "--resume"), {})
-    seconds = finetune_all(jobs)
+
+    def killed_then_resumed() -> dict:
+        """The run killed mid-write (it needs no shared run), then its resume: one chain beside the other resumes."""
+        killed.update(_killed_mid_write(jobs[KILLED_RUNG][0], root / "hooks"))
+        out, args, _ = jobs[KILLED_RUNG]
+        return finetune(out, *args)
+
+    # The chain first: the longest, it starts at once.
+    calls = {KILLED_RUNG: killed_then_resumed}
+    calls.update({name: partial(finetune, out, *args) for name, (out, args, _) in jobs.items() if name != KILLED_RUNG})
+    seconds = side_by_side(calls)
     out = {name: (shared_runs[name], seconds[name], shared_runs[name]["_dir"], jobs[name][0]) for name in RUNGS}
     return {**out, "_killed": killed}
 

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune_all, run_cmd
+from helpers import FINETUNE, SHARED_SAVE_STEPS, TINY_ARGS, finetune, run_cmd, side_by_side
 
 pytestmark = pytest.mark.multiproc
 
@@ -34,26 +35,40 @@ CASES = {
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory, shared_runs):
-    """{source name: (summary, folder)}: each uninterrupted run once."""
-    folder = tmp_path_factory.mktemp("reshard") / PP_ODD
+def runs(tmp_path_factory, shared_runs) -> tuple[dict, dict]:
+    """Every uninterrupted run once and every case's resume: the shared sources (launched by the first module that
+    asks for them), then the resumes side by side, PP_ODD's a chain beside the others (its own run, then its resume)."""
+    folder, root = tmp_path_factory.mktemp("reshard") / PP_ODD, tmp_path_factory.mktemp("resharded")
     shared = [source for source, _ in CASES.values() if source != PP_ODD]
-    own = shared_runs.launch(shared, also={PP_ODD: (folder, (*ODD, "--config", "pp", *SHARED_SAVE_STEPS, "--no-wandb"),
-                                                    {})})
-    out = {PP_ODD: (own[PP_ODD], folder)}
-    out.update({source: (shared_runs[source], shared_runs[source]["_dir"]) for source in shared})
-    return out
+    shared_runs.launch(shared)
+    sources = {source: (shared_runs[source], shared_runs[source]["_dir"]) for source in shared}
+
+    def resume(case: str) -> dict:
+        source, target = CASES[case]
+        shutil.copytree(sources[source][1] / "checkpoint-2", root / case / "checkpoint-2")
+        return finetune(root / case, *target, *SHARED_SAVE_STEPS, "--no-wandb", "--resume")
+
+    def pp_odd_then_resumed(case: str) -> dict:
+        sources[PP_ODD] = (finetune(folder, *ODD, "--config", "pp", *SHARED_SAVE_STEPS, "--no-wandb"), folder)
+        return resume(case)
+
+    # The chain first: the longest, it starts at once.
+    calls = {case: partial(pp_odd_then_resumed, case) for case, (source, _) in CASES.items() if source == PP_ODD}
+    calls.update({case: partial(resume, case) for case, (source, _) in CASES.items() if source != PP_ODD})
+    resumed = {case: (summary, root / case) for case, summary in side_by_side(calls).items()}
+    return sources, resumed
 
 
 @pytest.fixture(scope="module")
-def resumed(tmp_path_factory, sources) -> dict[str, tuple[dict, Path]]:
+def sources(runs) -> dict[str, tuple[dict, Path]]:
+    """{source name: (summary, folder)}: each uninterrupted run once."""
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def resumed(runs) -> dict[str, tuple[dict, Path]]:
     """{case: (resumed summary, its folder)}: each case's source checkpoint-2 resumed on the case's layout."""
-    root = tmp_path_factory.mktemp("resharded")
-    jobs = {}
-    for case, (source, target) in CASES.items():
-        shutil.copytree(sources[source][1] / "checkpoint-2", root / case / "checkpoint-2")
-        jobs[case] = (root / case, (*target, *SHARED_SAVE_STEPS, "--no-wandb", "--resume"), {})
-    return {case: (summary, root / case) for case, summary in finetune_all(jobs).items()}
+    return runs[1]
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -24,7 +24,7 @@ measured while it trains (hfdist.metrics.memory.LiveTensorBytes, and the longest
 - long_ring: cp=4 by ring at RING_SEQ = 65,536 tokens: nothing longer than S / cp along any dimension;
 - ring_bf16_8k: cp=4 by ring at 8,192 tokens computing in bf16, against one process's bf16 (CPU autocast).
 Each trains STEPS AdamW steps on packed rows holding several documents, against the same model trained in one
-process (every rank computes the reference itself; for the long cases rank 0 does and shares it), recording per step
+process (by rank 0, which writes the results; for the long cases it shares it), recording per step
 the loss and the global gradient norm before the optimizer step (hfdist.parallel.grad_norm over every mesh, the
 pipeline's over its stages; the reference's by torch), and compares per-document logits under cp with each document
 run alone. Adam's update is the same for g and c g, so losses alone miss a wrong gradient scale: a planted case,
@@ -279,7 +279,9 @@ def case(name: str, dims: ParallelDims, lora: bool, implementation: str, preset:
         # be made on the sharded parameters.
         model.reshard()
     out["run"] = train(model, batch, rows, cp_rank, dims)
-    out["reference"] = train(reference, batch, slice(0, ROWS), 0)
+    # One process's run, no communication: rank 0's is the one written (the other ranks would train the same for
+    # nothing, on the cores rank 0 trains on).
+    out["reference"] = train(reference, batch, slice(0, ROWS), 0) if dist.get_rank() == 0 else None
     out["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return out
 
@@ -290,7 +292,8 @@ def planted_case(name: str, dims: ParallelDims, grad_scale: float) -> dict:
     batch = packed_batch(DOCUMENT_ATTENTION)
     model = build(False, DOCUMENT_ATTENTION, cp_rung(name, dims, "auto"))
     run = train(model, batch, dp_rows(dims), dist.get_rank(cp_group_of(model)), dims, PLANTED_STEPS, grad_scale)
-    reference = train(build(False, DOCUMENT_ATTENTION), batch, slice(0, ROWS), 0, steps=PLANTED_STEPS)
+    reference = (train(build(False, DOCUMENT_ATTENTION), batch, slice(0, ROWS), 0, steps=PLANTED_STEPS)
+                 if dist.get_rank() == 0 else None)  # rank 0's is the one written, as case()'s
     return {"run": run, "reference": reference, "grad_scale": grad_scale}
 
 

@@ -14,8 +14,9 @@ the tokens routed to each expert, and the global gradient norm before the optimi
 the experts' `efsdp` x `ep` included: hfdist.parallel.grad_norm; the reference's by torch); after building, the
 experts each rank holds (its E / ep, equal to the reference's rows). Losses alone cannot tell a gradient's scale (Adam's
 update is the same for g and c g), so one case plants a fault the norms must show: Qwen3-MoE on fsdp_ep at ep 2 with
-rank 0's expert gradients doubled after every backward. Every rank computes the single-process reference itself (no
-communication). Rank 0 writes the results; a case that raises is recorded with its traceback.
+rank 0's expert gradients doubled after every backward. Rank 0 trains the single-process reference (no communication)
+and writes the results; every rank builds the reference's fresh weights to compare its experts with; a case that
+raises is recorded with its traceback.
 """
 
 from __future__ import annotations
@@ -160,7 +161,9 @@ def case(spec: str, rung_name: str, ep: int, tp: int, lora: bool, references: di
     key = (spec, lora, coef)
     if key not in references:
         ref = build(spec, lora)
-        steps = train(ref, make_batch(), recorder_of(ref, coef, distributed=False), scale=1, tp=False)
+        # rank 0's figures are the ones written: the other ranks would train the same on the cores rank 0 trains on
+        steps = train(ref, make_batch(), recorder_of(ref, coef, distributed=False), scale=1, tp=False) \
+            if rank == 0 else None
         references[key] = (build(spec, lora), steps)  # fresh weights to compare the held experts with
     ref_model, ref_steps = references[key]
     model = build(spec, lora, rung, ac)

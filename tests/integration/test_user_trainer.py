@@ -12,10 +12,11 @@ import json
 import os
 import re
 import sys
+from functools import partial
 
 import pytest
 
-from helpers import REPO, finished_offline_run, run_tree
+from helpers import REPO, finished_offline_run, run_tree, side_by_side
 
 pytestmark = pytest.mark.multiproc
 
@@ -53,26 +54,29 @@ def model_and_data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_and_data):
-    """Each docs script once: {script: (output_dir, W&B dir, trainer_state, console)}."""
+    """Each docs script once, the two side by side (helpers.side_by_side: their own folders, W&B directories and
+    torchrun ports): {script: (output_dir, W&B dir, trainer_state, console)}."""
     model, data = model_and_data
-    out = {}
-    for name in SCRIPTS:
-        work = tmp_path_factory.mktemp(name.removesuffix(".py"))
-        (work / name).write_text(docs_script(name))
-        # No W&B setting from this process: in particular not WANDB_SERVICE, which an earlier in-process W&B run
-        # leaves behind and which would attach the scripts' runs to this process's W&B service.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "ACCELERATE_USE_CPU"}
-        env.update({"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                    "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": str(work / "wandb_root"),
-                    "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
-        (work / "wandb_root").mkdir()
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), name,
-               str(model), str(data), str(work / "out")]
-        proc = run_tree(cmd, 600, cwd=work, env=env)
-        assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-        state = json.loads((work / "out" / "trainer_state.json").read_text())
-        out[name] = (work / "out", work / "wandb_root", state, proc.stdout + proc.stderr)
-    return out
+    works = {name: tmp_path_factory.mktemp(name.removesuffix(".py")) for name in SCRIPTS}
+    return side_by_side({name: partial(_run_script, name, work, model, data) for name, work in works.items()})
+
+
+def _run_script(name: str, work, model, data) -> tuple:
+    """`torchrun --nproc-per-node RANKS NAME MODEL DATA OUT` in `work`, as docs/library.md says to run it."""
+    (work / name).write_text(docs_script(name))
+    # No W&B setting from this process: in particular not WANDB_SERVICE, which an earlier in-process W&B run
+    # leaves behind and which would attach the scripts' runs to this process's W&B service.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_") and k != "ACCELERATE_USE_CPU"}
+    env.update({"PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", "WANDB_DIR": str(work / "wandb_root"),
+                "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    (work / "wandb_root").mkdir()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS), name,
+           str(model), str(data), str(work / "out")]
+    proc = run_tree(cmd, 600, cwd=work, env=env)
+    assert proc.returncode == 0, f"{name} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    state = json.loads((work / "out" / "trainer_state.json").read_text())
+    return work / "out", work / "wandb_root", state, proc.stdout + proc.stderr
 
 
 def _train_logs(state: dict) -> list[dict]:
