@@ -21,6 +21,9 @@ def run_finetune(argv: list[str], entry: list[str]) -> int:
     from hfdist.errors import run_with_clear_errors
 
     def job() -> int:
+        from hfdist.job.collector import pause_collector
+
+        pause_collector()  # until the imports are done (hfdist.job.collector)
         cfg, print_only = parse_command(argv, prog="hfdist finetune" if entry == MODULE_ENTRY else None)
         if print_only:
             print(job_text(cfg), end="")
@@ -28,7 +31,10 @@ def run_finetune(argv: list[str], entry: list[str]) -> int:
         from hfdist.job.launch import HANDED_OVER_ENV
 
         if cfg.launcher == "ray" and not os.environ.get(HANDED_OVER_ENV):  # this process is Ray's driver
+            from hfdist.job.collector import resume_collector
             from hfdist.job.ray_launch import ray_launch
+
+            resume_collector()
 
             return ray_launch(cfg)
         from hfdist.job.run import finetune

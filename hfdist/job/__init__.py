@@ -7,4 +7,5 @@
     data.py            the job's packed data: a prepared folder, or prepared now (before any rank where it can)
     run.py             the job's phases: data -> model -> parallelize -> train -> save -> summary
     summary.py         hfdist_summary.json
+    collector.py       Python's garbage collector paused while a job's process imports
 """

@@ -129,8 +129,10 @@ def prepare_before_launch(cfg: FinetuneConfig) -> None:
     import time
 
     from hfdist.data import load_tokenizer
+    from hfdist.job.collector import resume_collector
     from hfdist.models.presets import is_preset
 
+    resume_collector()  # the imports are done; tokenizing makes garbage of its own
     tokenizer = load_tokenizer(cfg.model, is_preset=is_preset(cfg.model))
     started = time.perf_counter()
     prepared = job_data(cfg, tokenizer)

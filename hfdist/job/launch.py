@@ -125,6 +125,9 @@ def _hand_over(start: Start, env: dict[str, str], what: str, signals: Sequence[s
     PREEMPTED_EXIT_CODE when they stopped for a preemption: rank 0 printed why; DIVERGED_EXIT_CODE with rank 0's
     paragraph when a non-finite step stopped them; 128 + the signal when a relayed
     signal ended them outside training, before they could checkpoint)."""
+    from hfdist.job.collector import resume_collector
+
+    resume_collector()  # the launcher's imports are done; it waits for its ranks as long as they train
     with tempfile.TemporaryDirectory(prefix="hfdist-errors-") as errors, SignalRelay(signals) as relay:
         code, failures = start({**env, ERROR_DIR_ENV: errors})
         if code == 0:

@@ -178,6 +178,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.callbacks.tracker_logs import TrackerLogsCallback
     from hfdist.callbacks.trackers import make_trackers
     from hfdist.data import collator_for, load_tokenizer
+    from hfdist.job.collector import resume_collector
     from hfdist.metrics.flops import model_flops_per_token
     from hfdist.models.attention import resolve_attention
     from hfdist.models.presets import is_preset
@@ -185,6 +186,7 @@ def _set_up(cfg: FinetuneConfig, rung: Rung, micro: int, grad_accum: int, watch:
     from hfdist.train.injected_faults import injected_faults
     from hfdist.train.watchdog import StepWatchCallback
 
+    resume_collector()  # the imports are done; the data, the weights and training make garbage of their own
     on_gpu = torch.cuda.is_available()
     mixed = settle_mixed_precision(rung, on_gpu, cfg.mixed_precision)
     chosen = Strategy(rung, mixed, nvme_path=cfg.nvme_path)

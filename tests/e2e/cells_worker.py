@@ -123,16 +123,17 @@ def _freeze_imports() -> None:
     """Import what every case runs, then move the heap so far (some 600,000 objects of torch, transformers, DeepSpeed
     and the rest, measured) out of the collector's sight: each case's full collections (the Trainer's free_memory
     makes one per case, the allocation count more) then scan what the cases made, 0.3 s less each than a heap of
-    imports (measured). Objects live for the process anyway: nothing is kept that would have been freed."""
-    import gc
+    imports (measured). Objects live for the process anyway: nothing is kept that would have been freed. The
+    collector is paused while they are made, as in a job's processes (hfdist.job.collector)."""
+    from hfdist.job.collector import pause_collector, resume_collector
 
+    pause_collector()
     import deepspeed  # noqa: F401
     import transformers.trainer  # noqa: F401
 
     import hfdist.job.run  # noqa: F401
 
-    gc.collect()
-    gc.freeze()
+    resume_collector()
 
 
 def main(cases_path: str, out_path: str) -> None:
