@@ -34,8 +34,7 @@ def run_finetune(argv: list[str], entry: list[str]) -> int:
             from hfdist.job.collector import resume_collector
             from hfdist.job.ray_launch import ray_launch
 
-            resume_collector()
-
+            resume_collector()  # the driver waits for Ray's workers as long as they train
             return ray_launch(cfg)
         from hfdist.job.run import finetune
 

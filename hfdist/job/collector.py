@@ -2,11 +2,11 @@
 
 Importing torch, transformers' Trainer, accelerate, peft and the rest makes some 600,000 objects that live as long
 as the process; the collector's passes over them while they are made cost a process about 2 s of a core (22% of
-those imports, measured on the 2-core CI machine: 7.0 s against 9.0 s for `import transformers.trainer, deepspeed`),
-and every rank and launcher of a run pays it. `pause_collector()` at the start of a job; `resume_collector()` once
-the imports are done and before the work that makes garbage of its own (data preparation, the model's weights,
-training, the launcher's wait for its ranks): one full collection, then what survives is frozen out of the
-collector's later passes (gc.freeze), which then scan only what the run makes.
+those imports, user CPU measured on the 2-core development machine: 7.0 s against 9.0 s for `import
+transformers.trainer, deepspeed`), and every rank and launcher of a run pays it. `pause_collector()` at the start of
+a job; `resume_collector()` once the imports are done and before the work that makes garbage of its own (data
+preparation, the model's weights, training, the launcher's wait for its ranks): one full collection, then what
+survives is frozen out of the collector's later passes (gc.freeze), which then scan only what the run makes.
 """
 
 from __future__ import annotations
